@@ -1,0 +1,109 @@
+"""Atomic, resumable checkpoints.
+
+``checkpoints/step_<k>/`` holds the trainable weights (``trainable.safetensors``), the exported
+adapter (diffusers LoRA / PEFT format, under ``export/``), optimizer, LR scheduler, EMA, RNG states
+and the loop state (update index, data position, statistics tracker) in ``state.json``. A
+checkpoint is written into a hidden temporary folder and renamed into place in one ``os.replace``,
+so a run killed while saving leaves the previous checkpoint intact; ``latest_checkpoint`` only ever
+returns complete ones. Older checkpoints beyond ``keep_last`` are removed after the new one lands.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+COMPLETE_MARKER = "state.json"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """Complete checkpoints under ``directory``, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for child in directory.iterdir():
+        match = STEP_DIR.match(child.name)
+        if match and (child / COMPLETE_MARKER).is_file():
+            found.append((int(match.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    found = list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+def save_checkpoint(
+    directory: str | Path,
+    step: int,
+    *,
+    trainable: dict[str, torch.Tensor],
+    state: dict[str, Any],
+    objects: dict[str, Any],
+    export: Callable[[str], None] | None = None,
+    keep_last: int = 2,
+) -> Path:
+    """Write ``directory/step_<step>`` atomically and prune to ``keep_last``. ``objects`` are torch-saved
+    (optimizer, scheduler, EMA, RNG state dicts); ``state`` is JSON; ``export`` writes the ecosystem format."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"step_{step}"
+    tmp = directory / f".step_{step}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
+    for name, obj in objects.items():
+        torch.save(obj, tmp / f"{name}.pt")
+    if export is not None:
+        export(str(tmp / "export"))
+    (tmp / COMPLETE_MARKER).write_text(json.dumps(state, indent=2))
+    for path in tmp.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in list_checkpoints(directory)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in directory.glob(".step_*.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """``(trainable tensors, state, objects)`` of a complete checkpoint."""
+    path = Path(path)
+    if not (path / COMPLETE_MARKER).is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER})")
+    trainable = load_file(str(path / "trainable.safetensors"))
+    state = json.loads((path / COMPLETE_MARKER).read_text())
+    objects = {p.stem: torch.load(p, map_location="cpu", weights_only=False) for p in path.glob("*.pt")}
+    return trainable, state, objects

@@ -1,0 +1,382 @@
+"""Typed run configuration: dataclasses with a help text per field, YAML plus dotted overrides.
+
+``load_config(path, overrides)`` reads a YAML file into :class:`Config`, applies ``a.b=value``
+overrides (values parsed as YAML), rejects unknown keys naming the nearest valid one, and validates
+choices and ranges. ``config_to_dict`` gives the resolved config that every run saves as
+``config.yaml``. Each field's ``metadata["help"]`` says what it is and which paper it comes from;
+``mmrl config show`` prints them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the key path and what was expected."""
+
+
+def opt(default: Any, help: str, choices: tuple | None = None, **kwargs: Any) -> Any:
+    """A dataclass field with help text (and optional allowed values)."""
+    metadata = {"help": help}
+    if choices is not None:
+        metadata["choices"] = choices
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=metadata, **kwargs)
+    return field(default=default, metadata=metadata, **kwargs)
+
+
+TINY_PROMPTS = (
+    "a red apple on a table",
+    "a small blue boat on the sea",
+    "a cat sitting in the sun",
+    "a green tree in a field",
+    "a yellow house at night",
+    "a bowl of fruit",
+    "a mountain under a cloudy sky",
+    "a dog running on the beach",
+)
+
+
+@dataclass
+class ModelConfig:
+    """The policy being trained."""
+
+    family: str = opt("sd3", "Model family adapter in mmrl.pipelines.flow: 'sd3' (SD3 / SD3.5) or 'flux'.",
+                      choices=("sd3", "flux"))
+    pretrained: str = opt("tiny:sd3", "Hub id, local directory (save_pretrained layout), or 'tiny:sd3' / 'tiny:flux' "
+                          "for the tiny random CPU models built on the spot.")
+    revision: str | None = opt(None, "Hub revision of `pretrained`.")
+    dtype: str = opt("float32", "Dtype of the frozen weights; step math is always fp32.",
+                     choices=("float32", "bfloat16", "float16"))
+    resolution: int = opt(32, "Image height and width in pixels.")
+    use_lora: bool = opt(True, "Train LoRA adapters (PEFT) on the transformer; False trains all of its weights.")
+    lora_rank: int = opt(8, "LoRA rank r.")
+    lora_alpha: int = opt(16, "LoRA alpha (scaling alpha / r).")
+    lora_dropout: float = opt(0.0, "LoRA dropout.")
+    lora_target_modules: list = opt(["to_q", "to_k", "to_v", "to_out.0"],
+                                    "Transformer module names that get LoRA adapters (Flow-GRPO adds add_*_proj too).")
+    gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory.")
+
+
+@dataclass
+class SamplingConfig:
+    """How trajectories are sampled and which steps are stochastic and trained (REFERENCE.md section 3)."""
+
+    num_steps: int = opt(10, "Denoising steps per trajectory (Flow-GRPO trains with 10, evaluates with 40).")
+    eval_num_steps: int = opt(10, "ODE steps for evaluation grids.")
+    guidance_scale: float = opt(4.5, "Classifier-free guidance scale; 1.0 disables CFG (one forward per step).")
+    negative_prompt: str = opt("", "Negative prompt for classifier-free guidance.")
+    max_sequence_length: int = opt(256, "T5 token budget for prompt encoding (SD3/FLUX).")
+    time_shift: float | None = opt(None, "null: the model scheduler's sigmas (SD3.5: shift 3; FLUX: resolution-"
+                                   "dependent shift). A number: sigma = s t / (1 + (s - 1) t) on uniform t "
+                                   "(DanceGRPO --shift 3).")
+    sde: str = opt("flow_grpo", "SDE step: 'flow_grpo' (Flow-GRPO sde), 'dance' (DanceGRPO), 'cps' "
+                   "(coefficient-preserving, Flow-GRPO cps).", choices=("flow_grpo", "dance", "cps"))
+    noise_level: float = opt(0.7, "SDE noise level: a for flow_grpo (0.7) and cps (0.8), eta for dance (0.3).")
+    train_steps: str = opt("fraction",
+                           "Which steps are SDE and trained: 'fraction' (Flow-GRPO: SDE everywhere, train the first "
+                           "int(T*timestep_fraction)), 'random_fraction' (DanceGRPO: a random subset of that size), "
+                           "'random_window' (Flow-GRPO-Fast: a random window in the first half, ODE elsewhere), "
+                           "'sliding_window' (MixGRPO: a window that moves one step every window_shift_every "
+                           "updates, ODE elsewhere).",
+                           choices=("fraction", "random_fraction", "random_window", "sliding_window"))
+    timestep_fraction: float = opt(0.99, "Fraction of the T steps trained for 'fraction' / 'random_fraction' "
+                                   "(0.99 -> steps 0..T-2; DanceGRPO uses 0.6 of the steps).")
+    window_size: int = opt(2, "SDE window length W for the window modes (Flow-GRPO-Fast 2-3, MixGRPO 4).")
+    window_shift_every: int = opt(1, "MixGRPO: the window moves forward one step every this many updates.")
+    share_group_noise: bool = opt(False, "DanceGRPO: all samples of a group start from the same initial noise.")
+
+
+@dataclass
+class DataConfig:
+    """Prompts."""
+
+    prompts: str | None = opt(None, "Prompt file: .txt (one per line) or .jsonl (a 'prompt' field, other fields "
+                                    "kept as metadata for rewards).")
+    prompt_list: list = opt(list(TINY_PROMPTS), "Inline prompts, used when `prompts` is not set (default: the "
+                                                "embedded tiny run's prompts).")
+    eval_prompts: list = opt([], "Fixed prompts for the evaluation grid (default: the first training prompts).")
+    num_eval_prompts: int = opt(4, "Rows of the evaluation grid when eval_prompts is empty.")
+    eval_seeds: list = opt([0, 1, 2, 3], "Fixed seeds (grid columns) for evaluation samples.")
+    prompts_per_step: int = opt(2, "Prompts sampled per update on each process.")
+    group_size: int = opt(4, "Samples per prompt G (the group of group-relative advantages).")
+    shuffle: bool = opt(True, "Shuffle the prompts each pass (seeded).")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantages and the clipped loss (mmrl.core)."""
+
+    advantage: str = opt("grpo", "Advantage estimator: 'grpo' (linear group normalisation) or 'gaussian_rank' (G2RPO).",
+                         choices=("grpo", "gaussian_rank"))
+    scale: str = opt("group", "Advantage scale: group | batch | none (Dr. GRPO).", choices=("group", "batch", "none"))
+    std_ddof: int = opt(0, "0: biased std (Flow-GRPO tracker), 1: unbiased (TRL).", choices=(0, 1))
+    eps: float = opt(1e-4, "Added to the std before dividing.")
+    advantage_clamp: float | None = opt(5.0, "Clamp advantages to +-this (Flow-GRPO: 5); null disables.")
+    reward_combination: str = opt("sum_then_normalize", "Several rewards: sum_then_normalize (Flow-GRPO, TRL) or "
+                                  "normalize_then_sum (DanceGRPO, MixGRPO, GDPO).",
+                                  choices=("sum_then_normalize", "normalize_then_sum"))
+    per_prompt_stat_tracking: bool = opt(True, "Group by prompt text across processes (Flow-GRPO's tracker); "
+                                         "False groups by sampling group.")
+    clip_low: float = opt(1e-4, "Clip range below 1 (Flow-GRPO 1e-4, Fast/TP-GRPO 1e-5, TRL 0.2).")
+    clip_high: float | None = opt(None, "Clip range above 1 (DAPO clip-higher); null = clip_low.")
+    aggregation: str = opt("grpo", "Loss aggregation: grpo | bnpo | dr_grpo | dapo (TRL definitions).",
+                           choices=("grpo", "bnpo", "dr_grpo", "dapo"))
+    ratio_level: str = opt("token", "Importance ratio per action ('token') or per sample ('sequence', GSPO).",
+                           choices=("token", "sequence"))
+    beta: float = opt(0.0, "KL coefficient to the reference policy (Flow-GRPO: 0.04 for GenEval, 0 for PickScore).")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW, clipping, schedule, EMA."""
+
+    lr: float = opt(3e-4, "Learning rate (Flow-GRPO LoRA: 3e-4).")
+    betas: list = opt([0.9, 0.999], "AdamW betas.")
+    weight_decay: float = opt(1e-4, "AdamW weight decay.")
+    adam_eps: float = opt(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = opt(1.0, "Gradient norm clipping; 0 disables.")
+    lr_scheduler: str = opt("constant", "LR schedule after warmup.", choices=("constant", "linear", "cosine"))
+    warmup_steps: int = opt(0, "Linear warmup optimizer steps.")
+    ema: bool = opt(False, "Keep an exponential moving average of the trainable weights (used for eval and export).")
+    ema_decay: float = opt(0.9, "EMA decay per optimizer step.")
+
+
+@dataclass
+class TrainConfig:
+    """The loop."""
+
+    steps: int = opt(20, "Number of updates (sample -> score -> optimise).")
+    inner_epochs: int = opt(1, "Passes over each sampled batch (K).")
+    batch_size: int = opt(4, "Samples per minibatch on each process.")
+    gradient_accumulation_steps: int = opt(1, "Minibatches per optimizer step.")
+    timestep_chunk: int = opt(0, "Trained steps per forward pass (0 = all of a minibatch's trained steps at once).")
+    mixed_precision: str = opt("no", "accelerate mixed precision.", choices=("no", "bf16", "fp16"))
+    reward_batch_size: int = opt(32, "Images per reward call.")
+    sample_batch_size: int = opt(16, "Trajectories per sampling forward pass on each process.")
+
+
+@dataclass
+class LoggingConfig:
+    """Outputs."""
+
+    eval_every: int = opt(5, "Write samples/step_<k>.png (ODE, fixed prompts and seeds) every this many updates; 0 off.")
+    save_every: int = opt(5, "Write checkpoints/step_<k>/ every this many updates; 0 only at the end.")
+    keep_last: int = opt(2, "Checkpoints kept on disk.")
+    tensorboard: bool = opt(True, "Write TensorBoard events under output_dir/tensorboard.")
+    wandb_project: str | None = opt(None, "Also log to this Weights & Biases project (needs `pip install wandb`).")
+    progress_bar: bool = opt(True, "Show a progress bar on the main process.")
+
+
+@dataclass
+class Config:
+    """A training run."""
+
+    output_dir: str = opt("runs/tiny_flow_grpo", "Where config.yaml, metrics.jsonl, samples/ and checkpoints/ go.")
+    seed: int = opt(0, "Seed for data order, noise and initialisation.")
+    resume: str | None = opt(None, "'auto' (latest checkpoint in output_dir, if any), a checkpoint path, or null.")
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "The policy."})
+    sampling: SamplingConfig = field(default_factory=SamplingConfig, metadata={"help": "Rollouts."})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Prompts."})
+    rewards: dict = opt({"colorfulness": 1.0},
+                        "Reward name -> weight, or -> {weight: w, kwargs: {...}, reward: registered name} "
+                        "(see `mmrl rewards`).")
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig, metadata={"help": "Advantages and loss."})
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "Optimizer."})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "The loop."})
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "Outputs."})
+
+
+def _nearest(key: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(key, options, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(options))}"
+
+
+def _type_names(annotation: Any) -> set[str]:
+    args = typing.get_args(annotation) or (annotation,)
+    return {getattr(a, "__name__", str(a)) for a in args}
+
+
+def _coerce(value: Any, annotation: Any, path: str) -> Any:
+    """Check ``value`` against a field's annotation (int, float, bool, str, list, dict, optionally | None)."""
+    names = _type_names(annotation)
+    if value is None:
+        if "NoneType" in names:
+            return None
+        raise ConfigError(f"{path}: null is not allowed here")
+    if "bool" in names:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if isinstance(value, bool) and names & {"int", "float"}:
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if "float" in names and isinstance(value, str):
+        try:
+            return float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
+        except ValueError:
+            pass
+    if "float" in names and isinstance(value, (int, float)):
+        return float(value)
+    if "int" in names and isinstance(value, int):
+        return value
+    for name, kind in (("str", str), ("list", list), ("dict", dict)):
+        if name in names and isinstance(value, kind):
+            return value
+    expected = " or ".join(sorted(names - {"NoneType"}))
+    raise ConfigError(f"{path}: expected {expected}, got {value!r}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(f"unknown config key {path!r}{_nearest(key, list(fields))}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value or {}, prefix=f"{path}.")
+            continue
+        value = _coerce(value, hint, path)
+        choices = fields[key].metadata.get("choices")
+        if choices is not None and value is not None and value not in choices:
+            raise ConfigError(f"{path}: {value!r} is not one of {list(choices)}")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node = data
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """``["train.steps=4", "rewards={jpeg_compressibility: 1}"]`` -> ``[(key, parsed value), ...]``."""
+    parsed = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. train.steps=4)")
+        key, raw = item.split("=", 1)
+        parsed.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+    return parsed
+
+
+def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None, *, check_files: bool = True) -> Config:
+    data = dict(data or {})
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(data, key, value)
+    config = _build(Config, data)
+    validate(config, check_files=check_files)
+    return config
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None, *, check_files: bool = True) -> Config:
+    """Read YAML (``None``: the embedded default, i.e. the dataclass defaults: the tiny CPU Flow-GRPO run), apply
+    overrides, validate."""
+    if path is None:
+        return config_from_dict({}, overrides, check_files=check_files)
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    try:
+        return config_from_dict(data, overrides, check_files=check_files)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def dump_config(config: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+
+
+def validate(config: Config, *, check_files: bool = True) -> None:
+    """Range checks that types alone cannot express, and (``check_files``) that named input files exist.
+    Raises :class:`ConfigError`."""
+    s, d, t, a = config.sampling, config.data, config.train, config.algorithm
+    checks = [
+        (s.num_steps >= 2, "sampling.num_steps must be >= 2"),
+        (0.0 < s.timestep_fraction <= 1.0, "sampling.timestep_fraction must be in (0, 1]"),
+        (s.noise_level >= 0.0, "sampling.noise_level must be >= 0"),
+        (s.window_size >= 1, "sampling.window_size must be >= 1"),
+        (s.window_shift_every >= 1, "sampling.window_shift_every must be >= 1"),
+        (d.group_size >= 2, "data.group_size must be >= 2 (group-relative advantages need a group)"),
+        (d.prompts_per_step >= 1, "data.prompts_per_step must be >= 1"),
+        (t.steps >= 1 and t.inner_epochs >= 1, "train.steps and train.inner_epochs must be >= 1"),
+        (t.batch_size >= 1 and t.gradient_accumulation_steps >= 1, "train.batch_size and "
+                                                                     "train.gradient_accumulation_steps must be >= 1"),
+        (t.timestep_chunk >= 0, "train.timestep_chunk must be >= 0"),
+        (a.clip_low > 0 and (a.clip_high is None or a.clip_high > 0), "algorithm.clip_low/clip_high must be > 0"),
+        (a.eps >= 0, "algorithm.eps must be >= 0"),
+        (config.logging.keep_last >= 1, "logging.keep_last must be >= 1"),
+        (bool(config.rewards), "rewards: at least one reward is needed"),
+        (config.model.resolution % 16 == 0, "model.resolution must be a multiple of 16"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    if s.train_steps in ("random_window", "sliding_window"):
+        trainable = s.num_steps - 1
+        if s.window_size > trainable:
+            raise ConfigError(f"sampling.window_size={s.window_size} is longer than the {trainable} trainable steps "
+                              f"of a {s.num_steps}-step schedule (the last step is never trained)")
+    if d.prompts is None and not d.prompt_list:
+        raise ConfigError("data: set data.prompts (a .txt or .jsonl file) or data.prompt_list")
+    if check_files and d.prompts is not None and not Path(d.prompts).is_file():
+        raise ConfigError(f"data.prompts: prompt file not found: {d.prompts}")
+    samples = d.prompts_per_step * d.group_size
+    if samples % t.batch_size:
+        raise ConfigError(f"train.batch_size={t.batch_size} must divide the {samples} samples of an update "
+                          f"(data.prompts_per_step x data.group_size)")
+    from mmrl.rewards import list_rewards  # composition root: the config knows the reward registry
+
+    for key, spec in config.rewards.items():
+        name = spec.get("reward", key) if isinstance(spec, dict) else key
+        if name not in list_rewards():
+            close = difflib.get_close_matches(name, list_rewards(), n=3)
+            raise ConfigError(f"rewards: unknown reward {name!r}" + (f"; did you mean {close}?" if close else "")
+                              + f" Available: {list_rewards()}")
+        if isinstance(spec, dict):
+            extra = set(spec) - {"weight", "kwargs", "reward"}
+            if extra:
+                raise ConfigError(f"rewards.{key}: unknown keys {sorted(extra)}; expected weight, kwargs, reward")
+        elif not isinstance(spec, (int, float)) or isinstance(spec, bool):
+            raise ConfigError(f"rewards.{key}: expected a weight or {{weight, kwargs}}, got {spec!r}")
+
+
+def describe(cls: type = Config, prefix: str = "") -> list[str]:
+    """Lines ``key = default  # help`` for every field (``mmrl config show``)."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            lines.append(f"{prefix}{f.name}:  # {f.metadata.get('help', '')}")
+            lines.extend(describe(hints[f.name], prefix + "  "))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        choices = f.metadata.get("choices")
+        suffix = f" [{' | '.join(map(str, choices))}]" if choices else ""
+        lines.append(f"{prefix}{f.name}: {default!r}  # {f.metadata.get('help', '')}{suffix}")
+    return lines

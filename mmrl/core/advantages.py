@@ -1,0 +1,230 @@
+"""Group-relative advantages (GRPO family) as pure tensor functions.
+
+Every function maps rewards ``[N]`` (one outcome per sample) or ``[N, T]`` (dense, one per step)
+to advantages of the same shape. ``N`` is prompts x group size; ``group_ids[i]`` names the group
+(prompt) of sample ``i``. For ``[N, T]`` rewards each step column is normalised within its group
+(dense per-timestep rewards, REFERENCE.md section 4).
+
+Conventions of the anchors (REFERENCE.md section 4):
+
+* TRL ``GRPOTrainer``: ``scale="group"``, unbiased std (``std_ddof=1``), ``eps=1e-4``.
+* Flow-GRPO ``PerPromptStatTracker``: biased std (``std_ddof=0``), ``eps=1e-4``, advantages clamped
+  to +-5 at loss time.
+* EasyR1 / verl: unbiased std, ``eps=1e-6``.
+* Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783): ``scale="none"``.
+
+A reward that could not judge a sample is NaN: it is left out of every statistic and its advantage
+is exactly 0. A group whose (valid) rewards have zero spread gets exactly 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+SCALES = ("group", "batch", "none")
+COMBINE_MODES = ("sum_then_normalize", "normalize_then_sum")
+
+
+def group_index(group_ids: Tensor | Sequence[Any]) -> tuple[Tensor, int]:
+    """Map arbitrary group labels (ints, strings, prompts) to ``0..G-1``; returns ``(index [N], G)``."""
+    if isinstance(group_ids, Tensor):
+        _, inverse = torch.unique(group_ids.reshape(-1), return_inverse=True)
+        return inverse, int(inverse.max().item()) + 1 if inverse.numel() else 0
+    seen: dict[Any, int] = {}
+    index = [seen.setdefault(g, len(seen)) for g in group_ids]
+    return torch.tensor(index, dtype=torch.long), len(seen)
+
+
+def _as_2d(rewards: Tensor) -> tuple[Tensor, bool]:
+    if rewards.dim() == 1:
+        return rewards.unsqueeze(1), True
+    if rewards.dim() == 2:
+        return rewards, False
+    raise ValueError(f"rewards must be [N] or [N, T], got shape {tuple(rewards.shape)}")
+
+
+def _grouped_stats(values: Tensor, valid: Tensor, index: Tensor, num_groups: int, ddof: int):
+    """Per-group mean, std and count of ``values [N, T]`` over ``valid`` entries, gathered back to ``[N, T]``."""
+    zeros = torch.zeros(num_groups, values.shape[1], dtype=values.dtype, device=values.device)
+    filled = torch.where(valid, values, torch.zeros_like(values))
+    count = zeros.index_add(0, index, valid.to(values.dtype))
+    mean = zeros.index_add(0, index, filled) / count.clamp(min=1)
+    centred = torch.where(valid, values - mean[index], torch.zeros_like(values))
+    var = zeros.index_add(0, index, centred.square()) / (count - ddof).clamp(min=1)
+    std = torch.where(count - ddof > 0, var.sqrt(), torch.zeros_like(var))
+    return mean[index], std[index], count[index]
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_ids: Tensor | Sequence[Any],
+    *,
+    scale: str = "group",
+    eps: float = 1e-4,
+    std_ddof: int = 1,
+    clamp: float | None = None,
+) -> Tensor:
+    """Group-relative advantages ``A = (R - mean_group(R)) / (std + eps)`` (GRPO, Shao et al. 2024, arXiv 2402.03300).
+
+    Args:
+        rewards: ``[N]`` outcome rewards or ``[N, T]`` dense rewards (each column within its group).
+        group_ids: ``[N]`` group label of every sample (a tensor, or a list of prompts / ints).
+        scale: ``"group"`` divides by the group's std; ``"batch"`` subtracts the group mean and divides
+            by the std of the whole batch (per column); ``"none"`` only subtracts the group mean (Dr. GRPO).
+        eps: added to the std before dividing.
+        std_ddof: 1 for the unbiased std (TRL, EasyR1), 0 for the biased one (Flow-GRPO's tracker).
+        clamp: if given, clamp advantages to ``[-clamp, clamp]`` (Flow-GRPO uses 5).
+
+    NaN rewards are excluded from the statistics and get advantage 0; a group with zero spread
+    (or a single valid sample) gets exactly 0.
+    """
+    if scale not in SCALES:
+        raise ValueError(f"unknown advantage scale {scale!r}; expected one of {SCALES}")
+    values, was_1d = _as_2d(rewards.double() if rewards.dtype == torch.float64 else rewards.float())
+    index, num_groups = group_index(group_ids)
+    index = index.to(values.device)
+    if index.numel() != values.shape[0]:
+        raise ValueError(f"group_ids has {index.numel()} entries but rewards has {values.shape[0]} samples")
+    valid = torch.isfinite(values)
+    mean, std, _ = _grouped_stats(values, valid, index, num_groups, std_ddof)
+    centred = values - mean
+    if scale == "group":
+        adv = centred / (std + eps)
+        adv = torch.where(std > 0, adv, torch.zeros_like(adv))
+    elif scale == "batch":
+        batch_index = torch.zeros_like(index)
+        _, batch_std, _ = _grouped_stats(values, valid, batch_index, 1, std_ddof)
+        adv = centred / (batch_std + eps)
+        adv = torch.where(std > 0, adv, torch.zeros_like(adv))
+    else:
+        adv = torch.where(std > 0, centred, torch.zeros_like(centred))
+    adv = torch.where(valid, adv, torch.zeros_like(adv))
+    if clamp is not None:
+        adv = adv.clamp(-clamp, clamp)
+    return adv.squeeze(1) if was_1d else adv
+
+
+def gaussian_rank_advantages(rewards: Tensor, group_ids: Tensor | Sequence[Any]) -> Tensor:
+    """Rank-based Gaussian advantages (G2RPO-style Gaussian normalisation).
+
+    Within each group (and each column of ``[N, T]`` rewards) the valid rewards are ranked
+    (ties get the average of their ranks, ranks ``r = 1..n``) and mapped to standard-normal
+    quantiles ``A = Phi^-1((r - 0.5) / n)`` (Hazen plotting positions), so each group's advantages
+    follow N(0, 1) whatever the reward's scale or outliers. Zero-spread groups and NaN rewards get 0.
+    """
+    values, was_1d = _as_2d(rewards.double())
+    index, num_groups = group_index(group_ids)
+    index = index.to(values.device)
+    adv = torch.zeros_like(values)
+    for g in range(num_groups):
+        rows = (index == g).nonzero(as_tuple=True)[0]
+        for col in range(values.shape[1]):
+            column = values[rows, col]
+            ok = torch.isfinite(column)
+            vals = column[ok]
+            n = vals.numel()
+            if n < 2 or bool((vals == vals[0]).all()):
+                continue
+            less = (vals.unsqueeze(0) < vals.unsqueeze(1)).sum(1).double()
+            equal = (vals.unsqueeze(0) == vals.unsqueeze(1)).sum(1).double()
+            avg_rank = less + (equal + 1) / 2  # 1-based rank, ties averaged
+            quantiles = torch.special.ndtri((avg_rank - 0.5) / n)
+            adv[rows[ok], col] = quantiles
+    adv = adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+    return adv.squeeze(1) if was_1d else adv
+
+
+ADVANTAGE_ESTIMATORS = {
+    "grpo": group_advantages,
+    "gaussian_rank": gaussian_rank_advantages,
+}
+
+
+def combine_rewards(
+    components: Mapping[str, Tensor],
+    group_ids: Tensor | Sequence[Any],
+    *,
+    weights: Mapping[str, float] | None = None,
+    mode: str = "sum_then_normalize",
+    estimator: str = "grpo",
+    **estimator_kwargs: Any,
+) -> Tensor:
+    """Advantages from several named rewards.
+
+    ``sum_then_normalize`` (Flow-GRPO, TRL default): ``A = norm(sum_k w_k R_k)``; a NaN in any
+    weighted component makes the sample's total NaN (advantage 0).
+    ``normalize_then_sum`` (DanceGRPO video, MixGRPO, GDPO): ``A = sum_k w_k norm(R_k)``; a NaN
+    component contributes 0 for that sample.
+    """
+    if mode not in COMBINE_MODES:
+        raise ValueError(f"unknown reward combination {mode!r}; expected one of {COMBINE_MODES}")
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {sorted(ADVANTAGE_ESTIMATORS)}")
+    if not components:
+        raise ValueError("combine_rewards needs at least one reward component")
+    weights = dict(weights or {})
+    unknown = set(weights) - set(components)
+    if unknown:
+        raise ValueError(f"weights given for unknown reward components {sorted(unknown)}; have {sorted(components)}")
+    norm = ADVANTAGE_ESTIMATORS[estimator]
+    if mode == "sum_then_normalize":
+        total = sum(weights.get(k, 1.0) * v.float() for k, v in components.items())
+        return norm(total, group_ids, **estimator_kwargs)
+    return sum(weights.get(k, 1.0) * norm(v.float(), group_ids, **estimator_kwargs) for k, v in components.items())
+
+
+class PerPromptStatTracker:
+    """Per-prompt reward statistics, as Flow-GRPO's ``PerPromptStatTracker`` (Liu et al. 2025, arXiv 2505.05470).
+
+    Samples are grouped by prompt text (across processes, whatever sampling group they came from).
+    With ``keep_history=False`` (Flow-GRPO clears its tracker after every sampling epoch, so this is
+    its behaviour) ``update`` is :func:`combine_rewards` grouped by prompt, with the estimator settings
+    given here (Flow-GRPO: ``std_ddof=0, eps=1e-4``). With ``keep_history=True`` each prompt's past
+    rewards stay in its statistics: ``(R - mean_history) / (std_history + eps)``, biased std, as the
+    anchor computes before clearing. The state (histories, prompts seen) goes into checkpoints.
+    """
+
+    def __init__(self, *, keep_history: bool = False, **estimator_kwargs: Any):
+        self.keep_history = keep_history
+        self.estimator_kwargs = estimator_kwargs
+        self.history: dict[str, list[float]] = {}
+        self.prompts_seen: set[str] = set()
+
+    def update(self, prompts: Sequence[str], rewards: Mapping[str, Tensor] | Tensor,
+               weights: Mapping[str, float] | None = None, mode: str = "sum_then_normalize") -> Tensor:
+        self.prompts_seen.update(prompts)
+        components = {"reward": rewards} if isinstance(rewards, Tensor) else dict(rewards)
+        if not self.keep_history:
+            return combine_rewards(components, list(prompts), weights=weights, mode=mode, **self.estimator_kwargs)
+        if mode != "sum_then_normalize":
+            raise ValueError("keep_history tracks one total reward: use mode='sum_then_normalize'")
+        total = sum((weights or {}).get(k, 1.0) * v.double() for k, v in components.items())
+        return self._update_history(list(prompts), total.cpu())
+
+    def _update_history(self, prompts: list[str], values: Tensor) -> Tensor:
+        if values.dim() != 1 or values.numel() != len(prompts):
+            raise ValueError(f"expected [N] rewards for {len(prompts)} prompts, got {tuple(values.shape)}")
+        eps = self.estimator_kwargs.get("eps", 1e-4)
+        for prompt, r in zip(prompts, values.tolist()):
+            if r == r:  # NaN rewards are not statistics
+                self.history.setdefault(prompt, []).append(r)
+        adv = torch.zeros_like(values)
+        for i, (prompt, r) in enumerate(zip(prompts, values.tolist())):
+            past = torch.tensor(self.history.get(prompt, []), dtype=torch.float64)
+            if r != r or past.numel() < 2:
+                continue
+            std = past.std(unbiased=False)
+            adv[i] = 0.0 if std == 0 else (r - past.mean()) / (std + eps)
+        clamp = self.estimator_kwargs.get("clamp")
+        return (adv.clamp(-clamp, clamp) if clamp is not None else adv).float()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": {k: list(v) for k, v in self.history.items()}, "prompts_seen": sorted(self.prompts_seen)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.history = {k: list(v) for k, v in state.get("history", {}).items()}
+        self.prompts_seen = set(state.get("prompts_seen", []))

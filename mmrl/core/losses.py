@@ -1,0 +1,139 @@
+"""The clipped group-relative policy loss on ``[N, T]`` actions, with TRL's aggregations.
+
+One function serves both policy families: for a flow generator an action is a denoising step
+(its Gaussian log-probability), for a VLM a generated token. Definitions follow TRL's
+``GRPOTrainer`` (REFERENCE.md section 5):
+
+* ratio ``r = exp(logp - old)`` per action, or per sample with ``ratio_level="sequence"``
+  (GSPO, Zheng et al. 2025, arXiv 2507.18071: ``r = exp(sum M (logp - old) / sum M)``);
+* per action ``l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` (PPO, Schulman et al. 2017;
+  the asymmetric "clip-higher" of DAPO, Yu et al. 2025, arXiv 2503.14476);
+* with a KL penalty ``+ beta * kl``: TRL's k3 estimator ``exp(ref - logp) - (ref - logp) - 1``
+  from ``ref_logps``, or a per-action KL given directly (Flow-GRPO's KL between step means);
+* aggregations ``grpo | bnpo | dr_grpo | dapo`` exactly as the table in REFERENCE.md section 5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo")
+RATIO_LEVELS = ("token", "sequence")
+
+
+@dataclass
+class PolicyLossOutput:
+    """``loss`` is the scalar to backpropagate; ``metrics`` are detached 0-dim tensors."""
+
+    loss: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
+    """Schulman's k3 estimator of KL(pi || ref) per action: ``exp(ref - logp) - (ref - logp) - 1`` (>= 0)."""
+    delta = ref_logps - logps
+    return torch.exp(delta) - delta - 1.0
+
+
+def policy_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor | None = None,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    aggregation: str = "grpo",
+    max_length: int | None = None,
+    ref_logps: Tensor | None = None,
+    kl: Tensor | None = None,
+    beta: float = 0.0,
+    ratio_level: str = "token",
+    gradient_accumulation_steps: int = 1,
+    num_items_in_batch: float | Tensor | None = None,
+    num_processes: int = 1,
+) -> PolicyLossOutput:
+    """Clipped surrogate loss over ``[N, T]`` actions.
+
+    Args:
+        logps: ``[N, T]`` log-probs under the current parameters (with grad).
+        old_logps: ``[N, T]`` log-probs of the sampling policy (no grad).
+        advantages: ``[N]`` (broadcast over steps) or ``[N, T]``.
+        mask: ``[N, T]`` 1 for trained actions, 0 for padding / untrained steps (default all ones).
+        clip_low, clip_high: the clip range ``[1 - clip_low, 1 + clip_high]`` (``clip_high`` defaults to
+            ``clip_low``). Flow anchors use 1e-4 (Flow-GRPO, DanceGRPO) to 1e-5 (Flow-GRPO-Fast, TP-GRPO).
+        aggregation: ``grpo`` (per-sample mean, then mean), ``bnpo`` (mean over the local batch's actions),
+            ``dr_grpo`` (sum / (N * max_length)), ``dapo`` (sum / (num_items_in_batch / num_processes)).
+        max_length: the ``L`` of ``dr_grpo`` (default ``T``).
+        ref_logps: ``[N, T]`` reference log-probs for TRL's k3 KL; or pass ``kl`` ``[N, T]`` directly.
+        beta: KL coefficient (0 disables the penalty; KL is still reported when available).
+        ratio_level: ``token`` or ``sequence`` (GSPO).
+        gradient_accumulation_steps: divides ``grpo``, ``bnpo`` and ``dr_grpo`` (TRL's GA scaling).
+        num_items_in_batch: for ``dapo``, the active actions of the whole generation batch summed over all
+            processes (what one optimizer step covers); defaults to this batch's ``mask.sum()``.
+        num_processes: for ``dapo``, the number of data-parallel processes.
+    """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"unknown ratio_level {ratio_level!r}; expected one of {RATIO_LEVELS}")
+    if logps.dim() != 2 or logps.shape != old_logps.shape:
+        raise ValueError(
+            f"logps and old_logps must both be [N, T]; got {tuple(logps.shape)} and {tuple(old_logps.shape)}"
+        )
+    mask = torch.ones_like(logps) if mask is None else mask.to(logps.dtype)
+    if mask.shape != logps.shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} does not match logps {tuple(logps.shape)}")
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    advantages = advantages.to(logps.dtype)
+    clip_high = clip_low if clip_high is None else clip_high
+
+    log_ratio = logps - old_logps.detach()
+    if ratio_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_action = -torch.min(ratio * advantages, clipped * advantages)
+
+    if kl is None and ref_logps is not None:
+        kl = k3_kl(logps, ref_logps.detach())
+    if kl is not None and beta != 0.0:
+        per_action = per_action + beta * kl
+
+    n, t = logps.shape
+    if aggregation == "grpo":
+        loss = ((per_action * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / gradient_accumulation_steps
+    elif aggregation == "bnpo":
+        loss = (per_action * mask).sum() / mask.sum().clamp(min=1.0) / gradient_accumulation_steps
+    elif aggregation == "dr_grpo":
+        loss = (per_action * mask).sum() / (n * (max_length or t)) / gradient_accumulation_steps
+    else:
+        total = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=logps.dtype)
+        loss = (per_action * mask).sum() / (total / num_processes).clamp(min=1.0)
+
+    with torch.no_grad():
+        full_ratio = ratio.expand_as(logps)
+        low = ((full_ratio < 1.0 - clip_low) & (advantages < 0)).to(logps.dtype)
+        high = ((full_ratio > 1.0 + clip_high) & (advantages > 0)).to(logps.dtype)
+        masked_ratio = full_ratio[mask > 0]
+        metrics = {
+            "clip_ratio/low": _masked_mean(low, mask),
+            "clip_ratio/high": _masked_mean(high, mask),
+            "clipfrac": _masked_mean(torch.maximum(low, high), mask),
+            "ratio/mean": _masked_mean(full_ratio, mask),
+            "ratio/min": masked_ratio.min() if masked_ratio.numel() else torch.tensor(1.0),
+            "ratio/max": masked_ratio.max() if masked_ratio.numel() else torch.tensor(1.0),
+            "approx_kl": _masked_mean(0.5 * (logps - old_logps).square(), mask),
+            "policy_loss": _masked_mean(-torch.min(ratio * advantages, clipped * advantages), mask),
+        }
+        if kl is not None:
+            metrics["kl"] = _masked_mean(kl, mask)
+    return PolicyLossOutput(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})

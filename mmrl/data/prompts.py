@@ -1,0 +1,87 @@
+"""Prompt sets for text-to-image training: a file or an inline list, read in a seeded, resumable order."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class DataError(ValueError):
+    """Bad input data, naming the file and line."""
+
+
+@dataclass
+class PromptItem:
+    prompt: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def read_prompts(path: str | Path) -> list[PromptItem]:
+    """``.txt``: one prompt per non-empty line. ``.jsonl``: one object per line with a string ``prompt``; the other
+    fields are kept as metadata for rewards (GenEval ``include`` clauses, OCR targets, ...)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"prompt file not found: {path}")
+    items: list[PromptItem] = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            if path.suffix == ".jsonl":
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+                if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                    raise DataError(f"{path}:{number}: expected an object with a string 'prompt' field")
+                prompt = record.pop("prompt")
+                items.append(PromptItem(prompt.strip(), record))
+            else:
+                items.append(PromptItem(line.strip()))
+    if not items:
+        raise DataError(f"prompt file is empty: {path}")
+    return items
+
+
+class PromptSource:
+    """Endless, seeded prompt order: a fresh permutation each pass (or file order), resumable by position.
+
+    Every process reads the same global order; process ``rank`` of ``world`` takes its own slice of each
+    global batch, so the processes never sample the same prompt slot.
+    """
+
+    def __init__(self, items: list[PromptItem], *, seed: int = 0, shuffle: bool = True):
+        if not items:
+            raise DataError("no prompts: the prompt set is empty")
+        self.items = items
+        self.seed = seed
+        self.shuffle = shuffle
+        self.position = 0  # prompts consumed globally
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.items)))
+        return torch.randperm(len(self.items), generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+
+    def _at(self, position: int) -> PromptItem:
+        epoch, offset = divmod(position, len(self.items))
+        return self.items[self._order(epoch)[offset]]
+
+    def next_batch(self, per_process: int, *, rank: int = 0, world: int = 1) -> list[PromptItem]:
+        start = self.position + rank * per_process
+        batch = [self._at(start + i) for i in range(per_process)]
+        self.position += per_process * world
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "seed": self.seed, "num_prompts": len(self.items)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("num_prompts") not in (None, len(self.items)):
+            raise DataError(f"the checkpoint was taken with {state['num_prompts']} prompts, this run has "
+                            f"{len(self.items)}: resume with the same prompt set")
+        self.position = int(state["position"])

@@ -1,0 +1,88 @@
+"""Run outputs on the main process: ``metrics.jsonl`` (one object per update), TensorBoard, optional wandb,
+and image grids."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def make_grid_image(images: torch.Tensor, rows: int):
+    """``[R*C, 3, H, W]`` in [0, 1] -> a PIL image grid with ``rows`` rows."""
+    from PIL import Image
+
+    count, _, height, width = images.shape
+    cols = math.ceil(count / rows)
+    grid = torch.zeros(3, rows * height, cols * width)
+    for i, image in enumerate(images):
+        r, c = divmod(i, cols)
+        grid[:, r * height:(r + 1) * height, c * width:(c + 1) * width] = image
+    array = (grid.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    return Image.fromarray(array)
+
+
+class MetricsLogger:
+    """Appends metrics to ``metrics.jsonl`` and mirrors them to TensorBoard / wandb."""
+
+    def __init__(self, output_dir: str | Path, *, tensorboard: bool = True, wandb_project: str | None = None,
+                 config: dict[str, Any] | None = None, resume_step: int | None = None):
+        self.output_dir = Path(output_dir)
+        self.path = self.output_dir / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            self._truncate_after(resume_step)
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.output_dir / "tensorboard"))
+        self._wandb = None
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError as exc:
+                raise RuntimeError("logging.wandb_project is set but wandb is not installed: "
+                                   "pip install 'mmrl-align[wandb]'") from exc
+            self._wandb = wandb.init(project=wandb_project, config=config, dir=str(self.output_dir),
+                                     resume="allow")
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop lines logged after the checkpoint we resume from (a killed run may have logged further)."""
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        step = int(metrics["step"])
+        clean = {k: (float(v) if isinstance(v, (int, float, torch.Tensor)) and k != "step" else v)
+                 for k, v in metrics.items()}
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(clean) + "\n")
+        if self._tb is not None:
+            for key, value in clean.items():
+                if key != "step" and isinstance(value, float) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+
+    def log_image(self, key: str, image, step: int) -> None:
+        if self._tb is not None:
+            import numpy as np
+
+            self._tb.add_image(key, np.asarray(image), step, dataformats="HWC")
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({key: wandb.Image(image)}, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

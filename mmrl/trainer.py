@@ -1,0 +1,336 @@
+"""The one training loop: rollout -> score -> advantages -> inner epochs -> log / eval / save.
+
+It knows nothing model-specific. A policy provides ``rollout(prompts, group_size, ...)`` returning
+``images``, ``old_logps [N, T]``, ``mask [N, T]``, ``prompts``, ``metadata`` and ``group_ids``;
+``logprobs(rollout, index, steps, with_kl)`` under current parameters; ``trainable_parameters()``;
+``named_trainable_parameters()``; ``prepare(accelerator)``; ``export(dir)``; ``sample_eval(prompts, seeds)``.
+A reward is ``reward(images, prompts, metadata) -> {name: [N], ..., "total": [N]}`` with ``weights``
+naming the components that enter the advantage (:class:`mmrl.rewards.ComposedReward`). Everything algorithmic comes from :mod:`mmrl.core` by name.
+
+Every random draw of update ``k`` comes from a generator seeded by ``(seed, k, process)``, and every
+piece of loop state is in the checkpoint, so ``2 steps + resume + 2 steps`` equals ``4 steps``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+
+from mmrl.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from mmrl.config import Config, config_to_dict, dump_config
+from mmrl.core.advantages import PerPromptStatTracker, combine_rewards
+from mmrl.core.losses import policy_loss
+from mmrl.data.prompts import PromptSource
+from mmrl.tracking import MetricsLogger, make_grid_image
+
+
+def _update_seed(seed: int, update: int, rank: int) -> int:
+    return (seed * 1_000_003 + update * 7_919 + rank * 104_729) % (2**63 - 1)
+
+
+def build_lr_scheduler(optimizer, name: str, warmup: int, total: int):
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        if name == "linear":
+            return max(0.0, 1.0 - progress)
+        if name == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class EMA:
+    """Exponential moving average of the trainable weights (Flow-GRPO's optional EMA)."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], decay: float):
+        self.decay = decay
+        self.shadow = {k: p.detach().clone() for k, p in params.items()}
+
+    @torch.no_grad()
+    def update(self, params: dict[str, torch.nn.Parameter]) -> None:
+        for k, p in params.items():
+            self.shadow[k].lerp_(p.detach(), 1.0 - self.decay)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "shadow": self.shadow}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.decay = state["decay"]
+        self.shadow = {k: v.clone() for k, v in state["shadow"].items()}
+
+
+class Trainer:
+    def __init__(self, config: Config, policy, reward_fn, prompts: PromptSource, accelerator: Accelerator):
+        self.config = config
+        self.policy = policy
+        self.reward_fn = reward_fn
+        self.prompts = prompts
+        self.accelerator = accelerator
+        self.output_dir = Path(config.output_dir)
+        a, o = config.algorithm, config.optim
+        self.estimator_kwargs = dict(estimator=a.advantage)
+        if a.advantage == "grpo":
+            self.estimator_kwargs.update(scale=a.scale, eps=a.eps, std_ddof=a.std_ddof, clamp=a.advantage_clamp)
+        self.tracker = PerPromptStatTracker(**self.estimator_kwargs)
+        params = policy.trainable_parameters()
+        if not params:
+            raise ValueError("the policy has no trainable parameters")
+        self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
+                                           eps=o.adam_eps)
+        micro_per_update = config.train.inner_epochs * self._micro_batches_per_epoch()
+        total_optimizer_steps = config.train.steps * max(1, micro_per_update // self._micro_per_optimizer_step())
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, o.lr_scheduler, o.warmup_steps, total_optimizer_steps)
+        policy.prepare(accelerator)
+        self.optimizer = accelerator.prepare(self.optimizer)
+        self.ema = EMA(policy.named_trainable_parameters(), o.ema_decay) if o.ema else None
+        self.update = 0  # completed updates
+        self.optimizer_steps = 0
+
+    # ------------------------------------------------------------------------------------------ sizes
+
+    def _micro_batches_per_epoch(self) -> int:
+        c = self.config
+        return (c.data.prompts_per_step * c.data.group_size) // c.train.batch_size
+
+    def _micro_per_optimizer_step(self) -> int:
+        return self.config.train.gradient_accumulation_steps
+
+    # ------------------------------------------------------------------------------------- checkpoints
+
+    def save(self) -> None:
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            objects = {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict(),
+                       "rng": rng_state()}
+            if self.ema is not None:
+                objects["ema"] = self.ema.state_dict()
+            state = {"update": self.update, "optimizer_steps": self.optimizer_steps,
+                     "data": self.prompts.state_dict(), "tracker": self.tracker.state_dict()}
+            save_checkpoint(self.output_dir / "checkpoints", self.update,
+                            trainable=self.policy.named_trainable_parameters(), state=state, objects=objects,
+                            export=self.policy.export, keep_last=self.config.logging.keep_last)
+        acc.wait_for_everyone()
+
+    def resume(self, target: str) -> int | None:
+        """Load ``target`` ('auto' = the latest complete checkpoint in output_dir, if any). Returns its update."""
+        path = latest_checkpoint(self.output_dir / "checkpoints") if target == "auto" else Path(target)
+        if path is None:
+            return None
+        trainable, state, objects = load_checkpoint(path)
+        params = self.policy.named_trainable_parameters()
+        missing = set(params) - set(trainable)
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks {len(missing)} trainable tensors (e.g. {sorted(missing)[0]}): "
+                             f"was it written with another model or LoRA setup?")
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(trainable[name])
+        self.optimizer.load_state_dict(objects["optimizer"])
+        self.lr_scheduler.load_state_dict(objects["lr_scheduler"])
+        if self.ema is not None and "ema" in objects:
+            self.ema.load_state_dict(objects["ema"])
+        set_rng_state(objects["rng"])
+        self.update = state["update"]
+        self.optimizer_steps = state["optimizer_steps"]
+        self.prompts.load_state_dict(state["data"])
+        self.tracker.load_state_dict(state["tracker"])
+        return self.update
+
+    # ------------------------------------------------------------------------------------------- steps
+
+    def _score(self, rollout) -> dict[str, torch.Tensor]:
+        batch = self.config.train.reward_batch_size
+        parts: list[dict[str, torch.Tensor]] = []
+        for start in range(0, len(rollout), batch):
+            end = start + batch
+            parts.append(self.reward_fn(rollout.images[start:end], rollout.prompts[start:end],
+                                        rollout.metadata[start:end]))
+        return {k: torch.cat([p[k].float().cpu() for p in parts]) for k in parts[0]}
+
+    def _advantages(self, rollout, scores: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Gather rewards from every process, compute group-relative advantages globally, keep this process's rows."""
+        acc, a = self.accelerator, self.config.algorithm
+        weights = self.reward_fn.weights
+        local = {k: scores[k].to(acc.device) for k in weights}
+        gathered = {k: acc.gather(v).cpu() for k, v in local.items()}
+        n_local = len(rollout)
+        start = acc.process_index * n_local
+        if a.per_prompt_stat_tracking:
+            prompts_all = gather_object(list(rollout.prompts)) if acc.num_processes > 1 else list(rollout.prompts)
+            adv = self.tracker.update(prompts_all, gathered, weights=weights, mode=a.reward_combination)
+        else:
+            labels = acc.gather(rollout.group_ids.to(acc.device)).cpu()
+            adv = combine_rewards(gathered, labels, weights=weights, mode=a.reward_combination,
+                                  **self.estimator_kwargs)
+        nan_rows = torch.zeros(len(adv), dtype=torch.bool)
+        for v in gathered.values():
+            nan_rows |= ~torch.isfinite(v if v.dim() == 1 else v.sum(-1))
+        stats = {
+            "samples/nan_reward": float(nan_rows.sum()),
+            "samples/zero_advantage": float((adv.reshape(len(adv), -1).abs().sum(-1) == 0).sum()),
+            "advantages/abs_mean": float(adv.abs().mean()),
+        }
+        return adv[start:start + n_local], stats
+
+    def _train_on(self, rollout, advantages: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
+        """K inner epochs of minibatches over samples x trained steps; one optimizer step per GA minibatches."""
+        c, acc, policy = self.config, self.accelerator, self.policy
+        a, t = c.algorithm, c.train
+        n, num_steps = rollout.old_logps.shape
+        chunk = t.timestep_chunk or num_steps
+        step_chunks = [torch.arange(s, min(num_steps, s + chunk)) for s in range(0, num_steps, chunk)]
+        ga_micro = t.gradient_accumulation_steps * len(step_chunks)
+        params = policy.trainable_parameters()
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        skipped_loss = 0
+        grad_norms: list[float] = []
+        skipped_steps = 0
+
+        def add(key: str, value: float) -> None:
+            sums[key] = sums.get(key, 0.0) + value
+            counts[key] = counts.get(key, 0) + 1
+
+        for _ in range(t.inner_epochs):
+            perm = torch.randperm(n, generator=generator)
+            minibatches = [perm[i:i + t.batch_size] for i in range(0, n, t.batch_size)]
+            for first in range(0, len(minibatches), t.gradient_accumulation_steps):
+                group = minibatches[first:first + t.gradient_accumulation_steps]
+                items = torch.stack([rollout.mask[idx].sum() for idx in group]).sum().to(acc.device)
+                num_items = acc.reduce(items, reduction="sum") if acc.num_processes > 1 else items
+                micro = [(idx, steps) for idx in group for steps in step_chunks]
+                for m, (idx, steps) in enumerate(micro):
+                    sync = m == len(micro) - 1
+                    ctx = acc.no_sync(policy.model) if not sync and acc.num_processes > 1 else contextlib.nullcontext()
+                    with ctx, acc.autocast():
+                        out = policy.logprobs(rollout, idx, steps, with_kl=a.beta > 0)
+                        adv = advantages[idx]
+                        adv = adv[:, steps] if adv.dim() == 2 else adv
+                        result = policy_loss(
+                            out.logps, rollout.old_logps[idx][:, steps].to(out.logps.device),
+                            adv.to(out.logps.device), rollout.mask[idx][:, steps].to(out.logps.device),
+                            clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.aggregation,
+                            kl=out.kl, beta=a.beta, ratio_level=a.ratio_level,
+                            gradient_accumulation_steps=ga_micro if a.aggregation != "dapo" else 1,
+                            num_items_in_batch=num_items, num_processes=acc.num_processes,
+                        )
+                    loss = result.loss
+                    if not torch.isfinite(loss):
+                        # keep every process in the same backward (DDP) but contribute nothing
+                        skipped_loss += 1
+                        loss = sum((p * 0.0).sum() for p in params)
+                    acc.backward(loss)
+                    add("loss", float(result.loss.detach()) * (ga_micro if a.aggregation != "dapo" else 1))
+                    for key, value in result.metrics.items():
+                        add(key, float(value))
+                norm = acc.clip_grad_norm_(params, c.optim.max_grad_norm) if c.optim.max_grad_norm > 0 else \
+                    torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+                norm = float(norm)
+                if math.isfinite(norm):
+                    self.optimizer.step()
+                    self.lr_scheduler.step()
+                    self.optimizer_steps += 1
+                    if self.ema is not None:
+                        self.ema.update(policy.named_trainable_parameters())
+                    grad_norms.append(norm)
+                else:
+                    skipped_steps += 1
+                self.optimizer.zero_grad(set_to_none=True)
+        metrics = {k: sums[k] / counts[k] for k in sums}
+        metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        metrics["train/skipped_nonfinite_loss"] = float(skipped_loss)
+        metrics["train/skipped_optimizer_steps"] = float(skipped_steps)
+        metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
+        return metrics
+
+    def _evaluate(self) -> None:
+        c = self.config
+        prompts = list(c.data.eval_prompts) or [item.prompt for item in self.prompts.items[:c.data.num_eval_prompts]]
+        images = self.policy.sample_eval(prompts, list(c.data.eval_seeds))
+        if self.accelerator.is_main_process:
+            grid = make_grid_image(images, rows=len(prompts))
+            (self.output_dir / "samples").mkdir(parents=True, exist_ok=True)
+            grid.save(self.output_dir / "samples" / f"step_{self.update}.png")
+            if self.logger is not None:
+                self.logger.log_image("samples", grid, self.update)
+
+    # ------------------------------------------------------------------------------------------- loop
+
+    def train(self) -> list[dict[str, float]]:
+        c, acc = self.config, self.accelerator
+        resumed = self.resume(c.resume) if c.resume else None
+        self.logger = None
+        if acc.is_main_process:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            dump_config(c, self.output_dir / "config.yaml")
+            self.logger = MetricsLogger(self.output_dir, tensorboard=c.logging.tensorboard,
+                                        wandb_project=c.logging.wandb_project, config=config_to_dict(c),
+                                        resume_step=resumed)
+        history: list[dict[str, float]] = []
+        progress = None
+        if acc.is_main_process and c.logging.progress_bar:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=c.train.steps, initial=self.update, desc="mmrl train", dynamic_ncols=True)
+        if self.update == 0 and c.logging.eval_every:
+            self._evaluate()
+        while self.update < c.train.steps:
+            metrics = self.step()
+            history.append(metrics)
+            if self.logger is not None:
+                self.logger.log(metrics)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(reward=f"{metrics['reward/mean']:.4g}", loss=f"{metrics.get('loss', 0):.3g}")
+            if c.logging.eval_every and self.update % c.logging.eval_every == 0:
+                self._evaluate()
+            if (c.logging.save_every and self.update % c.logging.save_every == 0) or self.update == c.train.steps:
+                self.save()
+        if progress is not None:
+            progress.close()
+        if self.logger is not None:
+            self.logger.close()
+        return history
+
+    def step(self) -> dict[str, float]:
+        """One update: sample, score, advantages, optimise."""
+        c, acc = self.config, self.accelerator
+        generator = torch.Generator().manual_seed(_update_seed(c.seed, self.update, acc.process_index))
+        t0 = time.perf_counter()
+        items = self.prompts.next_batch(c.data.prompts_per_step, rank=acc.process_index, world=acc.num_processes)
+        rollout = self.policy.rollout([it.prompt for it in items], c.data.group_size, generator=generator,
+                                      update=self.update, metadata=[it.metadata for it in items],
+                                      group_offset=acc.process_index * len(items))
+        t1 = time.perf_counter()
+        scores = self._score(rollout)
+        t2 = time.perf_counter()
+        advantages, adv_stats = self._advantages(rollout, scores)
+        train_metrics = self._train_on(rollout, advantages, generator)
+        t3 = time.perf_counter()
+        self.update += 1
+        metrics: dict[str, float] = {"step": self.update}
+        for key, value in scores.items():
+            gathered = acc.gather(value.to(acc.device)).cpu()
+            finite = gathered[torch.isfinite(gathered)]
+            metrics[f"reward/{key}"] = float(finite.mean()) if finite.numel() else float("nan")
+        metrics["reward/mean"] = metrics["reward/total"]
+        metrics.update(adv_stats)
+        metrics["samples/trained"] = float(len(advantages) * acc.num_processes - adv_stats["samples/zero_advantage"])
+        metrics.update(train_metrics)
+        metrics["kl"] = train_metrics.get("kl", 0.0)
+        metrics["optimizer_steps"] = float(self.optimizer_steps)
+        metrics["time/rollout"] = t1 - t0
+        metrics["time/reward"] = t2 - t1
+        metrics["time/train"] = t3 - t2
+        return metrics

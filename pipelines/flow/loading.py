@@ -1,0 +1,47 @@
+"""Loading a diffusers pipeline from a hub id, a local directory or the tiny random test models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+
+class ModelLoadError(RuntimeError):
+    """A model that could not be loaded, with the path and what is missing."""
+
+
+def resolve_pretrained(pretrained: str) -> str:
+    """``tiny:sd3`` / ``tiny:flux`` -> the cached tiny build (made on first use); anything else unchanged."""
+    if pretrained.startswith("tiny:"):
+        from mmrl.pipelines.flow.tiny import ensure_tiny
+
+        return str(ensure_tiny(pretrained.split(":", 1)[1]))
+    return pretrained
+
+
+def load_pipeline(pipeline_cls, pretrained: str, *, dtype: torch.dtype, revision: str | None = None):
+    """``pipeline_cls.from_pretrained`` with one clear error naming the path when it cannot be loaded."""
+    source = resolve_pretrained(pretrained)
+    local = Path(source)
+    looks_local = local.exists() or source.startswith((".", "/", "~")) or os.sep in source and not _is_hub_id(source)
+    if looks_local and not (local / "model_index.json").is_file():
+        raise ModelLoadError(
+            f"model.pretrained={pretrained!r}: {local} is not a diffusers pipeline directory "
+            f"(no model_index.json there). Use a folder written by save_pretrained, or a hub id."
+        )
+    try:
+        pipe = pipeline_cls.from_pretrained(source, revision=revision, dtype=dtype)  # dtype= since diffusers 0.40
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+    except Exception as exc:  # diffusers / hub raise many types; one message that names the source
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        hint = (" HF_HUB_OFFLINE=1 is set: download the weights first or point model.pretrained at a local folder."
+                if offline else "")
+        raise ModelLoadError(f"could not load {pipeline_cls.__name__} from {pretrained!r}: {exc}.{hint}") from exc
+
+
+def _is_hub_id(source: str) -> bool:
+    parts = source.split("/")
+    return len(parts) == 2 and all(parts) and not Path(source).exists()

@@ -1,0 +1,300 @@
+"""The flow-matching policy: SDE rollouts with per-step log-probabilities, and their re-scoring.
+
+A trajectory of ``S`` denoising steps is the action sequence. ``rollout`` samples ``G`` trajectories
+per prompt with the configured SDE on the planned steps (ODE elsewhere), keeping what training
+needs: every latent ``x_0..x_S``, the sigma schedule, the trained step indices ``[T]``, the old
+log-probs ``[N, T]`` and their mask. ``logprobs`` recomputes those log-probs under the current
+parameters, several trained steps of several samples in one batched forward. Everything that
+differs between model families (text encoders, transformer call, latent packing, decoding, LoRA
+file format) lives in a family adapter (:mod:`.sd3`, :mod:`.flux`).
+
+References: Flow-GRPO (Liu et al. 2025, arXiv 2505.05470), DanceGRPO (Xue et al. 2025, arXiv
+2505.07818), MixGRPO (Li et al. 2025, arXiv 2507.21802).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mmrl.pipelines.flow.schedule import StepPlan, plan_steps
+from mmrl.pipelines.flow.sde import flow_kl, sde_step
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_family(family: str, pretrained: str, *, dtype: str = "float32", revision: str | None = None,
+                 max_sequence_length: int = 256):
+    """The adapter of a model family, with its pipeline loaded."""
+    if family == "sd3":
+        from mmrl.pipelines.flow.sd3 import SD3Family as cls
+    elif family == "flux":
+        from mmrl.pipelines.flow.flux import FluxFamily as cls
+    else:
+        raise ValueError(f"unknown flow model family {family!r}; expected 'sd3' or 'flux'")
+    return cls.from_pretrained(pretrained, dtype=DTYPES[dtype], revision=revision,
+                               max_sequence_length=max_sequence_length)
+
+
+@dataclass
+class FlowRollout:
+    """Everything one update needs from a batch of trajectories (``N`` samples, ``S`` steps, ``T`` trained)."""
+
+    prompts: list[str]
+    metadata: list[dict]
+    group_ids: Tensor  # [N] long, the sampling group of each sample
+    images: Tensor  # [N, 3, H, W] in [0, 1]
+    latents: Tensor  # [N, S+1, *latent] fp32: x_0 (noise) .. x_S (final)
+    sigmas: Tensor  # [S+1]
+    timesteps: Tensor  # [S]
+    plan: StepPlan
+    noise_levels: Tensor  # [S] SDE noise level of each step
+    old_logps: Tensor  # [N, T]
+    mask: Tensor  # [N, T]
+    cond: dict[str, Tensor]  # per unique prompt, [P, ...]
+    prompt_index: Tensor  # [N] row of `cond` for each sample
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+@dataclass
+class LogProbOutput:
+    logps: Tensor  # [n, t]
+    kl: Tensor | None = None  # [n, t]
+
+
+class FlowPolicy:
+    """A diffusers flow-matching generator as a policy over denoising steps.
+
+    Args:
+        family: a family adapter (``SD3Family``, ``FluxFamily``) holding the loaded pipeline.
+        sde: ``flow_grpo | dance | cps`` (see :func:`mmrl.pipelines.flow.sde.sde_step`).
+        noise_level: the SDE noise level (float), used on every SDE step unless ``noise_schedule`` is set.
+        guidance_scale: classifier-free guidance (SD3) or distilled guidance (FLUX).
+        lora: dict with ``rank, alpha, dropout, target_modules``; ``None`` trains the whole transformer.
+    """
+
+    def __init__(self, family, *, num_steps: int = 10, eval_num_steps: int = 10, resolution: int = 32,
+                 sde: str = "flow_grpo", noise_level: float = 0.7, guidance_scale: float = 4.5,
+                 negative_prompt: str = "", train_steps: str = "fraction", timestep_fraction: float = 0.99,
+                 window_size: int = 2, window_shift_every: int = 1, share_group_noise: bool = False,
+                 lora: dict | None = None, gradient_checkpointing: bool = False, sample_batch_size: int = 16,
+                 time_shift: float | None = None, device: torch.device | str = "cpu"):
+        self.family = family
+        self.num_steps = num_steps
+        self.eval_num_steps = eval_num_steps
+        self.resolution = resolution
+        self.sde = sde
+        self.noise_level = noise_level
+        self.guidance_scale = guidance_scale
+        self.plan_kwargs = dict(mode=train_steps, timestep_fraction=timestep_fraction, window_size=window_size,
+                                shift_every=window_shift_every)
+        self.share_group_noise = share_group_noise
+        self.time_shift = time_shift
+        self.sample_batch_size = sample_batch_size
+        self.device = torch.device(device)
+
+        pipe = family.pipe
+        pipe.to(self.device)
+        for module in (getattr(pipe, name, None) for name in ("vae", "text_encoder", "text_encoder_2",
+                                                             "text_encoder_3")):
+            if module is not None:
+                module.requires_grad_(False)
+                module.eval()
+        self.transformer = family.transformer
+        self.transformer.requires_grad_(False)
+        self.use_lora = lora is not None
+        if self.use_lora:
+            from peft import LoraConfig
+
+            self.transformer.add_adapter(LoraConfig(
+                r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora.get("dropout", 0.0),
+                init_lora_weights="gaussian", target_modules=list(lora["target_modules"]),
+            ))
+            self._reference_model = None
+        else:
+            self.transformer.requires_grad_(True)
+            self._reference_model = None  # a frozen copy, made on first use of reference()
+        for p in self.trainable_parameters():
+            p.data = p.data.float()  # trainable weights (and their optimizer state) in fp32
+        if gradient_checkpointing:
+            self.transformer.enable_gradient_checkpointing()
+        self.model = self.transformer  # replaced by the accelerate-wrapped module in prepare()
+        self._negative: dict[str, Tensor] | None = None
+        self._use_cfg = family.name == "sd3" and guidance_scale > 1.0
+        if self._use_cfg:
+            self._negative = family.encode([negative_prompt])
+
+    # ----------------------------------------------------------------------------------- parameters
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    def named_trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
+        return {n: p for n, p in self.transformer.named_parameters() if p.requires_grad}
+
+    def prepare(self, accelerator) -> None:
+        """Wrap the trainable module for distributed training (DDP) with ``accelerator.prepare``."""
+        self.model = accelerator.prepare(self.transformer)
+
+    @contextlib.contextmanager
+    def reference(self):
+        """The reference policy: LoRA adapters disabled, or a frozen copy of the initial weights."""
+        if self.use_lora:
+            self.transformer.disable_adapters()
+            try:
+                yield self.transformer
+            finally:
+                self.transformer.enable_adapters()
+        else:
+            if self._reference_model is None:
+                self._reference_model = copy.deepcopy(self.transformer).requires_grad_(False).eval()
+            yield self._reference_model
+
+    def init_reference(self) -> None:
+        """Snapshot the reference weights now (full fine-tuning keeps a frozen copy of the initial model)."""
+        if not self.use_lora and self._reference_model is None:
+            self._reference_model = copy.deepcopy(self.transformer).requires_grad_(False).eval()
+
+    def lora_state_dict(self) -> dict[str, Tensor]:
+        from peft.utils import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.transformer)
+
+    def export(self, directory: str) -> None:
+        """Trainable part in the format its ecosystem loads: diffusers LoRA file or a full transformer folder."""
+        if self.use_lora:
+            self.family.save_lora(directory, self.lora_state_dict())
+        else:
+            self.transformer.save_pretrained(f"{directory}/transformer")
+
+    # -------------------------------------------------------------------------------------- sampling
+
+    def schedule(self, num_steps: int) -> tuple[Tensor, Tensor]:
+        """``(sigmas [S+1], timesteps [S])``: the family scheduler's, or with ``time_shift`` set the shifted uniform
+        schedule ``sigma = shift t / (1 + (shift - 1) t)`` on ``t = linspace(1, 0, S+1)`` (DanceGRPO's ``--shift``)."""
+        if self.time_shift is None:
+            return self.family.schedule(num_steps, self.resolution)
+        t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
+        sigmas = (self.time_shift * t / (1 + (self.time_shift - 1) * t)).float()
+        return sigmas, sigmas[:-1] * 1000.0
+
+    def _noise_levels(self, plan: StepPlan) -> Tensor:
+        levels = torch.full((self.num_steps,), float(self.noise_level))
+        return torch.where(plan.sde, levels, torch.zeros_like(levels))
+
+    def _initial_noise(self, n: int, group_size: int, generator: torch.Generator) -> Tensor:
+        shape = self.family.latent_shape(self.resolution)
+        if self.share_group_noise:
+            noise = torch.randn((n // group_size, *shape), generator=generator)
+            return noise.repeat_interleave(group_size, dim=0)
+        return torch.randn((n, *shape), generator=generator)
+
+    def _velocity(self, model, x: Tensor, step: Tensor, timesteps: Tensor, cond: dict[str, Tensor]) -> Tensor:
+        return self.family.velocity(model, x, timesteps[step], cond, self._negative, self.guidance_scale)
+
+    @torch.no_grad()
+    def rollout(self, prompts: list[str], group_size: int, *, generator: torch.Generator, update: int = 0,
+                metadata: list[dict] | None = None, group_offset: int = 0) -> FlowRollout:
+        """Sample ``group_size`` trajectories for each prompt (``N = len(prompts) * group_size``)."""
+        n = len(prompts) * group_size
+        plan = plan_steps(num_steps=self.num_steps, update=update, generator=generator, **self.plan_kwargs)
+        noise_levels = self._noise_levels(plan)
+        sigmas, timesteps = self.schedule(self.num_steps)
+        cond = self.family.encode(list(prompts))  # once per prompt, not per sample
+        prompt_index = torch.arange(len(prompts)).repeat_interleave(group_size)
+        x = self._initial_noise(n, group_size, generator)
+        step_noise = torch.randn((self.num_steps, *x.shape), generator=generator)
+        latents = torch.empty((n, self.num_steps + 1, *x.shape[1:]))
+        latents[:, 0] = x
+        train_pos = {int(s): j for j, s in enumerate(plan.train)}
+        old_logps = torch.zeros(n, len(plan.train))
+        self.transformer.eval()
+        for start in range(0, n, self.sample_batch_size):
+            rows = slice(start, min(n, start + self.sample_batch_size))
+            batch_cond = {k: v[prompt_index[rows].to(v.device)] for k, v in cond.items()}
+            xb = x[rows].to(self.device)
+            for s in range(self.num_steps):
+                b = xb.shape[0]
+                v = self._velocity(self.model, xb, torch.full((b,), s), timesteps.to(self.device), batch_cond)
+                out = sde_step(xb, v, sigmas[s].item(), sigmas[s + 1].item(),
+                               kind=self.sde if plan.sde[s] else "ode",
+                               noise_level=noise_levels[s].item() if plan.sde[s] else None,
+                               noise=step_noise[s, rows].to(self.device) if plan.sde[s] else None,
+                               sigma_one_substitute=sigmas[1].item())
+                xb = out.prev_sample
+                latents[rows, s + 1] = xb.cpu()
+                if s in train_pos:
+                    old_logps[rows, train_pos[s]] = out.log_prob.cpu()
+        images = torch.cat([self.family.decode(latents[i:i + self.sample_batch_size, -1].to(self.device)).cpu()
+                            for i in range(0, n, self.sample_batch_size)])
+        group_ids = torch.arange(len(prompts)).repeat_interleave(group_size) + group_offset
+        meta = metadata if metadata is not None else [{} for _ in prompts]
+        return FlowRollout(
+            prompts=[p for p in prompts for _ in range(group_size)],
+            metadata=[m for m in meta for _ in range(group_size)],
+            group_ids=group_ids, images=images, latents=latents, sigmas=sigmas, timesteps=timesteps, plan=plan,
+            noise_levels=noise_levels, old_logps=old_logps, mask=torch.ones_like(old_logps),
+            cond={k: v.cpu() for k, v in cond.items()}, prompt_index=prompt_index,
+        )
+
+    def logprobs(self, rollout: FlowRollout, index: Tensor, steps: Tensor | None = None, *,
+                 with_kl: bool = False) -> LogProbOutput:
+        """Log-probs ``[n, t]`` of the stored transitions of samples ``index`` at trained-step positions ``steps``
+        (default: all ``T``), under the current parameters, in one batched forward. With ``with_kl`` also
+        Flow-GRPO's KL to the reference policy per step (REFERENCE.md section 2)."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        positions = torch.arange(len(rollout.plan.train)) if steps is None else torch.as_tensor(steps)
+        step_ids = rollout.plan.train[positions]  # [t]
+        n, t = len(index), len(step_ids)
+        # batch order: step-major, so that row r = j * n + i is sample index[i] at step_ids[j]
+        rows = index.repeat(t)
+        srep = step_ids.repeat_interleave(n)
+        x = rollout.latents[rows, srep].to(self.device)
+        x_next = rollout.latents[rows, srep + 1].to(self.device)
+        cond = {k: v[rollout.prompt_index[rows]].to(self.device) for k, v in rollout.cond.items()}
+        sigma = rollout.sigmas[srep].to(self.device)
+        sigma_next = rollout.sigmas[srep + 1].to(self.device)
+        levels = rollout.noise_levels[srep].to(self.device)
+        timesteps = rollout.timesteps.to(self.device)
+
+        def step(model):
+            v = self._velocity(model, x, srep.to(self.device), timesteps, cond)
+            return sde_step(x, v, sigma, sigma_next, kind=self.sde, noise_level=levels, prev_sample=x_next,
+                            sigma_one_substitute=rollout.sigmas[1].item())
+
+        out = step(self.model)
+        logps = out.log_prob.view(t, n).T
+        kl = None
+        if with_kl:
+            with torch.no_grad(), self.reference() as ref_model:
+                ref = step(ref_model)
+            kl = flow_kl(out.mean, ref.mean, out.noise_scale).view(t, n).T
+        return LogProbOutput(logps=logps, kl=kl)
+
+    @torch.no_grad()
+    def sample_eval(self, prompts: list[str], seeds: list[int], *, num_steps: int | None = None) -> Tensor:
+        """Deterministic evaluation images ``[len(prompts) * len(seeds), 3, H, W]`` (row-major: prompt, seed)."""
+        num_steps = num_steps or self.eval_num_steps
+        sigmas, timesteps = self.schedule(num_steps)
+        shape = self.family.latent_shape(self.resolution)
+        images = []
+        self.transformer.eval()
+        for prompt in prompts:
+            cond = self.family.encode([prompt])
+            x = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(int(s))) for s in seeds])
+            x = x.to(self.device)
+            batch_cond = {k: v.expand(len(seeds), *v.shape[1:]) for k, v in cond.items()}
+            for s in range(num_steps):
+                v = self._velocity(self.model, x, torch.full((len(seeds),), s), timesteps.to(self.device),
+                                   batch_cond)
+                x = sde_step(x, v, sigmas[s].item(), sigmas[s + 1].item(), kind="ode").prev_sample
+            images.append(self.family.decode(x).cpu())
+        return torch.cat(images)

@@ -1,0 +1,87 @@
+"""Stable Diffusion 3 / 3.5 family adapter (diffusers ``StableDiffusion3Pipeline``).
+
+What is specific to SD3 lives here: prompt encoding with the two CLIP encoders and T5, the
+transformer call with classifier-free guidance (negative and positive batches concatenated, one
+forward), the timestep convention (``t = 1000 * sigma``), VAE decoding with SD3's scaling and shift
+factors, and the diffusers LoRA file format. Sampling, log-probabilities and training are shared
+(:mod:`mmrl.pipelines.flow.policy`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mmrl.pipelines.flow.loading import load_pipeline
+
+
+class SD3Family:
+    """Adapter over a loaded ``StableDiffusion3Pipeline``."""
+
+    name = "sd3"
+    default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+    def __init__(self, pipe, *, max_sequence_length: int = 256):
+        self.pipe = pipe
+        self.transformer = pipe.transformer
+        self.max_sequence_length = max_sequence_length
+
+    @classmethod
+    def from_pretrained(cls, pretrained: str, *, dtype: torch.dtype, revision: str | None = None, **kwargs):
+        from diffusers import StableDiffusion3Pipeline
+
+        return cls(load_pipeline(StableDiffusion3Pipeline, pretrained, dtype=dtype, revision=revision), **kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> dict[str, Tensor]:
+        """Conditioning tensors, one row per prompt (batch-first)."""
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device, do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+        )
+        return {"prompt_embeds": embeds, "pooled_projections": pooled}
+
+    def latent_shape(self, resolution: int) -> tuple[int, ...]:
+        factor = self.pipe.vae_scale_factor
+        return (self.transformer.config.in_channels, resolution // factor, resolution // factor)
+
+    def schedule(self, num_steps: int, resolution: int) -> tuple[Tensor, Tensor]:
+        """``(sigmas [S+1] with the terminal 0, timesteps [S])`` from the pipeline's scheduler (shift 3 for SD3.5)."""
+        scheduler = self.pipe.scheduler
+        scheduler.set_timesteps(num_steps, device="cpu")
+        return scheduler.sigmas.float().clone(), scheduler.timesteps.float().clone()
+
+    def velocity(self, model, latents: Tensor, timesteps: Tensor, cond: dict[str, Tensor],
+                 negative: dict[str, Tensor] | None, guidance_scale: float) -> Tensor:
+        """The model's velocity ``v = eps - x0`` (fp32), with CFG in one batched forward when ``negative`` is given."""
+        dtype = self.transformer.dtype
+        x = latents.to(dtype)
+        embeds, pooled = cond["prompt_embeds"], cond["pooled_projections"]
+        if negative is not None:
+            n = x.shape[0]
+            x = torch.cat([x, x])
+            timesteps = torch.cat([timesteps, timesteps])
+            embeds = torch.cat([negative["prompt_embeds"].expand(n, -1, -1), embeds])
+            pooled = torch.cat([negative["pooled_projections"].expand(n, -1), pooled])
+        out = model(hidden_states=x, timestep=timesteps.to(dtype), encoder_hidden_states=embeds,
+                    pooled_projections=pooled, return_dict=False)[0].float()
+        if negative is None:
+            return out
+        uncond, text = out.chunk(2)
+        return uncond + guidance_scale * (text - uncond)
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        """Latents -> images ``[B, 3, H, W]`` in [0, 1] (fp32)."""
+        vae = self.pipe.vae
+        z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(z, return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
+
+    def save_lora(self, directory: str, transformer_lora_layers: dict[str, Tensor]) -> None:
+        """Write ``pytorch_lora_weights.safetensors`` that ``StableDiffusion3Pipeline.load_lora_weights`` loads."""
+        self.pipe.save_lora_weights(directory, transformer_lora_layers=transformer_lora_layers)

@@ -1,0 +1,410 @@
+"""The reward contract, the registry, batch validation and the weight-file checks.
+
+Every reward is an object ``reward(images, prompts, metadata=None) -> dict[str, Tensor]``:
+
+* ``images``: a float tensor ``[N, 3, H, W]`` in ``[0, 1]`` (uint8 ``[N, 3, H, W]`` is accepted
+  too), or a list of N PIL images;
+* ``prompts``: a list of N strings (may be ``None`` for rewards with ``needs_prompts = False``);
+* ``metadata``: ``None`` or a list of N dicts.
+
+It returns ``[N]`` float32 CPU tensors, the main score under the reward's registered ``name``.
+A sample it cannot judge (non-finite pixels, a list entry that is not an image, a prompt that is
+not a string, a failure inside the scorer for that one sample) gets NaN, and the reason is kept
+in ``reward.last_info``; a wrongly *shaped batch* (not ``[N, 3, H, W]``, lengths that disagree)
+raises ``ValueError`` naming what was expected.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+from collections import Counter
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+import torch
+from PIL import Image
+
+from ._images import pil_to_float, tensor_to_pil, uint8_to_float
+
+__all__ = [
+    "RewardFn",
+    "Reward",
+    "ImageBatch",
+    "prepare_batch",
+    "MissingWeightsError",
+    "register_reward",
+    "build_reward",
+    "list_rewards",
+    "nearest",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Protocol
+# --------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class RewardFn(Protocol):
+    """What the trainer relies on. Any object with these members is a reward.
+
+    ``__call__(images, prompts, metadata=None) -> dict[str, Tensor]``: ``[N]`` float32 CPU
+    tensors; the main score under ``name``, extra components under other keys. NaN marks a
+    sample the reward could not judge; ``last_info`` then says why.
+    """
+
+    name: str
+    needs_prompts: bool
+    last_info: dict
+
+    def __call__(
+        self,
+        images: torch.Tensor | Sequence[Image.Image],
+        prompts: Sequence[str] | None,
+        metadata: Sequence[dict] | None = None,
+    ) -> dict[str, torch.Tensor]: ...
+
+
+class MissingWeightsError(FileNotFoundError):
+    """Weights a reward model needs are not on this machine (and may not be downloaded)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Batch validation
+# --------------------------------------------------------------------------------------------
+
+
+class ImageBatch:
+    """A validated batch. Converting between image forms happens here, once, and is cached, so
+    the components of a :class:`~mmrl.rewards.compose.ComposedReward` share the work.
+
+    ``invalid`` maps a sample index to the reason it cannot be judged (input problems only).
+    """
+
+    def __init__(
+        self,
+        n: int,
+        prompts: list | None,
+        metadata: list | None,
+        tensor: torch.Tensor | None,
+        pils: list | None,
+        invalid: dict[int, str],
+    ):
+        self.n = n
+        self.prompts = prompts
+        self.metadata = metadata
+        self._tensor = tensor  # float [N, 3, H, W] in [0, 1] (clipped), or None for PIL input
+        self._pils = pils  # list of N entries (PIL or garbage), or None for tensor input
+        self.invalid = invalid
+        self.valid_indices = [i for i in range(n) if i not in invalid]
+        self._pil_cache: list[Image.Image] | None = None
+        self._uint8_cache: torch.Tensor | None = None
+        self._groups_cache: list[tuple[list[int], torch.Tensor]] | None = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return self._tensor is not None
+
+    def pil(self) -> list[Image.Image]:
+        """RGB PIL images of the valid samples, in ``valid_indices`` order."""
+        if self._pil_cache is None:
+            if self._tensor is not None:
+                idx = torch.tensor(self.valid_indices, dtype=torch.long, device=self._tensor.device)
+                self._pil_cache = tensor_to_pil(self._tensor.index_select(0, idx))
+            else:
+                self._pil_cache = [
+                    img if img.mode == "RGB" else img.convert("RGB")
+                    for img in (self._pils[i] for i in self.valid_indices)
+                ]
+        return self._pil_cache
+
+    def float_groups(self) -> list[tuple[list[int], torch.Tensor]]:
+        """Valid samples as float ``[k, 3, H, W]`` tensors in [0, 1], one per image size.
+
+        Returns ``[(positions, tensor), ...]`` where ``positions`` index into ``valid_indices``.
+        A tensor batch is one group (no copy); PIL images are grouped by size.
+        """
+        if self._groups_cache is None:
+            if self._tensor is not None:
+                idx = torch.tensor(self.valid_indices, dtype=torch.long, device=self._tensor.device)
+                self._groups_cache = [
+                    (list(range(len(self.valid_indices))), self._tensor.index_select(0, idx))
+                ]
+            else:
+                by_size: dict[tuple[int, int], list[int]] = {}
+                for pos, img in enumerate(self.pil()):
+                    by_size.setdefault(img.size, []).append(pos)
+                pils = self.pil()
+                self._groups_cache = [
+                    (positions, torch.stack([pil_to_float(pils[p]) for p in positions]))
+                    for positions in by_size.values()
+                ]
+        return self._groups_cache
+
+    def valid_prompts(self) -> list[str]:
+        if self.prompts is None:
+            raise ValueError("this reward needs prompts, but prompts=None was passed")
+        return [self.prompts[i] for i in self.valid_indices]
+
+
+def _seq_len(x: Any, what: str) -> int:
+    if isinstance(x, (str, bytes)) or not hasattr(x, "__len__"):
+        raise ValueError(f"{what} must be a list with one entry per image, got {type(x).__name__}")
+    return len(x)
+
+
+def prepare_batch(
+    images: Any,
+    prompts: Sequence[str] | None,
+    metadata: Sequence[dict] | None = None,
+    *,
+    needs_prompts: bool = False,
+) -> ImageBatch:
+    """Validate ``(images, prompts, metadata)`` and return an :class:`ImageBatch`.
+
+    Raises ``ValueError``/``TypeError`` for a wrong-shaped batch; marks individual bad samples
+    invalid (with a reason) instead of raising.
+    """
+    if isinstance(images, ImageBatch):
+        return images
+
+    invalid: dict[int, str] = {}
+    tensor = pils = None
+    if isinstance(images, torch.Tensor):
+        if images.dim() != 4 or images.shape[1] != 3:
+            raise ValueError(
+                "images must be a float tensor [N, 3, H, W] with values in [0, 1] "
+                f"(or a list of PIL images); got a tensor of shape {tuple(images.shape)}"
+            )
+        if images.shape[2] == 0 or images.shape[3] == 0:
+            raise ValueError(f"images have an empty spatial size: shape {tuple(images.shape)}")
+        images = images.detach()
+        if images.dtype == torch.uint8:
+            tensor = uint8_to_float(images)
+        elif images.is_floating_point():
+            finite = torch.isfinite(images).flatten(1).all(dim=1).cpu()
+            for i in (~finite).nonzero().flatten().tolist():
+                invalid[i] = "non-finite pixel values (NaN or inf)"
+            # Clip like the float -> uint8 conversion does; keep the float values otherwise.
+            tensor = torch.nan_to_num(images.float(), nan=0.0, posinf=1.0, neginf=0.0).clamp(0, 1)
+        else:
+            raise TypeError(
+                f"images tensor must be float in [0, 1] or uint8, got dtype {images.dtype}"
+            )
+        n = tensor.shape[0]
+    elif isinstance(images, (list, tuple)):
+        n = len(images)
+        pils = list(images)
+        for i, img in enumerate(pils):
+            if not isinstance(img, Image.Image):
+                invalid[i] = f"not a PIL image (got {type(img).__name__})"
+            elif img.width == 0 or img.height == 0:
+                invalid[i] = f"empty image of size {img.size}"
+    else:
+        raise TypeError(
+            "images must be a float tensor [N, 3, H, W] in [0, 1] or a list of PIL images, "
+            f"got {type(images).__name__}"
+        )
+
+    if prompts is None:
+        if needs_prompts:
+            raise ValueError("this reward needs one prompt per image, but prompts=None was passed")
+    else:
+        if _seq_len(prompts, "prompts") != n:
+            raise ValueError(f"got {n} images but {len(prompts)} prompts; they must match")
+        prompts = list(prompts)
+        if needs_prompts:
+            for i, p in enumerate(prompts):
+                if not isinstance(p, str) and i not in invalid:
+                    invalid[i] = f"prompt is not a string (got {type(p).__name__})"
+    if metadata is not None:
+        if _seq_len(metadata, "metadata") != n:
+            raise ValueError(f"got {n} images but {len(metadata)} metadata entries; they must match")
+        metadata = list(metadata)
+    return ImageBatch(n, prompts, metadata, tensor, pils, invalid)
+
+
+# --------------------------------------------------------------------------------------------
+# Base class
+# --------------------------------------------------------------------------------------------
+
+
+class Reward:
+    """Base class doing the contract's bookkeeping; subclasses implement :meth:`_score`.
+
+    ``_score(batch, reasons)`` sees only the valid samples (``batch.valid_indices``) and returns
+    a dict of tensors of length ``len(batch.valid_indices)`` (the main score under ``self.name``).
+    It may put NaN for a sample it fails on and record ``reasons[sample_index] = "why"``.
+    """
+
+    name: str = ""
+    needs_prompts: bool = False
+
+    def __init__(self) -> None:
+        self.last_info: dict = {}
+
+    def _score(self, batch: ImageBatch, reasons: dict[int, str]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def __call__(self, images, prompts=None, metadata=None) -> dict[str, torch.Tensor]:
+        batch = prepare_batch(images, prompts, metadata, needs_prompts=self.needs_prompts)
+        reasons: dict[int, str] = dict(batch.invalid)
+        valid = batch.valid_indices
+        out: dict[str, torch.Tensor] = {}
+        partial: dict[str, torch.Tensor] = self._score(batch, reasons) if valid else {}
+        partial.setdefault(self.name, torch.empty(0))
+        index = torch.tensor(valid, dtype=torch.long)
+        for key, values in partial.items():
+            values = torch.as_tensor(values).detach().to("cpu", torch.float32).reshape(-1)
+            if values.numel() != len(valid):
+                raise RuntimeError(
+                    f"reward {self.name!r} returned {values.numel()} values for key {key!r}, "
+                    f"expected {len(valid)}"
+                )
+            full = torch.full((batch.n,), float("nan"), dtype=torch.float32)
+            if len(valid):
+                full[index] = torch.where(torch.isfinite(values), values, torch.nan)
+            out[key] = full
+        main = out[self.name]
+        for i in torch.isnan(main).nonzero().flatten().tolist():
+            reasons.setdefault(i, "the scorer returned a non-finite value")
+        self.last_info = _info(batch.n, reasons)
+        return out
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _info(n: int, reasons: dict[int, str]) -> dict:
+    return {
+        "num_samples": n,
+        "num_nan": len(reasons),
+        "reasons": dict(Counter(reasons.values())),
+        "nan_samples": dict(sorted(reasons.items())),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------
+
+_REGISTRY: dict[str, Callable[..., RewardFn]] = {}
+
+
+def nearest(name: str, names: Sequence[str], n: int = 3) -> list[str]:
+    """The closest names to ``name`` (difflib), best first."""
+    return difflib.get_close_matches(name, list(names), n=n, cutoff=0.4)
+
+
+def register_reward(name: str) -> Callable:
+    """Decorator registering a reward class (or factory) under ``name``.
+
+    A decorated class without its own ``name`` gets this one, so outputs are keyed by it.
+    """
+
+    def deco(factory):
+        if name in _REGISTRY and _REGISTRY[name] is not factory:
+            raise ValueError(f"a reward named {name!r} is already registered ({_REGISTRY[name]})")
+        if isinstance(factory, type) and not factory.__dict__.get("name"):
+            factory.name = name
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def list_rewards() -> list[str]:
+    """Registered reward names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def build_reward(name: str, **kwargs) -> RewardFn:
+    """Build the reward registered as ``name`` with ``kwargs``.
+
+    Unknown names, and unknown keyword arguments, raise ``ValueError`` naming the nearest valid
+    ones. Heavy backbones (transformers, open_clip) are imported only by the reward that needs them.
+    """
+    if name not in _REGISTRY:
+        close = nearest(name, _REGISTRY)
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+        raise ValueError(
+            f"unknown reward {name!r}; {hint}registered rewards: {', '.join(list_rewards())}"
+        )
+    factory = _REGISTRY[name]
+    target = factory.__init__ if isinstance(factory, type) else factory
+    params = inspect.signature(target).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        valid = [k for k, p in params.items() if k != "self" and p.kind is not inspect.Parameter.VAR_POSITIONAL]
+        for key in kwargs:
+            if key not in valid:
+                close = nearest(key, valid)
+                hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+                raise ValueError(
+                    f"reward {name!r} has no argument {key!r}; {hint}valid arguments: {', '.join(valid) or '(none)'}"
+                )
+    return factory(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Devices, dtypes, weight files
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(set(_DTYPES))}")
+    return _DTYPES[key]
+
+
+def hub_offline() -> bool:
+    """True when ``HF_HUB_OFFLINE`` is set to a true value (read now, not at import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def missing_hf_files(source: str, required: Sequence[Sequence[str]]) -> tuple[list[str], str]:
+    """Which of the ``required`` files are absent for a local directory or a hub id.
+
+    ``required`` is a list of requirements; each requirement is a list of alternatives, and an
+    alternative is a list of files that must all be present, e.g.
+    ``[[["config.json"]], [["model.safetensors"], ["pytorch_model.bin"]]]``. Returns the unmet
+    requirements (described) and where they were looked for. Never touches the network.
+    """
+    def describe(alternatives):
+        return " or ".join("+".join(files) for files in alternatives)
+
+    if os.path.isdir(source):
+        have = lambda f: os.path.isfile(os.path.join(source, f))  # noqa: E731
+        where = f"the local directory {os.path.abspath(source)}"
+    else:
+        from huggingface_hub import constants, try_to_load_from_cache
+
+        def have(f):
+            try:
+                hit = try_to_load_from_cache(source, f)
+            except Exception:  # not a valid repo id
+                return False
+            return isinstance(hit, str)
+
+        repo_dir = "models--" + source.replace("/", "--")
+        where = f"the Hugging Face cache {os.path.join(constants.HF_HUB_CACHE, repo_dir)}"
+    missing = []
+    for group in required:
+        if not any(all(have(f) for f in alt) for alt in group):
+            missing.append(describe(group))
+    return missing, where

@@ -1,0 +1,137 @@
+"""Weighted composition of several rewards.
+
+``ComposedReward({"pickscore": (pick, 1.0), "jpeg_compressibility": (jpeg, 0.1)})`` returns every
+component's main score under its component name, each component's extra keys as
+``"<component>/<key>"``, and ``"total"``: the weighted sum over components with a non-zero
+weight. A NaN in any weighted component makes that sample's total NaN (the sample could not be
+judged); a component with weight 0 is only logged and never poisons the total. ``weights``
+lists the components that enter the total (what the trainer normalises); ``all_weights`` all.
+
+The batch is validated and converted once (tensor <-> PIL) and shared by all components; each
+component object is called exactly once per call, even if it appears under several names.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+
+from ._base import Reward, RewardFn, _info, build_reward, nearest, prepare_batch
+
+__all__ = ["ComposedReward", "build_rewards"]
+
+
+class ComposedReward:
+    """Several rewards and their weights, scored together (see the module docstring)."""
+
+    name = "total"
+
+    def __init__(self, components: Mapping[str, tuple[RewardFn, float]]):
+        if not components:
+            raise ValueError("ComposedReward needs at least one component")
+        self.components: dict[str, tuple[RewardFn, float]] = {}
+        for key, value in components.items():
+            if key == "total" or "/" in key:
+                raise ValueError(f"component name {key!r} is reserved or contains '/'")
+            try:
+                reward, weight = value
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"component {key!r} must be a (reward, weight) pair, got {value!r}"
+                ) from None
+            if not callable(reward):
+                raise TypeError(f"component {key!r}: {reward!r} is not callable")
+            weight = float(weight)
+            if not math.isfinite(weight):
+                raise ValueError(f"component {key!r} has a non-finite weight {weight}")
+            self.components[key] = (reward, weight)
+        self.needs_prompts = any(getattr(r, "needs_prompts", True) for r, _ in self.components.values())
+        self.last_info: dict = {}
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """The components that enter the total (and the advantage), with their weights; a
+        weight-0 component is logged only and left out here."""
+        return {k: w for k, (_, w) in self.components.items() if w != 0.0}
+
+    @property
+    def all_weights(self) -> dict[str, float]:
+        """Every component's weight, zero weights included."""
+        return {k: w for k, (_, w) in self.components.items()}
+
+    def __call__(self, images, prompts=None, metadata=None) -> dict[str, torch.Tensor]:
+        batch = prepare_batch(images, prompts, metadata, needs_prompts=self.needs_prompts)
+        results: dict[int, tuple[dict[str, torch.Tensor], dict]] = {}
+        out: dict[str, torch.Tensor] = {}
+        comp_info: dict[str, dict] = {}
+        total = torch.zeros(batch.n, dtype=torch.float32)
+        reasons: dict[int, str] = {}
+        for key, (reward, weight) in self.components.items():
+            if id(reward) not in results:  # the same object under two names is called once
+                # mmrl rewards take the prepared batch (shared conversions); others get the inputs.
+                inputs = batch if isinstance(reward, Reward) else images
+                scores = reward(inputs, batch.prompts, batch.metadata)
+                results[id(reward)] = (scores, dict(getattr(reward, "last_info", {}) or {}))
+            scores, info = results[id(reward)]
+            main_key = getattr(reward, "name", key)
+            if main_key not in scores:
+                raise KeyError(
+                    f"component {key!r} returned keys {sorted(scores)}, without its main key {main_key!r}"
+                )
+            main = scores[main_key].to("cpu", torch.float32)
+            out[key] = main
+            for extra, values in scores.items():
+                if extra != main_key:
+                    out[f"{key}/{extra}"] = values
+            comp_info[key] = info
+            if weight != 0.0:
+                total = total + weight * main
+                for i in torch.isnan(main).nonzero().flatten().tolist():
+                    why = info.get("nan_samples", {}).get(i, "NaN score")
+                    reasons.setdefault(i, f"{key}: {why}")
+        out["total"] = total
+        self.last_info = {"total": _info(batch.n, reasons), "components": comp_info}
+        return out
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{k}: {w:g}" for k, w in self.all_weights.items())
+        return f"ComposedReward({{{parts}}})"
+
+
+_SPEC_KEYS = ("weight", "kwargs", "reward")
+
+
+def build_rewards(spec: Mapping[str, float | Mapping]) -> ComposedReward:
+    """Build a :class:`ComposedReward` from a config mapping.
+
+    Each entry is ``name: weight`` or ``name: {"weight": w, "kwargs": {...}, "reward": reg_name}``
+    (``weight`` defaults to 1.0, ``kwargs`` to ``{}``, ``reward`` to ``name``; ``reward`` lets the
+    same registered reward appear twice with different settings). Examples::
+
+        build_rewards({"jpeg_compressibility": 1.0})
+        build_rewards({"pickscore": {"weight": 1.0, "kwargs": {"scale_divisor": 26}}})
+    """
+    if not isinstance(spec, Mapping) or not spec:
+        raise ValueError(f"reward spec must be a non-empty mapping name -> weight | dict, got {spec!r}")
+    components = {}
+    for key, entry in spec.items():
+        if isinstance(entry, Mapping):
+            for k in entry:
+                if k not in _SPEC_KEYS:
+                    close = nearest(k, _SPEC_KEYS)
+                    hint = f"did you mean {close[0]!r}? " if close else ""
+                    raise ValueError(
+                        f"reward spec {key!r} has unknown key {k!r}; {hint}valid keys: {', '.join(_SPEC_KEYS)}"
+                    )
+            weight = entry.get("weight", 1.0)
+            kwargs = dict(entry.get("kwargs") or {})
+            reg_name = entry.get("reward", key)
+        elif isinstance(entry, (int, float)) and not isinstance(entry, bool):
+            weight, kwargs, reg_name = entry, {}, key
+        else:
+            raise ValueError(
+                f"reward spec {key!r} must be a weight or a dict with {_SPEC_KEYS}, got {entry!r}"
+            )
+        components[key] = (build_reward(reg_name, **kwargs), weight)
+    return ComposedReward(components)

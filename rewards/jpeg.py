@@ -1,0 +1,66 @@
+"""JPEG (in)compressibility rewards (DDPO, Black et al. 2023, arXiv:2305.13301).
+
+Mirrors ``ddpo_pytorch/rewards.py`` (kvablack/ddpo-pytorch): each image is quantised to uint8
+with ``(x * 255).round().clamp(0, 255)``, encoded with pillow as ``JPEG`` at ``quality=95`` and
+scored by its encoded size in **kilobytes, decimal: bytes / 1000** (not KiB). Incompressibility is
+the size; compressibility is its negation. Flow-GRPO's ``jpeg_compressibility`` further divides
+by 500 (``-size_kb / 500``); set ``scale_divisor=500`` to reproduce that, the default 1.0 is DDPO.
+"""
+from __future__ import annotations
+
+import io
+
+import torch
+
+from ._base import ImageBatch, Reward, register_reward
+
+__all__ = ["JpegIncompressibility", "JpegCompressibility", "jpeg_size_kb"]
+
+
+def jpeg_size_kb(image, quality: int = 95) -> float:
+    """Encoded size of one RGB PIL image as JPEG at ``quality``, in kB (bytes / 1000)."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=quality)
+    return buffer.tell() / 1000.0
+
+
+class _JpegSize(Reward):
+    sign: float = 1.0
+
+    def __init__(self, quality: int = 95, scale_divisor: float = 1.0):
+        """Args:
+        quality: pillow JPEG quality (DDPO: 95).
+        scale_divisor: the score is divided by this (DDPO: 1; Flow-GRPO's compressibility: 500).
+        """
+        super().__init__()
+        if not 1 <= int(quality) <= 100:
+            raise ValueError(f"quality must be in [1, 100], got {quality}")
+        if not scale_divisor or scale_divisor != scale_divisor:
+            raise ValueError(f"scale_divisor must be a non-zero number, got {scale_divisor}")
+        self.quality = int(quality)
+        self.scale_divisor = float(scale_divisor)
+
+    def _score(self, batch: ImageBatch, reasons: dict[int, str]) -> dict[str, torch.Tensor]:
+        sizes = []
+        for index, image in zip(batch.valid_indices, batch.pil()):
+            try:
+                sizes.append(jpeg_size_kb(image, self.quality))
+            except Exception as exc:  # one image failing to encode must not sink the batch
+                reasons[index] = f"JPEG encoding failed: {type(exc).__name__}: {exc}"
+                sizes.append(float("nan"))
+        kb = torch.tensor(sizes, dtype=torch.float64)
+        return {self.name: self.sign * kb / self.scale_divisor, "jpeg_size_kb": kb}
+
+
+@register_reward("jpeg_incompressibility")
+class JpegIncompressibility(_JpegSize):
+    """JPEG size in kB (bytes / 1000) at quality 95: larger = more detail (DDPO)."""
+
+    sign = 1.0
+
+
+@register_reward("jpeg_compressibility")
+class JpegCompressibility(_JpegSize):
+    """Negated JPEG size in kB (bytes / 1000) at quality 95: larger = simpler image (DDPO)."""
+
+    sign = -1.0

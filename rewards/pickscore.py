@@ -1,0 +1,195 @@
+"""PickScore (Kirstain et al. 2023, "Pick-a-Pic", arXiv:2305.01569) on transformers CLIP.
+
+Backbone: ``CLIPModel`` from ``yuvalkirstain/PickScore_v1`` (CLIP ViT-H/14 fine-tuned on
+Pick-a-Pic preferences); preprocessing and tokenizer: ``CLIPProcessor`` of
+``laion/CLIP-ViT-H-14-laion2B-s32B-b79K`` (resize shortest side 224, centre crop 224, CLIP mean/std;
+text padded, truncated to 77 tokens).
+
+Score, as in the PickScore model card and Flow-GRPO's ``pickscore_scorer.py``::
+
+    score = logit_scale.exp() * cos(image_embeds, text_embeds) / scale_divisor
+
+``scale_divisor`` defaults to 1.0 (the raw PickScore, ~20-23 for real images); Flow-GRPO divides
+by 26 ("norm to 0-1") and its recipes are tuned for that, so mmrl's Flow-GRPO recipes set 26.
+Tensor images are quantised to uint8 PIL first (``round(x * 255)``), as Flow-GRPO does before
+calling the processor. The text tower runs once per unique prompt (a group of G images sharing a
+prompt costs one text forward); image batches are chunked by ``batch_size``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ._base import (
+    ImageBatch,
+    MissingWeightsError,
+    Reward,
+    hub_offline,
+    missing_hf_files,
+    register_reward,
+    resolve_device,
+    resolve_dtype,
+)
+
+__all__ = ["PickScore", "DEFAULT_MODEL", "DEFAULT_PROCESSOR"]
+
+DEFAULT_MODEL = "yuvalkirstain/PickScore_v1"
+DEFAULT_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+
+_MODEL_FILES = [
+    [["config.json"]],
+    [["model.safetensors"], ["model.safetensors.index.json"], ["pytorch_model.bin"], ["pytorch_model.bin.index.json"]],
+]
+_PROCESSOR_FILES = [
+    [["preprocessor_config.json"], ["processor_config.json"]],  # transformers 5 saves the latter
+    [["tokenizer.json"], ["vocab.json", "merges.txt"]],
+]
+
+
+def _embedding(features: Any) -> torch.Tensor:
+    """transformers < 5 returns the projected embedding; >= 5 a ``BaseModelOutputWithPooling``
+    whose ``pooler_output`` is the projected embedding."""
+    if isinstance(features, torch.Tensor):
+        return features
+    pooled = getattr(features, "pooler_output", None)
+    if isinstance(pooled, torch.Tensor):
+        return pooled
+    raise TypeError(f"cannot read an embedding from {type(features).__name__}")
+
+
+def _check_available(source: str, required, what: str, kwarg: str) -> None:
+    """Raise :class:`MissingWeightsError` if ``source`` lacks files and cannot be downloaded."""
+    local = os.path.isdir(source) or os.path.isabs(source) or source.startswith(".")
+    if not (local or hub_offline()):
+        return  # from_pretrained may download
+    if local and not os.path.isdir(source):
+        raise MissingWeightsError(f"{what}: directory {source!r} does not exist (pass {kwarg}=<dir>)")
+    missing, where = missing_hf_files(source, required)
+    if missing:
+        how = (
+            f"put them in {source}"
+            if os.path.isdir(source)
+            else f"download them where there is network (`hf download {source}`) so they land in "
+            f"the Hugging Face cache, or pass {kwarg}=<local dir holding them>"
+        )
+        raise MissingWeightsError(
+            f"{what} {source!r} is not available offline (HF_HUB_OFFLINE=1): missing "
+            f"{', '.join(missing)} in {where}; {how}."
+        )
+
+
+@register_reward("pickscore")
+class PickScore(Reward):
+    """PickScore reward; see the module docstring for the exact formula and conventions."""
+
+    needs_prompts = True
+
+    def __init__(
+        self,
+        model: str | os.PathLike | torch.nn.Module = DEFAULT_MODEL,
+        processor: str | os.PathLike | Any = DEFAULT_PROCESSOR,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        scale_divisor: float = 1.0,
+        batch_size: int = 32,
+        max_length: int = 77,
+    ):
+        """Args:
+        model: hub id or local directory of a transformers ``CLIPModel``, or a built model
+            (e.g. a tiny random ``CLIPModel(CLIPConfig(...))`` in tests).
+        processor: hub id or local directory of a ``CLIPProcessor``, or a built processor (an
+            object with ``image_processor`` and ``tokenizer``).
+        device: where the model runs (default: CUDA if available, else CPU; a built model stays
+            where it is unless a device is given, and is then moved in place).
+        dtype: model dtype (``"float32"``, ``"bfloat16"``, ``"float16"``; default float32 when
+            loading, unchanged for a built model). Similarities are computed in float32.
+        scale_divisor: the score is divided by this; 1.0 = raw PickScore, 26 = Flow-GRPO.
+        batch_size: images per vision forward.
+        max_length: token truncation length (CLIP: 77).
+        """
+        super().__init__()
+        from transformers import CLIPModel, CLIPProcessor  # heavy: imported only when used
+
+        dtype = resolve_dtype(dtype)
+        if isinstance(model, (str, os.PathLike)):
+            source = os.fspath(model)
+            _check_available(source, _MODEL_FILES, "PickScore model", "model")
+            try:
+                model = CLIPModel.from_pretrained(source, dtype=dtype or torch.float32)
+            except OSError as exc:
+                raise MissingWeightsError(
+                    f"could not load the PickScore model {source!r}: {exc}. It needs "
+                    "config.json and model.safetensors (or pytorch_model.bin); pass model=<local dir>."
+                ) from exc
+            device = resolve_device(device)
+        if isinstance(processor, (str, os.PathLike)):
+            source = os.fspath(processor)
+            _check_available(source, _PROCESSOR_FILES, "PickScore processor", "processor")
+            try:
+                processor = CLIPProcessor.from_pretrained(source)
+            except OSError as exc:
+                raise MissingWeightsError(
+                    f"could not load the PickScore processor {source!r}: {exc}. It needs "
+                    "preprocessor_config.json and tokenizer files; pass processor=<local dir>."
+                ) from exc
+        for attr in ("get_image_features", "get_text_features", "logit_scale"):
+            if not hasattr(model, attr):
+                raise TypeError(f"model must be a transformers CLIPModel; {type(model).__name__} has no {attr}")
+        for attr in ("image_processor", "tokenizer"):
+            if not hasattr(processor, attr):
+                raise TypeError(f"processor must be a CLIPProcessor; {type(processor).__name__} has no {attr}")
+        if device is not None or dtype is not None:
+            model = model.to(device=None if device is None else torch.device(device), dtype=dtype)
+        self.model = model.eval().requires_grad_(False)
+        self.processor = processor
+        self.scale_divisor = float(scale_divisor)
+        if self.scale_divisor == 0 or self.scale_divisor != self.scale_divisor:
+            raise ValueError(f"scale_divisor must be a non-zero number, got {scale_divisor}")
+        self.batch_size = int(batch_size)
+        text_cfg = getattr(getattr(model, "config", None), "text_config", None)
+        limit = getattr(text_cfg, "max_position_embeddings", max_length)
+        self.max_length = int(min(max_length, limit))
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @torch.inference_mode()
+    def text_embeddings(self, prompts: list[str]) -> torch.Tensor:
+        """L2-normalised float32 text embeddings ``[len(prompts), D]``."""
+        tokens = self.processor.tokenizer(
+            prompts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
+        tokens = {k: v.to(self.device) for k, v in tokens.items() if k in ("input_ids", "attention_mask")}
+        emb = _embedding(self.model.get_text_features(**tokens)).float()
+        return emb / emb.norm(dim=-1, keepdim=True)
+
+    @torch.inference_mode()
+    def image_embeddings(self, images: list) -> torch.Tensor:
+        """L2-normalised float32 image embeddings ``[len(images), D]`` for PIL images."""
+        chunks = []
+        for start in range(0, len(images), self.batch_size):
+            pixels = self.processor.image_processor(
+                images=images[start : start + self.batch_size], return_tensors="pt"
+            )["pixel_values"]
+            pixels = pixels.to(self.device, self.dtype)
+            chunks.append(_embedding(self.model.get_image_features(pixel_values=pixels)).float())
+        emb = torch.cat(chunks)
+        return emb / emb.norm(dim=-1, keepdim=True)
+
+    @torch.inference_mode()
+    def _score(self, batch: ImageBatch, reasons: dict[int, str]) -> dict[str, torch.Tensor]:
+        prompts = batch.valid_prompts()
+        slot = {p: i for i, p in enumerate(dict.fromkeys(prompts))}  # one text forward per prompt
+        text = self.text_embeddings(list(slot))
+        where = torch.tensor([slot[p] for p in prompts], device=text.device)
+        image = self.image_embeddings(batch.pil())
+        cos = (image * text[where]).sum(dim=-1)
+        scale = self.model.logit_scale.float().exp()
+        return {self.name: (scale * cos / self.scale_divisor).cpu()}

@@ -1,0 +1,143 @@
+"""Group-relative advantages against values derived by hand / with plain Python from REFERENCE.md section 4."""
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from mmrl.core.advantages import (
+    PerPromptStatTracker,
+    combine_rewards,
+    gaussian_rank_advantages,
+    group_advantages,
+)
+
+
+def _reference(rewards, groups, *, ddof, eps, scale="group"):
+    """Plain-Python group normalisation, written from the formula."""
+    out = []
+    finite_all = [r for r in rewards if not math.isnan(r)]
+    batch_std = (statistics.stdev(finite_all) if ddof else statistics.pstdev(finite_all))
+    for r, g in zip(rewards, groups):
+        members = [x for x, h in zip(rewards, groups) if h == g and not math.isnan(x)]
+        if math.isnan(r) or len(members) <= ddof:
+            out.append(0.0)
+            continue
+        mean = sum(members) / len(members)
+        std = statistics.stdev(members) if ddof else statistics.pstdev(members)
+        if std == 0:
+            out.append(0.0)
+        elif scale == "group":
+            out.append((r - mean) / (std + eps))
+        elif scale == "batch":
+            out.append((r - mean) / (batch_std + eps))
+        else:
+            out.append(r - mean)
+    return torch.tensor(out)
+
+
+REWARDS = [1.0, 2.0, 4.0, 7.0, 0.5, 0.5, 3.0, -1.0]
+GROUPS = [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("ddof,eps", [(1, 1e-4), (0, 1e-4), (1, 1e-6)])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages_match_formula(ddof, eps, scale):
+    got = group_advantages(torch.tensor(REWARDS), torch.tensor(GROUPS), scale=scale, eps=eps, std_ddof=ddof)
+    want = _reference(REWARDS, GROUPS, ddof=ddof, eps=eps, scale=scale)
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_hand_computed_trl_group():
+    # group [1, 2, 4, 7]: mean 3.5, unbiased std sqrt(((2.5^2)+(1.5^2)+(0.5^2)+(3.5^2))/3) = sqrt(7)
+    got = group_advantages(torch.tensor([1.0, 2.0, 4.0, 7.0]), [0, 0, 0, 0], eps=1e-4, std_ddof=1)
+    s = math.sqrt(7.0) + 1e-4
+    torch.testing.assert_close(got, torch.tensor([-2.5 / s, -1.5 / s, 0.5 / s, 3.5 / s]))
+
+
+def test_zero_std_group_is_exactly_zero():
+    got = group_advantages(torch.tensor([0.1, 0.1, 0.1, 3.0, 1.0]), ["a", "a", "a", "b", "b"])
+    assert torch.equal(got[:3], torch.zeros(3))
+    assert got[3] > 0 > got[4]
+
+
+def test_nan_rewards_excluded_and_zero():
+    rewards = torch.tensor([1.0, float("nan"), 3.0, 5.0])
+    got = group_advantages(rewards, [0, 0, 0, 0], std_ddof=0, eps=0.0)
+    # statistics over [1, 3, 5]: mean 3, biased std sqrt(8/3)
+    s = math.sqrt(8.0 / 3.0)
+    torch.testing.assert_close(got, torch.tensor([-2.0 / s, 0.0, 0.0, 2.0 / s]))
+    assert got[1].item() == 0.0
+
+
+def test_dense_rewards_normalise_each_column_within_group():
+    rewards = torch.tensor([[1.0, 10.0], [3.0, 10.0], [0.0, 2.0], [4.0, 6.0]])
+    got = group_advantages(rewards, [0, 0, 1, 1], std_ddof=0, eps=0.0)
+    want = torch.tensor([[-1.0, 0.0], [1.0, 0.0], [-1.0, -1.0], [1.0, 1.0]])
+    torch.testing.assert_close(got, want)
+
+
+def test_clamp_and_string_group_labels():
+    rewards = torch.tensor([0.0] * 9 + [100.0])
+    got = group_advantages(rewards, ["p"] * 10, std_ddof=0, clamp=2.0)
+    assert got.max().item() == 2.0
+    assert got[0].item() == pytest.approx(-1.0 / 3.0, rel=1e-3)  # (0 - 10) / 30
+
+
+def test_combine_modes_differ_and_match_formula():
+    a = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    b = torch.tensor([10.0, 0.0, 10.0, 0.0])
+    groups = [0, 0, 0, 0]
+    w = {"a": 1.0, "b": 0.5}
+    sum_first = combine_rewards({"a": a, "b": b}, groups, weights=w, mode="sum_then_normalize", std_ddof=0, eps=0.0)
+    torch.testing.assert_close(sum_first, group_advantages(a + 0.5 * b, groups, std_ddof=0, eps=0.0))
+    norm_first = combine_rewards({"a": a, "b": b}, groups, weights=w, mode="normalize_then_sum", std_ddof=0, eps=0.0)
+    want = group_advantages(a, groups, std_ddof=0, eps=0.0) + 0.5 * group_advantages(b, groups, std_ddof=0, eps=0.0)
+    torch.testing.assert_close(norm_first, want)
+    assert not torch.allclose(sum_first, norm_first)
+    with pytest.raises(ValueError, match="unknown reward components"):
+        combine_rewards({"a": a}, groups, weights={"c": 1.0})
+
+
+def test_gaussian_rank_advantages():
+    from statistics import NormalDist
+
+    rewards = torch.tensor([5.0, 1.0, 3.0, 3.0, 9.0, 9.0, 9.0, 9.0])
+    got = gaussian_rank_advantages(rewards, [0, 0, 0, 0, 1, 1, 1, 1])
+    # group 0 ranks: 1.0 -> 1, 3.0 -> 2.5 (tie of ranks 2,3), 5.0 -> 4; u = (r - 0.5) / 4
+    q = NormalDist().inv_cdf
+    want = torch.tensor([q(3.5 / 4), q(0.5 / 4), q(2.0 / 4), q(2.0 / 4), 0.0, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_tracker_matches_flow_grpo_and_keeps_state():
+    prompts = ["a", "b", "a", "c", "b", "a"]
+    rewards = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    tracker = PerPromptStatTracker(std_ddof=0, eps=1e-4)
+    got = tracker.update(prompts, rewards)
+    # Flow-GRPO: per prompt (r - mean) / (pstd + 1e-4); 'a' = [1, 3, 6], 'b' = [2, 5], 'c' = [4] (std 0 -> 0)
+    sa = statistics.pstdev([1, 3, 6]) + 1e-4
+    sb = statistics.pstdev([2, 5]) + 1e-4
+    want = torch.tensor([(1 - 10 / 3) / sa, (2 - 3.5) / sb, (3 - 10 / 3) / sa, 0.0, (5 - 3.5) / sb, (6 - 10 / 3) / sa])
+    torch.testing.assert_close(got, want)
+    assert tracker.state_dict()["prompts_seen"] == ["a", "b", "c"]
+
+    history = PerPromptStatTracker(keep_history=True)
+    history.update(["x", "x"], torch.tensor([0.0, 2.0]))
+    second = history.update(["x", "x"], torch.tensor([4.0, 6.0]))
+    # history [0, 2, 4, 6]: mean 3, pstd sqrt(5)
+    s = math.sqrt(5.0) + 1e-4
+    torch.testing.assert_close(second, torch.tensor([1.0 / s, 3.0 / s]))
+    restored = PerPromptStatTracker(keep_history=True)
+    restored.load_state_dict(history.state_dict())
+    assert restored.history == history.history
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="scale"):
+        group_advantages(torch.zeros(2), [0, 0], scale="global")
+    with pytest.raises(ValueError, match="group_ids"):
+        group_advantages(torch.zeros(3), [0, 0])
+    with pytest.raises(ValueError, match=r"\[N\] or \[N, T\]"):
+        group_advantages(torch.zeros(2, 2, 2), [0, 0])

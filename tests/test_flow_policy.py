@@ -1,0 +1,157 @@
+"""The SD3 flow policy on the tiny pipeline: diffusers parity, log-prob replay, ratio 1, KL 0, LoRA only."""
+
+import pytest
+import torch
+
+from mmrl.core.losses import policy_loss
+from mmrl.pipelines.flow.policy import FlowPolicy
+from mmrl.pipelines.flow.schedule import plan_steps
+from mmrl.pipelines.flow.sd3 import SD3Family
+from mmrl.pipelines.flow.tiny import build_tiny_sd3
+
+LORA = {"rank": 4, "alpha": 4, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
+
+
+@pytest.fixture(scope="module")
+def tiny_sd3(tmp_path_factory):
+    return build_tiny_sd3(tmp_path_factory.mktemp("tiny") / "sd3")
+
+
+def make_policy(path, **kwargs):
+    family = SD3Family.from_pretrained(str(path), dtype=torch.float32, max_sequence_length=32)
+    defaults = dict(num_steps=6, eval_num_steps=6, resolution=32, guidance_scale=4.5, lora=dict(LORA))
+    defaults.update(kwargs)
+    return FlowPolicy(family, **defaults)
+
+
+def test_ode_sampling_matches_diffusers_pipeline(tiny_sd3):
+    from diffusers import StableDiffusion3Pipeline
+
+    policy = make_policy(tiny_sd3)
+    ours = policy.sample_eval(["a red apple"], [3, 4])
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(tiny_sd3))
+    latents = torch.stack([torch.randn((16, 16, 16), generator=torch.Generator().manual_seed(s)) for s in (3, 4)])
+    theirs = pipe("a red apple", num_images_per_prompt=2, num_inference_steps=6, guidance_scale=4.5, height=32, width=32, latents=latents,
+                  output_type="pt", max_sequence_length=32).images
+    torch.testing.assert_close(ours, theirs.float().clamp(0, 1), atol=1e-4, rtol=1e-4)
+
+
+def test_recomputed_logprobs_equal_rollout_and_first_ratio_is_one(tiny_sd3):
+    policy = make_policy(tiny_sd3)
+    rollout = policy.rollout(["a cat", "a dog"], 3, generator=torch.Generator().manual_seed(0))
+    assert rollout.old_logps.shape == (6, 5) and rollout.latents.shape[:2] == (6, 7)
+    full = policy.logprobs(rollout, torch.arange(6))
+    torch.testing.assert_close(full.logps, rollout.old_logps, atol=1e-6, rtol=0)
+    # a shuffled minibatch over a subset of steps, as the trainer slices it
+    idx, steps = torch.tensor([4, 1, 2]), torch.tensor([3, 0])
+    out = policy.logprobs(rollout, idx, steps, with_kl=True)
+    old = rollout.old_logps[idx][:, steps]
+    loss = policy_loss(out.logps, old, torch.tensor([1.0, -1.0, 0.5]), kl=out.kl, beta=0.04, clip_low=1e-4)
+    assert loss.metrics["ratio/min"].item() == 1.0 and loss.metrics["ratio/max"].item() == 1.0
+    assert torch.equal(out.kl, torch.zeros_like(out.kl))  # fresh LoRA (B = 0): the policy is its reference
+
+
+def test_only_lora_parameters_change(tiny_sd3):
+    policy = make_policy(tiny_sd3)
+    before = {k: v.clone() for k, v in policy.transformer.state_dict().items()}
+    rollout = policy.rollout(["a cat"], 4, generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-2)
+    out = policy.logprobs(rollout, torch.arange(4))
+    policy_loss(out.logps, rollout.old_logps, torch.tensor([1.0, -1.0, 0.5, -0.5]), clip_low=0.2).loss.backward()
+    opt.step()
+    after = policy.transformer.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed, "the update changed nothing"
+    assert all("lora" in k for k in changed)
+    assert all(p.requires_grad == ("lora" in n) for n, p in policy.transformer.named_parameters())
+
+
+def test_reference_is_base_model_after_update(tiny_sd3):
+    policy = make_policy(tiny_sd3)
+    rollout = policy.rollout(["a cat"], 2, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for name, p in policy.named_trainable_parameters().items():
+            if "lora_B" in name:
+                p.add_(0.05)
+    out = policy.logprobs(rollout, torch.arange(2), with_kl=True)
+    assert torch.all(out.kl > 0)
+    assert not torch.allclose(out.logps, rollout.old_logps)
+
+
+def test_full_finetuning_reference_is_a_frozen_copy(tiny_sd3):
+    policy = make_policy(tiny_sd3, lora=None)
+    policy.init_reference()
+    assert len(policy.trainable_parameters()) == len(list(policy.transformer.parameters()))
+    rollout = policy.rollout(["a cat"], 2, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        next(iter(policy.transformer.parameters())).add_(0.1)
+    out = policy.logprobs(rollout, torch.arange(2), with_kl=True)
+    assert torch.all(out.kl > 0)
+
+
+def test_window_modes_use_ode_outside_the_window(tiny_sd3):
+    policy = make_policy(tiny_sd3, train_steps="sliding_window", window_size=2, window_shift_every=1)
+    rollout = policy.rollout(["a cat"], 2, generator=torch.Generator().manual_seed(0), update=1)
+    assert rollout.plan.train.tolist() == [1, 2]
+    torch.testing.assert_close(rollout.noise_levels, torch.tensor([0.0, 0.7, 0.7, 0.0, 0.0, 0.0]))
+    # the two samples start from different noise and the SDE only acts inside the window
+    assert rollout.old_logps.shape == (2, 2)
+    torch.testing.assert_close(policy.logprobs(rollout, torch.arange(2)).logps, rollout.old_logps, atol=1e-6, rtol=0)
+
+
+def test_shared_group_noise(tiny_sd3):
+    policy = make_policy(tiny_sd3, share_group_noise=True)
+    rollout = policy.rollout(["a cat", "a dog"], 2, generator=torch.Generator().manual_seed(0))
+    x0 = rollout.latents[:, 0]
+    assert torch.equal(x0[0], x0[1]) and torch.equal(x0[2], x0[3]) and not torch.equal(x0[0], x0[2])
+    assert not torch.equal(rollout.latents[0, -1], rollout.latents[1, -1])  # SDE noise still differs
+
+
+def test_lora_export_loads_in_diffusers(tiny_sd3, tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+
+    policy = make_policy(tiny_sd3)
+    with torch.no_grad():
+        for name, p in policy.named_trainable_parameters().items():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    policy.export(str(tmp_path / "lora"))
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(tiny_sd3))
+    pipe.load_lora_weights(str(tmp_path / "lora"))
+    latents = torch.randn((1, 16, 16, 16), generator=torch.Generator().manual_seed(5))
+    theirs = pipe("a cat", num_inference_steps=6, guidance_scale=4.5, height=32, width=32, latents=latents,
+                  output_type="pt", max_sequence_length=32).images
+    ours = policy.sample_eval(["a cat"], [5])
+    torch.testing.assert_close(ours, theirs.float().clamp(0, 1), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "mode,kwargs,sde,train",
+    [
+        ("fraction", {"timestep_fraction": 0.99}, [True] * 10, list(range(9))),
+        ("fraction", {"timestep_fraction": 0.5}, [True] * 10, list(range(5))),
+        ("sliding_window", {"window_size": 4, "shift_every": 2, "update": 5}, None, [2, 3, 4, 5]),
+        ("sliding_window", {"window_size": 4, "shift_every": 1, "update": 6}, None, [0, 1, 2, 3]),  # wraps at 6
+    ],
+)
+def test_plan_steps(mode, kwargs, sde, train):
+    plan = plan_steps(mode, 10, **kwargs)
+    assert plan.train.tolist() == train
+    if sde is not None:
+        assert plan.sde.tolist() == sde
+    else:
+        assert plan.sde.nonzero().flatten().tolist() == train
+
+
+def test_random_plans_are_seeded_and_in_range():
+    for seed in range(20):
+        w = plan_steps("random_window", 10, window_size=3, generator=torch.Generator().manual_seed(seed))
+        assert w.train.tolist() == list(range(w.train[0].item(), w.train[0].item() + 3))
+        assert 0 <= w.train[0].item() <= 2  # start <= S//2 - W
+        f = plan_steps("random_fraction", 10, timestep_fraction=0.6, generator=torch.Generator().manual_seed(seed))
+        assert len(f.train) == 6 and f.train.max().item() <= 8 and f.sde.all()
+    a = plan_steps("random_fraction", 10, timestep_fraction=0.6, generator=torch.Generator().manual_seed(1))
+    b = plan_steps("random_fraction", 10, timestep_fraction=0.6, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a.train, b.train)
+    with pytest.raises(ValueError, match="longer than"):
+        plan_steps("random_window", 4, window_size=4)

@@ -1,0 +1,178 @@
+"""The loop end to end on the tiny SD3 pipeline: CLI outputs, exact resume, faults, NaN handling."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mmrl.checkpoint import latest_checkpoint, list_checkpoints
+from mmrl.cli import main
+from mmrl.config import load_config
+from mmrl.pipelines.flow.tiny import build_tiny_sd3
+from mmrl.rewards import Reward, register_reward
+
+TINY = ["sampling.num_steps=4", "sampling.eval_num_steps=4", "sampling.max_sequence_length=16",
+        "data.prompts_per_step=2", "data.group_size=2", "train.batch_size=2", "data.eval_seeds=[0, 1]",
+        "data.num_eval_prompts=2", "logging.progress_bar=false", "logging.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return str(build_tiny_sd3(tmp_path_factory.mktemp("tiny") / "sd3"))
+
+
+def _run(tmp_path, tiny_path, *extra):
+    args = ["train", f"output_dir={tmp_path}", f"model.pretrained={tiny_path}", *TINY, *extra]
+    assert main(args) == 0
+    return [json.loads(line) for line in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_cli_train_writes_every_output(tmp_path, tiny_path):
+    metrics = _run(tmp_path, tiny_path, "train.steps=2", "logging.eval_every=2", "logging.save_every=1",
+                   "logging.keep_last=1", "logging.tensorboard=true")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for key in ("reward/mean", "reward/colorfulness", "loss", "clipfrac", "kl", "grad_norm", "time/rollout",
+                "time/reward", "time/train", "samples/trained", "samples/nan_reward"):
+        assert key in metrics[0] and math.isfinite(metrics[0][key]), key
+    assert (tmp_path / "config.yaml").is_file()
+    assert load_config(tmp_path / "config.yaml").train.steps == 2  # the saved config reloads
+    assert (tmp_path / "samples" / "step_0.png").is_file() and (tmp_path / "samples" / "step_2.png").is_file()
+    from PIL import Image
+
+    assert Image.open(tmp_path / "samples" / "step_2.png").size == (2 * 32, 2 * 32)
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_2"]  # keep_last=1
+    ckpt = tmp_path / "checkpoints" / "step_2"
+    assert (ckpt / "export" / "pytorch_lora_weights.safetensors").is_file()
+    assert json.loads((ckpt / "state.json").read_text())["update"] == 2
+    assert list((tmp_path / "tensorboard").glob("events.*"))
+    # mmrl sample reads the run back
+    assert main(["sample", str(tmp_path), "--prompt", "a cat", "--seeds", "0", "1", "--out",
+                 str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "grid.png").is_file() and (tmp_path / "out" / "p0_s1.png").is_file()
+
+
+def test_two_steps_resume_two_steps_equals_four(tmp_path, tiny_path):
+    extra = ["logging.eval_every=0", "logging.save_every=2", "optim.lr=1e-2", "algorithm.clip_low=0.01",
+             "train.inner_epochs=2", "optim.ema=true"]
+    straight = _run(tmp_path / "a", tiny_path, "train.steps=4", *extra)
+    _run(tmp_path / "b", tiny_path, "train.steps=2", *extra)
+    resumed = _run(tmp_path / "b", tiny_path, "train.steps=4", "resume=auto", *extra)
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    a = load_file(str(tmp_path / "a" / "checkpoints" / "step_4" / "trainable.safetensors"))
+    b = load_file(str(tmp_path / "b" / "checkpoints" / "step_4" / "trainable.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    for ma, mb in zip(straight, resumed):
+        assert ma["reward/mean"] == mb["reward/mean"] and ma["loss"] == mb["loss"]
+    first = load_file(str(tmp_path / "a" / "checkpoints" / "step_2" / "trainable.safetensors"))
+    assert any(not torch.equal(first[k], a[k]) for k in a)  # training moved the weights
+
+
+def test_resume_skips_checkpoint_killed_while_writing(tmp_path, tiny_path):
+    _run(tmp_path, tiny_path, "train.steps=2", "logging.eval_every=0", "logging.save_every=1", "logging.keep_last=3")
+    ckpts = tmp_path / "checkpoints"
+    # a kill during the next save: a half-written temporary folder and a step folder without its marker
+    shutil.copytree(ckpts / "step_2", ckpts / ".step_3.tmp-999")
+    shutil.copytree(ckpts / "step_2", ckpts / "step_3")
+    (ckpts / "step_3" / "state.json").unlink()
+    assert latest_checkpoint(ckpts).name == "step_2"
+    metrics = _run(tmp_path, tiny_path, "train.steps=3", "resume=auto", "logging.eval_every=0",
+                   "logging.save_every=1", "logging.keep_last=3")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert latest_checkpoint(ckpts).name == "step_3"
+    assert not list(ckpts.glob(".step_*"))
+
+
+@register_reward("test_half_nan")
+class HalfNaN(Reward):
+    """Test reward: brightness, but NaN for every second sample (a reward that cannot judge them)."""
+
+    name = "test_half_nan"
+    needs_prompts = False
+
+    def __call__(self, images, prompts=None, metadata=None):
+        x = images if isinstance(images, torch.Tensor) else torch.stack(
+            [torch.from_numpy(__import__("numpy").asarray(i)).permute(2, 0, 1) / 255 for i in images])
+        score = x.float().mean(dim=(1, 2, 3))
+        score[1::2] = float("nan")
+        self.last_info = {"num_nan": len(score[1::2]), "reasons": {"test": len(score[1::2])}}
+        return {self.name: score}
+
+
+def test_nan_rewards_are_counted_and_excluded(tmp_path, tiny_path):
+    metrics = _run(tmp_path, tiny_path, "train.steps=1", "logging.eval_every=0", "rewards={test_half_nan: 1.0}")
+    assert metrics[0]["samples/nan_reward"] == 2.0
+    assert math.isfinite(metrics[0]["reward/mean"]) and math.isfinite(metrics[0]["loss"])
+    # NaN samples get advantage 0; the other two (one per group) have no group partner either
+    assert metrics[0]["samples/zero_advantage"] == 4.0
+
+
+def test_nonfinite_loss_is_skipped_and_logged(tmp_path, tiny_path, monkeypatch):
+    from mmrl.pipelines.flow.policy import FlowPolicy
+
+    original = FlowPolicy.logprobs
+    calls = {"n": 0}
+
+    def flaky(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            out.logps = out.logps * float("nan")
+        return out
+
+    monkeypatch.setattr(FlowPolicy, "logprobs", flaky)
+    metrics = _run(tmp_path, tiny_path, "train.steps=2", "logging.eval_every=0", "train.gradient_accumulation_steps=2")
+    assert metrics[0]["train/skipped_nonfinite_loss"] == 1.0
+    assert metrics[1]["train/skipped_nonfinite_loss"] == 0.0
+    saved = load_file(str(tmp_path / "checkpoints" / "step_2" / "trainable.safetensors"))
+    assert all(torch.isfinite(v).all() for v in saved.values())
+
+
+def test_bad_inputs_give_one_clear_error(tmp_path, tiny_path, capsys):
+    assert main(["train", f"output_dir={tmp_path}", "train.stpes=3"]) == 2
+    assert "did you mean 'steps'" in capsys.readouterr().err
+    assert main(["train", f"output_dir={tmp_path}", "rewards={pickscroe: 1.0}"]) == 2
+    assert "pickscore" in capsys.readouterr().err
+    assert main(["train", f"output_dir={tmp_path}", f"data.prompts={tmp_path}/missing.txt"]) == 2
+    assert "prompt file not found" in capsys.readouterr().err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    assert main(["train", f"output_dir={tmp_path}", f"data.prompts={empty}", *TINY]) == 2
+    assert "empty" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a cat"}\n{"prompt": 3}\n')
+    assert main(["train", f"output_dir={tmp_path}", f"data.prompts={bad}", *TINY]) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
+    assert main(["train", f"output_dir={tmp_path}", f"model.pretrained={tmp_path}", *TINY]) == 2
+    assert "model_index.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", sorted(str(p) for p in Path(__file__).parents[1].glob("configs/**/*.yaml")))
+def test_every_shipped_config_validates(path):
+    config = load_config(path, check_files=False)
+    assert config.train.steps >= 1
+
+
+def test_two_process_gloo_run_keeps_replicas_in_sync(tmp_path, tiny_path):
+    """torchrun with 2 CPU processes: gradients all-reduced, both replicas end with identical weights."""
+    script = Path(__file__).with_name("dist_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+           str(script), str(tmp_path), tiny_path, *TINY]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    w0 = load_file(str(tmp_path / "rank0.safetensors"))
+    w1 = load_file(str(tmp_path / "rank1.safetensors"))
+    for key in w0:
+        assert torch.equal(w0[key], w1[key]), key
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert metrics[0]["samples/trained"] + metrics[0]["samples/zero_advantage"] == 8  # 2 processes x 4 samples
