@@ -1,7 +1,8 @@
 """Atomic, resumable checkpoints.
 
-``checkpoints/step_<k>/`` holds the trainable weights (``trainable.safetensors``), the exported
-adapter (diffusers LoRA / PEFT format, under ``export/``), optimizer, LR scheduler, EMA, RNG states
+``checkpoints/step_<k>/`` holds the trainable weights (``trainable.safetensors``, the live ones that
+resuming needs), the exported adapter (diffusers LoRA / PEFT format, EMA weights when EMA is on, under
+``export/``), optimizer, LR scheduler, EMA, RNG states
 and the loop state (update index, data position, statistics tracker) in ``state.json``. A
 checkpoint is written into a hidden temporary folder and renamed into place in one ``os.replace``,
 so a run killed while saving leaves the previous checkpoint intact; ``latest_checkpoint`` only ever

@@ -73,6 +73,8 @@ def _cmd_sample(args) -> int:
     config = load_config(run_dir / "config.yaml", args.overrides)
     policy = build_policy(config, device="cuda" if torch.cuda.is_available() else "cpu")
     weights = load_file(str(ckpt / "trainable.safetensors"))
+    if (ckpt / "ema.pt").is_file() and not args.no_ema:  # the EMA weights are what the run evaluated
+        weights = torch.load(ckpt / "ema.pt", map_location="cpu", weights_only=False)["shadow"]
     with torch.no_grad():
         for name, param in policy.named_trainable_parameters().items():
             param.copy_(weights[name])
@@ -128,6 +130,7 @@ def make_parser() -> argparse.ArgumentParser:
     sample.add_argument("--seeds", type=int, nargs="+", default=[0])
     sample.add_argument("--steps", type=int, default=None, help="ODE steps (default: sampling.eval_num_steps)")
     sample.add_argument("--out", default=None)
+    sample.add_argument("--no-ema", action="store_true", help="use the live weights even if the run kept an EMA")
     sample.add_argument("overrides", nargs="*")
     sample.set_defaults(func=_cmd_sample)
 

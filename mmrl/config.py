@@ -19,6 +19,10 @@ from typing import Any
 import yaml
 
 
+#: The embedded default run (`mmrl train` with no config): tiny SD3 on CPU. configs/tiny/flow_grpo.yaml is a copy.
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "default.yaml"
+
+
 class ConfigError(ValueError):
     """A configuration problem, with the key path and what was expected."""
 
@@ -33,36 +37,26 @@ def opt(default: Any, help: str, choices: tuple | None = None, **kwargs: Any) ->
     return field(default=default, metadata=metadata, **kwargs)
 
 
-TINY_PROMPTS = (
-    "a red apple on a table",
-    "a small blue boat on the sea",
-    "a cat sitting in the sun",
-    "a green tree in a field",
-    "a yellow house at night",
-    "a bowl of fruit",
-    "a mountain under a cloudy sky",
-    "a dog running on the beach",
-)
-
-
 @dataclass
 class ModelConfig:
     """The policy being trained."""
 
     family: str = opt("sd3", "Model family adapter in mmrl.pipelines.flow: 'sd3' (SD3 / SD3.5) or 'flux'.",
                       choices=("sd3", "flux"))
-    pretrained: str = opt("tiny:sd3", "Hub id, local directory (save_pretrained layout), or 'tiny:sd3' / 'tiny:flux' "
+    pretrained: str = opt("stabilityai/stable-diffusion-3.5-medium",
+                          "Hub id, local directory (save_pretrained layout), or 'tiny:sd3' / 'tiny:flux' "
                           "for the tiny random CPU models built on the spot.")
     revision: str | None = opt(None, "Hub revision of `pretrained`.")
-    dtype: str = opt("float32", "Dtype of the frozen weights; step math is always fp32.",
+    dtype: str = opt("bfloat16", "Dtype of the frozen weights; trainable weights and step math are fp32.",
                      choices=("float32", "bfloat16", "float16"))
-    resolution: int = opt(32, "Image height and width in pixels.")
+    resolution: int = opt(512, "Image height and width in pixels (Flow-GRPO SD3.5-M: 512).")
     use_lora: bool = opt(True, "Train LoRA adapters (PEFT) on the transformer; False trains all of its weights.")
-    lora_rank: int = opt(8, "LoRA rank r.")
-    lora_alpha: int = opt(16, "LoRA alpha (scaling alpha / r).")
+    lora_rank: int = opt(32, "LoRA rank r (Flow-GRPO: 32).")
+    lora_alpha: int = opt(64, "LoRA alpha, scaling alpha / r (Flow-GRPO: 64).")
     lora_dropout: float = opt(0.0, "LoRA dropout.")
-    lora_target_modules: list = opt(["to_q", "to_k", "to_v", "to_out.0"],
-                                    "Transformer module names that get LoRA adapters (Flow-GRPO adds add_*_proj too).")
+    lora_target_modules: list = opt(["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+                                     "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"],
+                                    "Transformer module names that get LoRA adapters (Flow-GRPO's SD3 list).")
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory.")
 
 
@@ -71,7 +65,7 @@ class SamplingConfig:
     """How trajectories are sampled and which steps are stochastic and trained (REFERENCE.md section 3)."""
 
     num_steps: int = opt(10, "Denoising steps per trajectory (Flow-GRPO trains with 10, evaluates with 40).")
-    eval_num_steps: int = opt(10, "ODE steps for evaluation grids.")
+    eval_num_steps: int = opt(40, "ODE steps for evaluation grids (Flow-GRPO: 40).")
     guidance_scale: float = opt(4.5, "Classifier-free guidance scale; 1.0 disables CFG (one forward per step).")
     negative_prompt: str = opt("", "Negative prompt for classifier-free guidance.")
     max_sequence_length: int = opt(256, "T5 token budget for prompt encoding (SD3/FLUX).")
@@ -101,13 +95,12 @@ class DataConfig:
 
     prompts: str | None = opt(None, "Prompt file: .txt (one per line) or .jsonl (a 'prompt' field, other fields "
                                     "kept as metadata for rewards).")
-    prompt_list: list = opt(list(TINY_PROMPTS), "Inline prompts, used when `prompts` is not set (default: the "
-                                                "embedded tiny run's prompts).")
+    prompt_list: list = opt([], "Inline prompts, used when `prompts` is not set.")
     eval_prompts: list = opt([], "Fixed prompts for the evaluation grid (default: the first training prompts).")
     num_eval_prompts: int = opt(4, "Rows of the evaluation grid when eval_prompts is empty.")
     eval_seeds: list = opt([0, 1, 2, 3], "Fixed seeds (grid columns) for evaluation samples.")
-    prompts_per_step: int = opt(2, "Prompts sampled per update on each process.")
-    group_size: int = opt(4, "Samples per prompt G (the group of group-relative advantages).")
+    prompts_per_step: int = opt(6, "Prompts sampled per update on each process.")
+    group_size: int = opt(24, "Samples per prompt G, the group of group-relative advantages (Flow-GRPO: 24).")
     shuffle: bool = opt(True, "Shuffle the prompts each pass (seeded).")
 
 
@@ -117,7 +110,8 @@ class AlgorithmConfig:
 
     advantage: str = opt("grpo", "Advantage estimator: 'grpo' (linear group normalisation) or 'gaussian_rank' (G2RPO).",
                          choices=("grpo", "gaussian_rank"))
-    scale: str = opt("group", "Advantage scale: group | batch | none (Dr. GRPO).", choices=("group", "batch", "none"))
+    scale: str = opt("batch", "Advantage scale: group | batch (group mean, batch std: Flow-GRPO global_std) | "
+                     "none (Dr. GRPO).", choices=("group", "batch", "none"))
     std_ddof: int = opt(0, "0: biased std (Flow-GRPO tracker), 1: unbiased (TRL).", choices=(0, 1))
     eps: float = opt(1e-4, "Added to the std before dividing.")
     advantage_clamp: float | None = opt(5.0, "Clamp advantages to +-this (Flow-GRPO: 5); null disables.")
@@ -154,12 +148,13 @@ class OptimConfig:
 class TrainConfig:
     """The loop."""
 
-    steps: int = opt(20, "Number of updates (sample -> score -> optimise).")
+    steps: int = opt(1000, "Number of updates (sample -> score -> optimise).")
     inner_epochs: int = opt(1, "Passes over each sampled batch (K).")
-    batch_size: int = opt(4, "Samples per minibatch on each process.")
-    gradient_accumulation_steps: int = opt(1, "Minibatches per optimizer step.")
+    batch_size: int = opt(9, "Samples per minibatch on each process (Flow-GRPO: 9).")
+    gradient_accumulation_steps: int = opt(8, "Minibatches per optimizer step (Flow-GRPO: 2 optimizer steps per "
+                                           "update).")
     timestep_chunk: int = opt(0, "Trained steps per forward pass (0 = all of a minibatch's trained steps at once).")
-    mixed_precision: str = opt("no", "accelerate mixed precision.", choices=("no", "bf16", "fp16"))
+    mixed_precision: str = opt("bf16", "accelerate mixed precision.", choices=("no", "bf16", "fp16"))
     reward_batch_size: int = opt(32, "Images per reward call.")
     sample_batch_size: int = opt(16, "Trajectories per sampling forward pass on each process.")
 
@@ -168,8 +163,8 @@ class TrainConfig:
 class LoggingConfig:
     """Outputs."""
 
-    eval_every: int = opt(5, "Write samples/step_<k>.png (ODE, fixed prompts and seeds) every this many updates; 0 off.")
-    save_every: int = opt(5, "Write checkpoints/step_<k>/ every this many updates; 0 only at the end.")
+    eval_every: int = opt(60, "Write samples/step_<k>.png (ODE, fixed prompts and seeds) every this many updates; 0 off.")
+    save_every: int = opt(60, "Write checkpoints/step_<k>/ every this many updates; 0 only at the end.")
     keep_last: int = opt(2, "Checkpoints kept on disk.")
     tensorboard: bool = opt(True, "Write TensorBoard events under output_dir/tensorboard.")
     wandb_project: str | None = opt(None, "Also log to this Weights & Biases project (needs `pip install wandb`).")
@@ -180,13 +175,13 @@ class LoggingConfig:
 class Config:
     """A training run."""
 
-    output_dir: str = opt("runs/tiny_flow_grpo", "Where config.yaml, metrics.jsonl, samples/ and checkpoints/ go.")
+    output_dir: str = opt("runs/mmrl", "Where config.yaml, metrics.jsonl, samples/ and checkpoints/ go.")
     seed: int = opt(0, "Seed for data order, noise and initialisation.")
     resume: str | None = opt(None, "'auto' (latest checkpoint in output_dir, if any), a checkpoint path, or null.")
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "The policy."})
     sampling: SamplingConfig = field(default_factory=SamplingConfig, metadata={"help": "Rollouts."})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Prompts."})
-    rewards: dict = opt({"colorfulness": 1.0},
+    rewards: dict = opt({},
                         "Reward name -> weight, or -> {weight: w, kwargs: {...}, reward: registered name} "
                         "(see `mmrl rewards`).")
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig, metadata={"help": "Advantages and loss."})
@@ -287,11 +282,9 @@ def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None, *
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None, *, check_files: bool = True) -> Config:
-    """Read YAML (``None``: the embedded default, i.e. the dataclass defaults: the tiny CPU Flow-GRPO run), apply
-    overrides, validate."""
-    if path is None:
-        return config_from_dict({}, overrides, check_files=check_files)
-    path = Path(path)
+    """Read YAML (``None``: the embedded default, the tiny CPU Flow-GRPO run), apply overrides, validate.
+    Keys the file leaves out take the dataclass defaults, which follow Flow-GRPO's SD3.5-Medium settings."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:

@@ -119,7 +119,7 @@ class Trainer:
                      "data": self.prompts.state_dict(), "tracker": self.tracker.state_dict()}
             save_checkpoint(self.output_dir / "checkpoints", self.update,
                             trainable=self.policy.named_trainable_parameters(), state=state, objects=objects,
-                            export=self.policy.export, keep_last=self.config.logging.keep_last)
+                            export=self._export, keep_last=self.config.logging.keep_last)
         acc.wait_for_everyone()
 
     def resume(self, target: str) -> int | None:
@@ -254,16 +254,41 @@ class Trainer:
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         return metrics
 
+    @contextlib.contextmanager
+    def ema_weights(self):
+        """Swap the EMA weights in (for evaluation and export), restoring the live ones afterwards."""
+        if self.ema is None:
+            yield
+            return
+        params = self.policy.named_trainable_parameters()
+        live = {k: p.detach().clone() for k, p in params.items()}
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(self.ema.shadow[k])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for k, p in params.items():
+                    p.copy_(live[k])
+
+    def _export(self, directory: str) -> None:
+        with self.ema_weights():
+            self.policy.export(directory)
+
     def _evaluate(self) -> None:
+        """Evaluation grid on the main process: fixed prompts x fixed seeds, ODE, EMA weights when enabled."""
+        if not self.accelerator.is_main_process:
+            return
         c = self.config
         prompts = list(c.data.eval_prompts) or [item.prompt for item in self.prompts.items[:c.data.num_eval_prompts]]
-        images = self.policy.sample_eval(prompts, list(c.data.eval_seeds))
-        if self.accelerator.is_main_process:
-            grid = make_grid_image(images, rows=len(prompts))
-            (self.output_dir / "samples").mkdir(parents=True, exist_ok=True)
-            grid.save(self.output_dir / "samples" / f"step_{self.update}.png")
-            if self.logger is not None:
-                self.logger.log_image("samples", grid, self.update)
+        with self.ema_weights():
+            images = self.policy.sample_eval(prompts, list(c.data.eval_seeds))
+        grid = make_grid_image(images, rows=len(prompts))
+        (self.output_dir / "samples").mkdir(parents=True, exist_ok=True)
+        grid.save(self.output_dir / "samples" / f"step_{self.update}.png")
+        if self.logger is not None:
+            self.logger.log_image("samples", grid, self.update)
 
     # ------------------------------------------------------------------------------------------- loop
 

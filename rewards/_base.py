@@ -147,6 +147,16 @@ class ImageBatch:
         return [self.prompts[i] for i in self.valid_indices]
 
 
+def prompt_image_cosine(batch: "ImageBatch", text_embeddings: Callable, image_embeddings: Callable) -> torch.Tensor:
+    """Cosine of each valid sample's L2-normalised image embedding with its prompt's; the text tower runs once
+    per unique prompt, the image tower once per batch (shared by the CLIP-family rewards)."""
+    prompts = batch.valid_prompts()
+    slot = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
+    text = text_embeddings(list(slot))
+    where = torch.tensor([slot[p] for p in prompts], device=text.device)
+    return (image_embeddings(batch.pil()) * text[where]).sum(dim=-1)
+
+
 def _seq_len(x: Any, what: str) -> int:
     if isinstance(x, (str, bytes)) or not hasattr(x, "__len__"):
         raise ValueError(f"{what} must be a list with one entry per image, got {type(x).__name__}")

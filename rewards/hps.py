@@ -28,6 +28,7 @@ import torch
 from PIL import Image
 
 from ._base import (
+    prompt_image_cosine,
     ImageBatch,
     MissingWeightsError,
     Reward,
@@ -210,9 +211,5 @@ class HPSv2(Reward):
 
     @torch.inference_mode()
     def _score(self, batch: ImageBatch, reasons: dict[int, str]) -> dict[str, torch.Tensor]:
-        prompts = batch.valid_prompts()
-        slot = {p: i for i, p in enumerate(dict.fromkeys(prompts))}  # one text forward per prompt
-        text = self.text_embeddings(list(slot))
-        where = torch.tensor([slot[p] for p in prompts], device=text.device)
-        image = self.image_embeddings(batch.pil())
-        return {self.name: (image * text[where]).sum(dim=-1).cpu()}
+        cos = prompt_image_cosine(batch, self.text_embeddings, self.image_embeddings)
+        return {self.name: cos.cpu()}

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ._base import (
+    prompt_image_cosine,
     ImageBatch,
     MissingWeightsError,
     Reward,
@@ -185,11 +186,6 @@ class PickScore(Reward):
 
     @torch.inference_mode()
     def _score(self, batch: ImageBatch, reasons: dict[int, str]) -> dict[str, torch.Tensor]:
-        prompts = batch.valid_prompts()
-        slot = {p: i for i, p in enumerate(dict.fromkeys(prompts))}  # one text forward per prompt
-        text = self.text_embeddings(list(slot))
-        where = torch.tensor([slot[p] for p in prompts], device=text.device)
-        image = self.image_embeddings(batch.pil())
-        cos = (image * text[where]).sum(dim=-1)
+        cos = prompt_image_cosine(batch, self.text_embeddings, self.image_embeddings)
         scale = self.model.logit_scale.float().exp()
         return {self.name: (scale * cos / self.scale_divisor).cpu()}

@@ -9,7 +9,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One thread: the tiny models' matrices are small, and on a loaded 2-core machine OpenMP's spin-waiting
+# with 2 threads made tiny ops stall (test files ran 10-15x slower).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

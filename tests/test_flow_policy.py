@@ -9,7 +9,7 @@ from mmrl.pipelines.flow.schedule import plan_steps
 from mmrl.pipelines.flow.sd3 import SD3Family
 from mmrl.pipelines.flow.tiny import build_tiny_sd3
 
-LORA = {"rank": 4, "alpha": 4, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
+LORA = {"rank": 4, "alpha": 8, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
 
 
 @pytest.fixture(scope="module")

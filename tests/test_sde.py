@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from mmrl.pipelines.flow.sde import SDE_KINDS, SDEStepOutput, flow_kl, sde_step
+from mmrl.core.kl import flow_kl
+from mmrl.pipelines.flow.sde import SDE_KINDS, SDEStepOutput, sde_step
 
 TOL = 1e-5
 SHAPE = (2, 3, 4, 4)

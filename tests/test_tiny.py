@@ -119,7 +119,7 @@ def test_tokenizers_are_deterministic_and_cover_english(tmp_path, built):
 
 def test_ensure_tiny_builds_once_and_reuses(tmp_path, monkeypatch):
     path = ensure_tiny("sd3", tmp_path)
-    assert path == tmp_path / "tiny-sd3-v1"
+    assert path == tmp_path / "tiny-sd3-v2"
     assert (path / "model_index.json").is_file()
     weights = path / "transformer" / "diffusion_pytorch_model.safetensors"
     mtime = weights.stat().st_mtime_ns
@@ -130,14 +130,14 @@ def test_ensure_tiny_builds_once_and_reuses(tmp_path, monkeypatch):
     monkeypatch.setitem(tiny._BUILDERS, "sd3", no_rebuild)
     assert ensure_tiny("sd3", tmp_path) == path
     assert weights.stat().st_mtime_ns == mtime
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-sd3-v1"], "temp dir left behind"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-sd3-v2"], "temp dir left behind"
     _generate(_load("sd3", path), steps=1)
 
 
 def test_ensure_tiny_default_cache_dir_from_env(tmp_path, monkeypatch):
     monkeypatch.setenv("MMRL_CACHE", str(tmp_path / "cache"))
     path = ensure_tiny("flux")
-    assert path == tmp_path / "cache" / "tiny-flux-v1"
+    assert path == tmp_path / "cache" / "tiny-flux-v2"
     assert _generate(_load("flux", path), steps=1).shape == (2, 3, 32, 32)
 
 
@@ -153,17 +153,17 @@ def test_ensure_tiny_failed_build_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_ensure_tiny_replaces_incomplete_dir(tmp_path):
-    stale = tmp_path / "tiny-flux-v1"
+    stale = tmp_path / "tiny-flux-v2"
     stale.mkdir()
     (stale / "junk").write_text("not a pipeline")
     path = ensure_tiny("flux", tmp_path)
     assert not (path / "junk").exists() and (path / "model_index.json").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-flux-v1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-flux-v2"]
 
 
 def test_ensure_tiny_loses_a_race_gracefully(tmp_path, monkeypatch):
     real = tiny._BUILDERS["flux"]
-    final = tmp_path / "tiny-flux-v1"
+    final = tmp_path / "tiny-flux-v2"
 
     def racing(outdir, **kwargs):
         real(outdir, **kwargs)
@@ -174,7 +174,7 @@ def test_ensure_tiny_loses_a_race_gracefully(tmp_path, monkeypatch):
     monkeypatch.setitem(tiny._BUILDERS, "flux", racing)
     assert ensure_tiny("flux", tmp_path) == final
     assert (final / tiny._COMPLETE_MARKER).read_text() == "other process\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-flux-v1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-flux-v2"]
 
 
 def test_bad_arguments_are_rejected(tmp_path):

@@ -16,7 +16,7 @@ from mmrl.checkpoint import latest_checkpoint, list_checkpoints
 from mmrl.cli import main
 from mmrl.config import load_config
 from mmrl.pipelines.flow.tiny import build_tiny_sd3
-from mmrl.rewards import Reward, register_reward
+from mmrl.rewards import register_reward
 
 TINY = ["sampling.num_steps=4", "sampling.eval_num_steps=4", "sampling.max_sequence_length=16",
         "data.prompts_per_step=2", "data.group_size=2", "train.batch_size=2", "data.eval_seeds=[0, 1]",
@@ -38,7 +38,7 @@ def test_cli_train_writes_every_output(tmp_path, tiny_path):
     metrics = _run(tmp_path, tiny_path, "train.steps=2", "logging.eval_every=2", "logging.save_every=1",
                    "logging.keep_last=1", "logging.tensorboard=true")
     assert [m["step"] for m in metrics] == [1, 2]
-    for key in ("reward/mean", "reward/colorfulness", "loss", "clipfrac", "kl", "grad_norm", "time/rollout",
+    for key in ("reward/mean", "reward/brightness", "loss", "clipfrac", "kl", "grad_norm", "time/rollout",
                 "time/reward", "time/train", "samples/trained", "samples/nan_reward"):
         assert key in metrics[0] and math.isfinite(metrics[0][key]), key
     assert (tmp_path / "config.yaml").is_file()
@@ -92,16 +92,17 @@ def test_resume_skips_checkpoint_killed_while_writing(tmp_path, tiny_path):
 
 
 @register_reward("test_half_nan")
-class HalfNaN(Reward):
+class HalfNaN:
     """Test reward: brightness, but NaN for every second sample (a reward that cannot judge them)."""
 
     name = "test_half_nan"
     needs_prompts = False
 
+    def __init__(self):
+        self.last_info = {}
+
     def __call__(self, images, prompts=None, metadata=None):
-        x = images if isinstance(images, torch.Tensor) else torch.stack(
-            [torch.from_numpy(__import__("numpy").asarray(i)).permute(2, 0, 1) / 255 for i in images])
-        score = x.float().mean(dim=(1, 2, 3))
+        score = images.float().mean(dim=(1, 2, 3))
         score[1::2] = float("nan")
         self.last_info = {"num_nan": len(score[1::2]), "reasons": {"test": len(score[1::2])}}
         return {self.name: score}
@@ -176,3 +177,19 @@ def test_two_process_gloo_run_keeps_replicas_in_sync(tmp_path, tiny_path):
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     assert metrics[0]["samples/trained"] + metrics[0]["samples/zero_advantage"] == 8  # 2 processes x 4 samples
+
+
+def test_embedded_default_is_the_shipped_tiny_recipe(tmp_path):
+    repo = Path(__file__).parents[1]
+    assert (repo / "configs/tiny/flow_grpo.yaml").read_text() == (repo / "mmrl/default.yaml").read_text()
+    config = load_config(None)
+    assert config.model.pretrained == "tiny:sd3" and config.rewards == {"brightness": 1.0}
+    # `mmrl train` with no config file runs it (shortened here)
+    os.environ["MMRL_CACHE"] = str(tmp_path / "cache")
+    try:
+        assert main(["train", f"output_dir={tmp_path / 'run'}", "train.steps=1", "data.prompts_per_step=1",
+                     "train.batch_size=8", "logging.eval_every=0", "logging.progress_bar=false"]) == 0
+    finally:
+        del os.environ["MMRL_CACHE"]
+    assert (tmp_path / "run" / "checkpoints" / "step_1" / "state.json").is_file()
+    assert (tmp_path / "cache" / "tiny-sd3-v2").is_dir()

@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from mmrl.pipelines.flow.schedule import StepPlan, plan_steps
-from mmrl.pipelines.flow.sde import flow_kl, sde_step
+from mmrl.core.kl import flow_kl
+from mmrl.pipelines.flow.sde import sde_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -126,7 +127,9 @@ class FlowPolicy:
             p.data = p.data.float()  # trainable weights (and their optimizer state) in fp32
         if gradient_checkpointing:
             self.transformer.enable_gradient_checkpointing()
-        self.model = self.transformer  # replaced by the accelerate-wrapped module in prepare()
+        # the module that computes training log-probs: replaced by the DDP-wrapped one in prepare(); sampling
+        # (no gradients) calls the unwrapped transformer directly
+        self.model = self.transformer
         self._negative: dict[str, Tensor] | None = None
         self._use_cfg = family.name == "sd3" and guidance_scale > 1.0
         if self._use_cfg:
@@ -223,7 +226,7 @@ class FlowPolicy:
             xb = x[rows].to(self.device)
             for s in range(self.num_steps):
                 b = xb.shape[0]
-                v = self._velocity(self.model, xb, torch.full((b,), s), timesteps.to(self.device), batch_cond)
+                v = self._velocity(self.transformer, xb, torch.full((b,), s), timesteps.to(self.device), batch_cond)
                 out = sde_step(xb, v, sigmas[s].item(), sigmas[s + 1].item(),
                                kind=self.sde if plan.sde[s] else "ode",
                                noise_level=noise_levels[s].item() if plan.sde[s] else None,
@@ -293,7 +296,7 @@ class FlowPolicy:
             x = x.to(self.device)
             batch_cond = {k: v.expand(len(seeds), *v.shape[1:]) for k, v in cond.items()}
             for s in range(num_steps):
-                v = self._velocity(self.model, x, torch.full((len(seeds),), s), timesteps.to(self.device),
+                v = self._velocity(self.transformer, x, torch.full((len(seeds),), s), timesteps.to(self.device),
                                    batch_cond)
                 x = sde_step(x, v, sigmas[s].item(), sigmas[s + 1].item(), kind="ode").prev_sample
             images.append(self.family.decode(x).cpu())

@@ -83,5 +83,7 @@ class SD3Family:
         return (image.float() / 2 + 0.5).clamp(0, 1)
 
     def save_lora(self, directory: str, transformer_lora_layers: dict[str, Tensor]) -> None:
-        """Write ``pytorch_lora_weights.safetensors`` that ``StableDiffusion3Pipeline.load_lora_weights`` loads."""
-        self.pipe.save_lora_weights(directory, transformer_lora_layers=transformer_lora_layers)
+        """Write ``pytorch_lora_weights.safetensors`` that ``StableDiffusion3Pipeline.load_lora_weights`` loads, with
+        the adapter config as metadata so rank *and* alpha (the scale) load back."""
+        self.pipe.save_lora_weights(directory, transformer_lora_layers=transformer_lora_layers,
+                                    transformer_lora_adapter_metadata=self.transformer.peft_config["default"].to_dict())

@@ -65,7 +65,6 @@ __all__ = [
     "DEFAULT_NOISE_LEVELS",
     "SDEStepOutput",
     "sde_step",
-    "flow_kl",
 ]
 
 SDE_KINDS = ("flow_grpo", "dance", "cps", "ode")
@@ -92,7 +91,7 @@ class SDEStepOutput:
             cps: ``s``; ode: 0).
         noise_scale: ``[B, 1, ..., 1]`` the anchor's ``std_dev_t`` (flow_grpo: ``sigma_t``;
             cps: ``s``; dance: ``eta``; ode: 0). Flow-GRPO's KL divides by ``2 * noise_scale**2``
-            (see :func:`flow_kl`).
+            (see :func:`mmrl.core.kl.flow_kl`).
         log_prob: ``[B]`` log-probability of ``prev_sample`` averaged over the non-batch dims
             (surrogate for cps, see the module docstring); ``None`` for ``kind="ode"``.
     """
@@ -270,35 +269,3 @@ def sde_step(
         lp = -(diff**2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
     log_prob = lp.mean(dim=tuple(range(1, ndim)))
     return SDEStepOutput(prev_sample=prev, mean=mean, std=std, noise_scale=noise_scale, log_prob=log_prob)
-
-
-def flow_kl(mean: Tensor, ref_mean: Tensor, noise_scale: Scalar) -> Tensor:
-    """Flow-GRPO's KL to the reference policy, per sample: ``mean_dims[(mean - ref_mean)^2] / (2 noise_scale^2)``.
-
-    Mirrors Flow-GRPO (Liu et al. 2025, arXiv 2505.05470; ``train.beta > 0``), where the
-    reference is the base model (LoRA adapters disabled) evaluated on the same ``x`` and
-    ``noise_scale`` is the step's ``std_dev_t`` (:attr:`SDEStepOutput.noise_scale`). Note the
-    anchor divides by ``sigma_t^2``, not by the transition variance ``std^2 = sigma_t^2 * (-dt)``,
-    so this equals the exact Gaussian KL times ``-dt``. Undefined where ``noise_scale`` is 0
-    (ode steps, the cps step to sigma = 0).
-
-    Args:
-        mean, ref_mean: ``[B, ...]`` step means of the policy and the reference.
-        noise_scale: a float, a 0-dim, ``[B]`` or ``[B, 1, ..., 1]`` tensor.
-
-    Returns:
-        ``[B]`` float32.
-    """
-    if mean.shape != ref_mean.shape:
-        raise ValueError(f"mean shape {tuple(mean.shape)} does not match ref_mean shape {tuple(ref_mean.shape)}")
-    if mean.ndim < 2:
-        raise ValueError(f"mean must be [B, ...] with at least one non-batch dim; got shape {tuple(mean.shape)}")
-    sq = ((mean.float() - ref_mean.float().to(mean.device)) ** 2).mean(dim=tuple(range(1, mean.ndim)))
-    ns = torch.as_tensor(noise_scale, dtype=torch.float32, device=mean.device)
-    if ns.ndim > 0:
-        if ns.numel() != ns.shape[0] or ns.shape[0] not in (1, mean.shape[0]):
-            raise ValueError(
-                f"noise_scale must be a scalar, [B] or [B, 1, ..., 1] with B={mean.shape[0]}; got shape {tuple(ns.shape)}"
-            )
-        ns = ns.reshape(-1)
-    return sq / (2 * ns**2)

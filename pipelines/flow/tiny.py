@@ -54,7 +54,7 @@ import torch
 __all__ = ["build_tiny_sd3", "build_tiny_flux", "ensure_tiny", "TINY_VERSION"]
 
 #: Bumped whenever the architecture, vocabularies or seeding change; part of the cache dir name.
-TINY_VERSION = "v1"
+TINY_VERSION = "v2"
 
 _COMPLETE_MARKER = ".mmrl-tiny-complete"
 
@@ -71,7 +71,7 @@ _COMMON_WORDS = (
     "man", "woman", "child", "person", "table", "apple", "red", "green", "blue", "yellow",
     "black", "white", "small", "large", "two", "three", "one", "four", "sitting", "standing",
 )
-_CLIP_MAX_LENGTH = 16
+_CLIP_MAX_LENGTH = 77
 _T5_MAX_LENGTH = 32
 
 
