@@ -294,7 +294,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, *, 
     try:
         return config_from_dict(data, overrides, check_files=check_files)
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        where = f"{path} with overrides {overrides}" if overrides else str(path)
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
@@ -343,20 +344,26 @@ def validate(config: Config, *, check_files: bool = True) -> None:
     if samples % t.batch_size:
         raise ConfigError(f"train.batch_size={t.batch_size} must divide the {samples} samples of an update "
                           f"(data.prompts_per_step x data.group_size)")
-    from mmrl.rewards import list_rewards  # composition root: the config knows the reward registry
+    from mmrl.rewards import check_reward_arguments  # composition root: the config knows the reward registry
 
     for key, spec in config.rewards.items():
-        name = spec.get("reward", key) if isinstance(spec, dict) else key
-        if name not in list_rewards():
-            close = difflib.get_close_matches(name, list_rewards(), n=3)
-            raise ConfigError(f"rewards: unknown reward {name!r}" + (f"; did you mean {close}?" if close else "")
-                              + f" Available: {list_rewards()}")
         if isinstance(spec, dict):
             extra = set(spec) - {"weight", "kwargs", "reward"}
             if extra:
                 raise ConfigError(f"rewards.{key}: unknown keys {sorted(extra)}; expected weight, kwargs, reward")
-        elif not isinstance(spec, (int, float)) or isinstance(spec, bool):
-            raise ConfigError(f"rewards.{key}: expected a weight or {{weight, kwargs}}, got {spec!r}")
+            name, kwargs = spec.get("reward", key), spec.get("kwargs") or {}
+        elif isinstance(spec, (int, float)) and not isinstance(spec, bool):
+            name, kwargs = key, {}
+        else:
+            hint = ""
+            if spec is None and ":" in key:
+                name, weight = key.split(":", 1)
+                hint = f" (YAML needs a space after the colon: {{{name}: {weight}}})"
+            raise ConfigError(f"rewards.{key}: expected a weight or {{weight, kwargs}}, got {spec!r}{hint}")
+        try:
+            check_reward_arguments(name, kwargs)
+        except ValueError as exc:
+            raise ConfigError(f"rewards.{key}: {exc}") from None
 
 
 def describe(cls: type = Config, prefix: str = "") -> list[str]:

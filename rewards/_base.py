@@ -35,6 +35,7 @@ __all__ = [
     "register_reward",
     "build_reward",
     "list_rewards",
+    "check_reward_arguments",
     "nearest",
 ]
 
@@ -328,12 +329,9 @@ def list_rewards() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def build_reward(name: str, **kwargs) -> RewardFn:
-    """Build the reward registered as ``name`` with ``kwargs``.
-
-    Unknown names, and unknown keyword arguments, raise ``ValueError`` naming the nearest valid
-    ones. Heavy backbones (transformers, open_clip) are imported only by the reward that needs them.
-    """
+def check_reward_arguments(name: str, kwargs: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` for an unknown reward name or keyword argument, naming the nearest valid ones,
+    without building anything (config validation uses this)."""
     if name not in _REGISTRY:
         close = nearest(name, _REGISTRY)
         hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
@@ -352,7 +350,16 @@ def build_reward(name: str, **kwargs) -> RewardFn:
                 raise ValueError(
                     f"reward {name!r} has no argument {key!r}; {hint}valid arguments: {', '.join(valid) or '(none)'}"
                 )
-    return factory(**kwargs)
+
+
+def build_reward(name: str, **kwargs) -> RewardFn:
+    """Build the reward registered as ``name`` with ``kwargs``.
+
+    Unknown names, and unknown keyword arguments, raise ``ValueError`` naming the nearest valid
+    ones. Heavy backbones (transformers, open_clip) are imported only by the reward that needs them.
+    """
+    check_reward_arguments(name, kwargs)
+    return _REGISTRY[name](**kwargs)
 
 
 # --------------------------------------------------------------------------------------------

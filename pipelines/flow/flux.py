@@ -62,6 +62,8 @@ class FluxFamily:
     def __init__(self, pipe, *, max_sequence_length: int = 512):
         self.pipe = pipe
         self.transformer = pipe.transformer
+        #: the dtype the frozen weights were loaded in (the policy later adds fp32 LoRA weights)
+        self.dtype = pipe.transformer.dtype
         self.max_sequence_length = max_sequence_length
         #: ``[L_txt, 3]`` zeros: FLUX's text position ids, identical for every prompt (set by :meth:`encode`).
         self.text_ids: Tensor | None = None
@@ -161,7 +163,7 @@ class FluxFamily:
         ``guidance_scale`` is FLUX.1-dev's distilled guidance (an input of the transformer, used only when
         ``transformer.config.guidance_embeds``). ``negative`` is ignored: FLUX has no classifier-free guidance here.
         """
-        dtype = self.transformer.dtype
+        dtype = self.dtype
         x = latents.to(dtype)
         b, seq_len = x.shape[0], x.shape[1]
         embeds = cond["prompt_embeds"].to(dtype)

@@ -24,6 +24,8 @@ class SD3Family:
     def __init__(self, pipe, *, max_sequence_length: int = 256):
         self.pipe = pipe
         self.transformer = pipe.transformer
+        #: the dtype the frozen weights were loaded in (the policy later adds fp32 LoRA weights)
+        self.dtype = pipe.transformer.dtype
         self.max_sequence_length = max_sequence_length
 
     @classmethod
@@ -58,7 +60,7 @@ class SD3Family:
     def velocity(self, model, latents: Tensor, timesteps: Tensor, cond: dict[str, Tensor],
                  negative: dict[str, Tensor] | None, guidance_scale: float) -> Tensor:
         """The model's velocity ``v = eps - x0`` (fp32), with CFG in one batched forward when ``negative`` is given."""
-        dtype = self.transformer.dtype
+        dtype = self.dtype
         x = latents.to(dtype)
         embeds, pooled = cond["prompt_embeds"], cond["pooled_projections"]
         if negative is not None:
@@ -67,7 +69,7 @@ class SD3Family:
             timesteps = torch.cat([timesteps, timesteps])
             embeds = torch.cat([negative["prompt_embeds"].expand(n, -1, -1), embeds])
             pooled = torch.cat([negative["pooled_projections"].expand(n, -1), pooled])
-        out = model(hidden_states=x, timestep=timesteps.to(dtype), encoder_hidden_states=embeds,
+        out = model(hidden_states=x, timestep=timesteps.float(), encoder_hidden_states=embeds,
                     pooled_projections=pooled, return_dict=False)[0].float()
         if negative is None:
             return out
