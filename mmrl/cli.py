@@ -28,6 +28,8 @@ def _cmd_train(args) -> int:
     config = load_config(args.config, args.overrides)
     trainer = build_trainer(config)
     history = trainer.train()
+    if trainer.accelerator.is_main_process and not history:
+        print(f"nothing to do: {config.output_dir} is already at update {trainer.update} of {config.train.steps}")
     if trainer.accelerator.is_main_process and history:
         first, last = history[0], history[-1]
         print(f"done: {len(history)} updates, reward {first['reward/mean']:.4g} -> {last['reward/mean']:.4g}; "

@@ -24,7 +24,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 from mmrl.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from mmrl.config import Config, config_to_dict, dump_config
+from mmrl.config import Config, ConfigError, config_to_dict, dump_config
 from mmrl.core.advantages import PerPromptStatTracker, combine_rewards
 from mmrl.core.losses import policy_loss
 from mmrl.data.prompts import PromptSource
@@ -294,7 +294,12 @@ class Trainer:
 
     def train(self) -> list[dict[str, float]]:
         c, acc = self.config, self.accelerator
+        if not c.resume and latest_checkpoint(self.output_dir / "checkpoints") is not None:
+            raise ConfigError(f"{self.output_dir} already holds a run with checkpoints: set resume=auto to continue it "
+                              f"or choose another output_dir (nothing was overwritten)")
         resumed = self.resume(c.resume) if c.resume else None
+        if resumed is not None and acc.is_main_process:
+            print(f"resumed from update {resumed} of {c.train.steps}")
         self.logger = None
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)

@@ -193,3 +193,14 @@ def test_embedded_default_is_the_shipped_tiny_recipe(tmp_path):
         del os.environ["MMRL_CACHE"]
     assert (tmp_path / "run" / "checkpoints" / "step_1" / "state.json").is_file()
     assert (tmp_path / "cache" / "tiny-sd3-v2").is_dir()
+
+
+def test_existing_run_is_never_overwritten(tmp_path, tiny_path, capsys):
+    _run(tmp_path, tiny_path, "train.steps=1", "logging.eval_every=0")
+    before = (tmp_path / "metrics.jsonl").read_text()
+    args = ["train", f"output_dir={tmp_path}", f"model.pretrained={tiny_path}", *TINY, "train.steps=1"]
+    assert main([*args, "resume=null"]) == 2
+    assert "resume=auto" in capsys.readouterr().err
+    assert main(args) == 0  # the default resume=auto finds the run complete
+    assert "nothing to do" in capsys.readouterr().out
+    assert (tmp_path / "metrics.jsonl").read_text() == before
