@@ -1,7 +1,9 @@
 """The one training loop: rollout -> score -> advantages -> inner epochs -> log / eval / save.
 
-It knows nothing model-specific. A policy provides ``rollout(prompts, group_size, ...)`` returning
-``images``, ``old_logps [N, T]``, ``mask [N, T]``, ``prompts``, ``metadata`` and ``group_ids``;
+It knows nothing model-specific. A policy provides ``rollout(items, group_size, ...)`` returning
+``outputs`` (what the rewards judge: images, completions), ``old_logps [N, T]`` (or ``None``: then the loop
+computes them before the first update, in the first inner epoch's minibatch layout, so the first ratio is
+exactly 1), ``mask [N, T]``, ``prompts``, ``metadata`` and ``group_ids``;
 ``logprobs(rollout, index, steps, with_kl)`` under current parameters; ``trainable_parameters()``;
 ``named_trainable_parameters()``; ``prepare(accelerator)``; ``export(dir)``; ``sample_eval(prompts, seeds)``.
 A reward is ``reward(images, prompts, metadata) -> {name: [N], ..., "total": [N]}`` with ``weights``
@@ -154,7 +156,7 @@ class Trainer:
         parts: list[dict[str, torch.Tensor]] = []
         for start in range(0, len(rollout), batch):
             end = start + batch
-            parts.append(self.reward_fn(rollout.images[start:end], rollout.prompts[start:end],
+            parts.append(self.reward_fn(rollout.outputs[start:end], rollout.prompts[start:end],
                                         rollout.metadata[start:end]))
         return {k: torch.cat([p[k].float().cpu() for p in parts]) for k in parts[0]}
 
@@ -183,13 +185,27 @@ class Trainer:
         }
         return adv[start:start + n_local], stats
 
+    @torch.no_grad()
+    def _old_logps(self, rollout, perm: torch.Tensor, step_chunks: list[torch.Tensor]) -> torch.Tensor:
+        """Log-probs of the sampling policy, computed in exactly the minibatch layout of the first inner epoch."""
+        old = torch.zeros(rollout.mask.shape)
+        for i in range(0, len(perm), self.config.train.batch_size):
+            idx = perm[i:i + self.config.train.batch_size]
+            for steps in step_chunks:
+                with self.accelerator.autocast():
+                    old[idx[:, None], steps[None, :]] = self.policy.logprobs(rollout, idx, steps).logps.float().cpu()
+        return old
+
     def _train_on(self, rollout, advantages: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
         """K inner epochs of minibatches over samples x trained steps; one optimizer step per GA minibatches."""
         c, acc, policy = self.config, self.accelerator, self.policy
         a, t = c.algorithm, c.train
-        n, num_steps = rollout.old_logps.shape
+        n, num_steps = rollout.mask.shape
         chunk = t.timestep_chunk or num_steps
         step_chunks = [torch.arange(s, min(num_steps, s + chunk)) for s in range(0, num_steps, chunk)]
+        perms = [torch.randperm(n, generator=generator) for _ in range(t.inner_epochs)]
+        if rollout.old_logps is None:
+            rollout.old_logps = self._old_logps(rollout, perms[0], step_chunks)
         ga_micro = t.gradient_accumulation_steps * len(step_chunks)
         params = policy.trainable_parameters()
         sums: dict[str, float] = {}
@@ -202,8 +218,7 @@ class Trainer:
             sums[key] = sums.get(key, 0.0) + value
             counts[key] = counts.get(key, 0) + 1
 
-        for _ in range(t.inner_epochs):
-            perm = torch.randperm(n, generator=generator)
+        for perm in perms:
             minibatches = [perm[i:i + t.batch_size] for i in range(0, n, t.batch_size)]
             for first in range(0, len(minibatches), t.gradient_accumulation_steps):
                 group = minibatches[first:first + t.gradient_accumulation_steps]
@@ -339,8 +354,7 @@ class Trainer:
         generator = torch.Generator().manual_seed(_update_seed(c.seed, self.update, acc.process_index))
         t0 = time.perf_counter()
         items = self.prompts.next_batch(c.data.prompts_per_step, rank=acc.process_index, world=acc.num_processes)
-        rollout = self.policy.rollout([it.prompt for it in items], c.data.group_size, generator=generator,
-                                      update=self.update, metadata=[it.metadata for it in items],
+        rollout = self.policy.rollout(items, c.data.group_size, generator=generator, update=self.update,
                                       group_offset=acc.process_index * len(items))
         t1 = time.perf_counter()
         scores = self._score(rollout)

@@ -64,6 +64,11 @@ class FlowRollout:
     def __len__(self) -> int:
         return len(self.prompts)
 
+    @property
+    def outputs(self) -> Tensor:
+        """What the rewards judge: the decoded images."""
+        return self.images
+
 
 @dataclass
 class LogProbOutput:
@@ -204,9 +209,13 @@ class FlowPolicy:
         return self.family.velocity(model, x, timesteps[step], cond, self._negative, self.guidance_scale)
 
     @torch.no_grad()
-    def rollout(self, prompts: list[str], group_size: int, *, generator: torch.Generator, update: int = 0,
+    def rollout(self, prompts: list, group_size: int, *, generator: torch.Generator, update: int = 0,
                 metadata: list[dict] | None = None, group_offset: int = 0) -> FlowRollout:
-        """Sample ``group_size`` trajectories for each prompt (``N = len(prompts) * group_size``)."""
+        """Sample ``group_size`` trajectories for each prompt (``N = len(prompts) * group_size``). ``prompts`` are
+        strings, or prompt items with ``.prompt`` and ``.metadata`` (what the trainer passes)."""
+        if prompts and not isinstance(prompts[0], str):
+            metadata = [item.metadata for item in prompts]
+            prompts = [item.prompt for item in prompts]
         n = len(prompts) * group_size
         plan = plan_steps(num_steps=self.num_steps, update=update, generator=generator, **self.plan_kwargs)
         noise_levels = self._noise_levels(plan)
