@@ -10,7 +10,7 @@ import os
 import torch
 
 from mmrl.config import Config
-from mmrl.data.prompts import PromptItem, PromptSource, read_prompts
+from mmrl.data.prompts import DataError, PromptItem, PromptSource, read_prompts
 
 
 def build_accelerator(config: Config):
@@ -25,7 +25,63 @@ def build_prompt_items(config: Config) -> list[PromptItem]:
     return read_prompts(d.prompts) if d.prompts else [PromptItem(p) for p in d.prompt_list]
 
 
+def build_source(config: Config):
+    """The seeded, resumable data order: prompts for flow policies, VLM samples for Qwen-VL."""
+    if config.model.family == "qwen_vl":
+        from mmrl.data.vlm import VLMSampleSource, read_vlm_jsonl
+
+        samples = read_vlm_jsonl(config.data.dataset, skip_bad=config.data.skip_bad_samples)
+        if not samples:
+            raise DataError(f"{config.data.dataset}: no usable sample")
+        return VLMSampleSource(samples, seed=config.seed, shuffle=config.data.shuffle)
+    return PromptSource(build_prompt_items(config), seed=config.seed, shuffle=config.data.shuffle)
+
+
+def vlm_media(config: Config, processor):
+    """``sample -> (images, video clip)`` with the processor's pixel budgets (or generation.*), so the images the
+    rewards rescale boxes against (metadata ``input_size``) are exactly the model's input."""
+    from mmrl.data.vlm import load_images, load_video
+
+    g = config.generation
+    size = processor.image_processor.size
+    min_pixels = g.min_pixels or size.get("shortest_edge")
+    max_pixels = g.max_pixels or size.get("longest_edge")
+    video_max = g.video_max_pixels or processor.video_processor.size.get("longest_edge")
+
+    def media(sample):
+        images = load_images(sample, min_pixels=min_pixels, max_pixels=max_pixels) if sample.num_images else []
+        video = None
+        if sample.video_path is not None:
+            video = load_video(sample, fps=None if g.video_nframes else g.video_fps, nframes=g.video_nframes,
+                               max_frames=g.video_max_frames, max_pixels=video_max)
+        return images, video
+
+    return media
+
+
+def build_vlm_policy(config: Config, device: torch.device | str = "cpu"):
+    from mmrl.pipelines.vlm.qwen import LANGUAGE_LORA_TARGETS, QwenVLPolicy, load_vlm
+
+    m, g = config.model, config.generation
+    model, processor = load_vlm(m.pretrained, dtype=m.dtype, revision=m.revision,
+                                attn_implementation=m.attn_implementation, min_pixels=g.min_pixels,
+                                max_pixels=g.max_pixels)
+    lora = None
+    if m.use_lora:
+        lora = {"rank": m.lora_rank, "alpha": m.lora_alpha, "dropout": m.lora_dropout,
+                "target_modules": m.lora_target_modules or LANGUAGE_LORA_TARGETS}
+    return QwenVLPolicy(
+        model, processor, lora=lora, freeze_vision=m.freeze_vision, temperature=g.temperature, top_p=g.top_p,
+        top_k=g.top_k, max_new_tokens=g.max_new_tokens, max_prompt_length=g.max_prompt_length,
+        system_prompt=g.system_prompt, question_template=g.question_template, media=vlm_media(config, processor),
+        gradient_checkpointing=m.gradient_checkpointing, skip_bad_samples=config.data.skip_bad_samples,
+        device=device,
+    )
+
+
 def build_policy(config: Config, device: torch.device | str = "cpu"):
+    if config.model.family == "qwen_vl":
+        return build_vlm_policy(config, device)
     from mmrl.pipelines.flow.policy import FlowPolicy, build_family
 
     m, s = config.model, config.sampling
@@ -34,7 +90,7 @@ def build_policy(config: Config, device: torch.device | str = "cpu"):
     lora = None
     if m.use_lora:
         lora = {"rank": m.lora_rank, "alpha": m.lora_alpha, "dropout": m.lora_dropout,
-                "target_modules": m.lora_target_modules}
+                "target_modules": m.lora_target_modules or family.default_lora_targets}
     return FlowPolicy(
         family, num_steps=s.num_steps, eval_num_steps=s.eval_num_steps, resolution=m.resolution, sde=s.sde,
         noise_level=s.noise_level, guidance_scale=s.guidance_scale, negative_prompt=s.negative_prompt,
@@ -56,7 +112,7 @@ def build_trainer(config: Config):
 
     accelerator = build_accelerator(config)
     torch.manual_seed(config.seed + accelerator.process_index)
-    prompts = PromptSource(build_prompt_items(config), seed=config.seed, shuffle=config.data.shuffle)
+    prompts = build_source(config)
     reward_fn = build_reward_fn(config)
     policy = build_policy(config, device=accelerator.device)
     if config.algorithm.beta > 0:

@@ -41,11 +41,12 @@ def opt(default: Any, help: str, choices: tuple | None = None, **kwargs: Any) ->
 class ModelConfig:
     """The policy being trained."""
 
-    family: str = opt("sd3", "Model family adapter in mmrl.pipelines.flow: 'sd3' (SD3 / SD3.5) or 'flux'.",
-                      choices=("sd3", "flux"))
+    family: str = opt("sd3", "Policy family: 'sd3' (SD3 / SD3.5) and 'flux' (mmrl.pipelines.flow), or 'qwen_vl' "
+                      "(Qwen2-VL, Qwen2.5-VL and newer Qwen-VL through transformers, mmrl.pipelines.vlm).",
+                      choices=("sd3", "flux", "qwen_vl"))
     pretrained: str = opt("stabilityai/stable-diffusion-3.5-medium",
-                          "Hub id, local directory (save_pretrained layout), or 'tiny:sd3' / 'tiny:flux' "
-                          "for the tiny random CPU models built on the spot.")
+                          "Hub id, local directory (save_pretrained layout), or 'tiny:sd3' / 'tiny:flux' / "
+                          "'tiny:qwen2_5_vl' / 'tiny:qwen2_vl' for the tiny random CPU models built on the spot.")
     revision: str | None = opt(None, "Hub revision of `pretrained`.")
     dtype: str = opt("bfloat16", "Dtype of the frozen weights; trainable weights and step math are fp32.",
                      choices=("float32", "bfloat16", "float16"))
@@ -54,10 +55,15 @@ class ModelConfig:
     lora_rank: int = opt(32, "LoRA rank r (Flow-GRPO: 32).")
     lora_alpha: int = opt(64, "LoRA alpha, scaling alpha / r (Flow-GRPO: 64).")
     lora_dropout: float = opt(0.0, "LoRA dropout.")
-    lora_target_modules: list = opt(["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-                                     "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"],
-                                    "Transformer module names that get LoRA adapters (Flow-GRPO's SD3 list).")
+    lora_target_modules: list = opt([], "Module names that get LoRA adapters; empty = the family's default: SD3 "
+                                        "Flow-GRPO's attention projections, FLUX Flow-GRPO's attention + feed-forward "
+                                        "list, Qwen-VL the language model's q/k/v/o and MLP projections (never the "
+                                        "vision tower).")
     gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory.")
+    freeze_vision: bool = opt(True, "VLM: keep the vision tower frozen (its features are then computed once per "
+                              "prompt per update and reused by every completion and inner epoch).")
+    attn_implementation: str | None = opt(None, "VLM: transformers attention kernel ('sdpa', 'flash_attention_2', "
+                                          "'eager'); null = the library default.")
 
 
 @dataclass
@@ -90,9 +96,38 @@ class SamplingConfig:
 
 
 @dataclass
-class DataConfig:
-    """Prompts."""
+class GenerationConfig:
+    """VLM rollouts: sampling and vision inputs (Qwen-VL)."""
 
+    temperature: float = opt(1.0, "Sampling temperature; training log-probs divide the logits by it too (TRL).")
+    top_p: float = opt(1.0, "Nucleus sampling.")
+    top_k: int = opt(0, "Top-k sampling; 0 disables.")
+    max_new_tokens: int = opt(256, "Completion budget; generation stops at the end-of-turn token.")
+    max_prompt_length: int = opt(4096, "Longest prompt in tokens, vision tokens included. A longer prompt is an "
+                                 "error (or a counted skip with data.skip_bad_samples): never truncated through "
+                                 "its vision tokens.")
+    system_prompt: str | None = opt(
+        "A conversation between User and Assistant. The user asks a question about the image or video, and the "
+        "Assistant answers it. The Assistant first thinks about the reasoning process and then gives the answer. "
+        "The reasoning process and answer are enclosed within <think> </think> and <answer> </answer> tags.",
+        "System message (R1-style think/answer format, as VLM-R1 / Video-R1); null for none.")
+    question_template: str = opt("{question}", "User text; {question} is replaced by the sample's question.")
+    min_pixels: int | None = opt(None, "Image pixel budget floor for the processor (Qwen: 3136 = 4 x 28 x 28).")
+    max_pixels: int | None = opt(None, "Image pixel budget ceiling (VLM-R1: 12845056; lower it to save memory).")
+    video_fps: float | None = opt(2.0, "Video frames per second sampled (qwen-vl-utils rule); ignored if "
+                                  "video_nframes is set.")
+    video_nframes: int | None = opt(None, "Fixed number of video frames (rounded to even).")
+    video_max_frames: int = opt(768, "Upper bound on sampled video frames.")
+    video_max_pixels: int | None = opt(None, "Per-frame pixel budget for videos (Video-R1: 128 x 28 x 28).")
+
+
+@dataclass
+class DataConfig:
+    """Prompts (flow policies) or a VLM dataset."""
+
+    dataset: str | None = opt(None, "VLM: a JSONL dataset (see mmrl.data.vlm for the format).")
+    skip_bad_samples: bool = opt(False, "VLM: skip (and count) samples with missing or corrupt media or prompts over "
+                                 "generation.max_prompt_length instead of stopping with an error.")
     prompts: str | None = opt(None, "Prompt file: .txt (one per line) or .jsonl (a 'prompt' field, other fields "
                                     "kept as metadata for rewards).")
     prompt_list: list = opt([], "Inline prompts, used when `prompts` is not set.")
@@ -179,7 +214,8 @@ class Config:
     seed: int = opt(0, "Seed for data order, noise and initialisation.")
     resume: str | None = opt(None, "'auto' (latest checkpoint in output_dir, if any), a checkpoint path, or null.")
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "The policy."})
-    sampling: SamplingConfig = field(default_factory=SamplingConfig, metadata={"help": "Rollouts."})
+    sampling: SamplingConfig = field(default_factory=SamplingConfig, metadata={"help": "Flow rollouts."})
+    generation: GenerationConfig = field(default_factory=GenerationConfig, metadata={"help": "VLM rollouts."})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Prompts."})
     rewards: dict = opt({},
                         "Reward name -> weight, or -> {weight: w, kwargs: {...}, reward: registered name} "
@@ -326,7 +362,8 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         (a.eps >= 0, "algorithm.eps must be >= 0"),
         (config.logging.keep_last >= 1, "logging.keep_last must be >= 1"),
         (bool(config.rewards), "rewards: at least one reward is needed"),
-        (config.model.resolution % 16 == 0, "model.resolution must be a multiple of 16"),
+        (config.model.family == "qwen_vl" or config.model.resolution % 16 == 0,
+         "model.resolution must be a multiple of 16"),
     ]
     for ok, message in checks:
         if not ok:
@@ -336,10 +373,22 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         if s.window_size > trainable:
             raise ConfigError(f"sampling.window_size={s.window_size} is longer than the {trainable} trainable steps "
                               f"of a {s.num_steps}-step schedule (the last step is never trained)")
-    if d.prompts is None and not d.prompt_list:
-        raise ConfigError("data: set data.prompts (a .txt or .jsonl file) or data.prompt_list")
-    if check_files and d.prompts is not None and not Path(d.prompts).is_file():
-        raise ConfigError(f"data.prompts: prompt file not found: {d.prompts}")
+    if config.model.family == "qwen_vl":
+        if d.dataset is None:
+            raise ConfigError("data.dataset: a VLM run needs a JSONL dataset (see mmrl.data.vlm)")
+        if check_files and not Path(d.dataset).is_file():
+            raise ConfigError(f"data.dataset: file not found: {d.dataset}")
+        g = config.generation
+        if not (g.temperature > 0 and 0 < g.top_p <= 1 and g.max_new_tokens >= 1 and g.max_prompt_length >= 1):
+            raise ConfigError("generation: temperature > 0, 0 < top_p <= 1, max_new_tokens >= 1 and "
+                              "max_prompt_length >= 1 are required")
+        if "{question}" not in g.question_template:
+            raise ConfigError("generation.question_template must contain {question}")
+    else:
+        if d.prompts is None and not d.prompt_list:
+            raise ConfigError("data: set data.prompts (a .txt or .jsonl file) or data.prompt_list")
+        if check_files and d.prompts is not None and not Path(d.prompts).is_file():
+            raise ConfigError(f"data.prompts: prompt file not found: {d.prompts}")
     samples = d.prompts_per_step * d.group_size
     if samples % t.batch_size:
         raise ConfigError(f"train.batch_size={t.batch_size} must divide the {samples} samples of an update "

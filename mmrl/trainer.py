@@ -16,6 +16,7 @@ piece of loop state is in the checkpoint, so ``2 steps + resume + 2 steps`` equa
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from pathlib import Path
@@ -291,19 +292,36 @@ class Trainer:
         with self.ema_weights():
             self.policy.export(directory)
 
-    def _evaluate(self) -> None:
-        """Evaluation grid on the main process: fixed prompts x fixed seeds, ODE, EMA weights when enabled."""
+    def _evaluate(self) -> dict[str, float]:
+        """Fixed evaluation on the main process, EMA weights when enabled: for image policies an ODE grid of fixed
+        prompts (rows) x seeds (columns) in ``samples/step_<k>.png``; for text policies greedy answers to the first
+        items in ``samples/step_<k>.jsonl``. Both are scored with the run's rewards (``eval/reward/*``)."""
         if not self.accelerator.is_main_process:
-            return
+            return {}
         c = self.config
-        prompts = list(c.data.eval_prompts) or [item.prompt for item in self.prompts.items[:c.data.num_eval_prompts]]
+        items = list(c.data.eval_prompts) or list(self.prompts.items[:c.data.num_eval_prompts])
+        seeds = list(c.data.eval_seeds)
         with self.ema_weights():
-            images = self.policy.sample_eval(prompts, list(c.data.eval_seeds))
-        grid = make_grid_image(images, rows=len(prompts))
-        (self.output_dir / "samples").mkdir(parents=True, exist_ok=True)
-        grid.save(self.output_dir / "samples" / f"step_{self.update}.png")
-        if self.logger is not None:
-            self.logger.log_image("samples", grid, self.update)
+            outputs = self.policy.sample_eval(items, seeds)
+        samples = self.output_dir / "samples"
+        samples.mkdir(parents=True, exist_ok=True)
+        prompts = [item if isinstance(item, str) else getattr(item, "prompt", None) or item.question for item in items]
+        metadata = [{} if isinstance(item, str) else dict(item.metadata) for item in items]
+        if isinstance(outputs, torch.Tensor):
+            grid = make_grid_image(outputs, rows=len(items))
+            grid.save(samples / f"step_{self.update}.png")
+            if self.logger is not None:
+                self.logger.log_image("samples", grid, self.update)
+            prompts = [p for p in prompts for _ in seeds]
+            metadata = [m for m in metadata for _ in seeds]
+        scores = self.reward_fn(outputs, prompts, metadata)
+        if not isinstance(outputs, torch.Tensor):
+            with open(samples / f"step_{self.update}.jsonl", "w") as handle:
+                for i, (prompt, text) in enumerate(zip(prompts, outputs)):
+                    row = {"prompt": prompt, "completion": text, **{k: float(v[i]) for k, v in scores.items()}}
+                    handle.write(json.dumps(row) + "\n")
+        return {f"eval/reward/{k}": float(v[torch.isfinite(v)].mean()) if torch.isfinite(v).any() else float("nan")
+                for k, v in scores.items()}
 
     # ------------------------------------------------------------------------------------------- loop
 
@@ -332,14 +350,14 @@ class Trainer:
             self._evaluate()
         while self.update < c.train.steps:
             metrics = self.step()
+            if c.logging.eval_every and self.update % c.logging.eval_every == 0:
+                metrics.update(self._evaluate())
             history.append(metrics)
             if self.logger is not None:
                 self.logger.log(metrics)
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(reward=f"{metrics['reward/mean']:.4g}", loss=f"{metrics.get('loss', 0):.3g}")
-            if c.logging.eval_every and self.update % c.logging.eval_every == 0:
-                self._evaluate()
             if (c.logging.save_every and self.update % c.logging.save_every == 0) or self.update == c.train.steps:
                 self.save()
         if progress is not None:
@@ -373,6 +391,12 @@ class Trainer:
         metrics["samples/trained"] = float(len(advantages) * acc.num_processes - adv_stats["samples/zero_advantage"])
         metrics.update(train_metrics)
         metrics["kl"] = train_metrics.get("kl", 0.0)
+        if "completion_length" in rollout.extras:
+            metrics["completions/mean_length"] = float(rollout.extras["completion_length"].mean())
+        for reason, count in getattr(self.policy, "skipped", {}).items():
+            metrics[f"samples/skipped_{reason}"] = float(count)
+        for key, value in getattr(self.reward_fn, "last_info", {}).get("counts", {}).items():
+            metrics[f"reward_info/{key}"] = float(value)
         metrics["optimizer_steps"] = float(self.optimizer_steps)
         metrics["time/rollout"] = t1 - t0
         metrics["time/reward"] = t2 - t1

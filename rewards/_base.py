@@ -19,7 +19,7 @@ import difflib
 import inspect
 import os
 from collections import Counter
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 from PIL import Image

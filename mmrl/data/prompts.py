@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class DataError(ValueError):
@@ -47,41 +49,58 @@ def read_prompts(path: str | Path) -> list[PromptItem]:
     return items
 
 
-class PromptSource:
-    """Endless, seeded prompt order: a fresh permutation each pass (or file order), resumable by position.
+class OrderedSource(Generic[T]):
+    """Endless, seeded order over a list of items: a fresh permutation each pass (or file order), resumable by
+    position. The shared ordering behind :class:`PromptSource` and ``mmrl.data.vlm.VLMSampleSource``.
 
     Every process reads the same global order; process ``rank`` of ``world`` takes its own slice of each
-    global batch, so the processes never sample the same prompt slot.
+    global batch, so the processes never sample the same slot. Subclasses set ``noun`` (used in messages and
+    in the ``num_<noun>`` state key) and ``collection`` (what the item list is called in messages).
     """
 
-    def __init__(self, items: list[PromptItem], *, seed: int = 0, shuffle: bool = True):
+    noun = "items"
+    collection = "item set"
+
+    def __init__(self, items: list[T], *, seed: int = 0, shuffle: bool = True):
         if not items:
-            raise DataError("no prompts: the prompt set is empty")
+            raise DataError(f"no {self.noun}: the {self.collection} is empty")
         self.items = items
         self.seed = seed
         self.shuffle = shuffle
-        self.position = 0  # prompts consumed globally
+        self.position = 0  # items consumed globally
 
     def _order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(len(self.items)))
         return torch.randperm(len(self.items), generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
 
-    def _at(self, position: int) -> PromptItem:
+    def _at(self, position: int) -> T:
         epoch, offset = divmod(position, len(self.items))
         return self.items[self._order(epoch)[offset]]
 
-    def next_batch(self, per_process: int, *, rank: int = 0, world: int = 1) -> list[PromptItem]:
+    def next_batch(self, per_process: int, *, rank: int = 0, world: int = 1) -> list[T]:
         start = self.position + rank * per_process
         batch = [self._at(start + i) for i in range(per_process)]
         self.position += per_process * world
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position, "seed": self.seed, "num_prompts": len(self.items)}
+        return {"position": self.position, "seed": self.seed, f"num_{self.noun}": len(self.items)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("num_prompts") not in (None, len(self.items)):
-            raise DataError(f"the checkpoint was taken with {state['num_prompts']} prompts, this run has "
-                            f"{len(self.items)}: resume with the same prompt set")
+        key = f"num_{self.noun}"
+        if state.get(key) not in (None, len(self.items)):
+            raise DataError(f"the checkpoint was taken with {state[key]} {self.noun}, this run has "
+                            f"{len(self.items)}: resume with the same {self.collection}")
         self.position = int(state["position"])
+
+
+class PromptSource(OrderedSource[PromptItem]):
+    """Endless, seeded prompt order: a fresh permutation each pass (or file order), resumable by position.
+
+    Every process reads the same global order; process ``rank`` of ``world`` takes its own slice of each
+    global batch, so the processes never sample the same prompt slot.
+    """
+
+    noun = "prompts"
+    collection = "prompt set"

@@ -293,7 +293,9 @@ class FlowPolicy:
 
     @torch.no_grad()
     def sample_eval(self, prompts: list[str], seeds: list[int], *, num_steps: int | None = None) -> Tensor:
-        """Deterministic evaluation images ``[len(prompts) * len(seeds), 3, H, W]`` (row-major: prompt, seed)."""
+        """Deterministic evaluation images ``[len(prompts) * len(seeds), 3, H, W]`` (row-major: prompt, seed).
+        ``prompts`` are strings or prompt items."""
+        prompts = [p if isinstance(p, str) else p.prompt for p in prompts]
         num_steps = num_steps or self.eval_num_steps
         sigmas, timesteps = self.schedule(num_steps)
         shape = self.family.latent_shape(self.resolution)

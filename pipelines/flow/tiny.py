@@ -349,26 +349,30 @@ def _default_cache_dir() -> Path:
 
 
 def ensure_tiny(kind: str, cache_dir: str | Path | None = None) -> Path:
-    """Return the path of the tiny ``kind`` pipeline (``"sd3"`` or ``"flux"``), building it once.
-
-    The build lives in ``cache_dir`` (default ``$MMRL_CACHE`` or ``~/.cache/mmrl``) as
-    ``tiny-<kind>-v1``. It is built into a temporary directory next to it and moved into place
-    with ``os.replace``, so the directory is either absent or complete; concurrent callers may both
-    build, the first rename wins and the other's copy is discarded. An existing complete build is
-    reused as is.
-    """
+    """Return the path of the tiny ``kind`` pipeline (``"sd3"`` or ``"flux"``), building it once
+    (see :func:`ensure_built`) as ``tiny-<kind>-<TINY_VERSION>``."""
     if kind not in _BUILDERS:
         raise ValueError(f"ensure_tiny: unknown kind {kind!r}; expected one of {sorted(_BUILDERS)}")
+    return ensure_built(f"tiny-{kind}-{TINY_VERSION}", _BUILDERS[kind], cache_dir)
+
+
+def ensure_built(name: str, builder, cache_dir: str | Path | None = None) -> Path:
+    """``cache_dir/name`` (default ``$MMRL_CACHE`` or ``~/.cache/mmrl``), made once by ``builder(path)``.
+
+    It is built into a temporary directory next to it and moved into place with ``os.replace``, so the
+    directory is either absent or complete (a marker file certifies it); concurrent callers may both
+    build, the first rename wins and the other's copy is discarded. An existing complete build is reused.
+    """
     parent = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir()
-    final = parent / f"tiny-{kind}-{TINY_VERSION}"
+    final = parent / name
     if (final / _COMPLETE_MARKER).is_file():
         return final
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache entry should read like a normal dir
-        _BUILDERS[kind](tmp)
-        (tmp / _COMPLETE_MARKER).write_text(f"mmrl tiny {kind} {TINY_VERSION} seed=0\n")
+        builder(tmp)
+        (tmp / _COMPLETE_MARKER).write_text(f"mmrl {name} seed=0\n")
         if final.exists() and not (final / _COMPLETE_MARKER).is_file():
             # Not ours to trust (left by something other than this function): set it aside.
             stale = Path(tempfile.mkdtemp(prefix=f".{final.name}.stale-", dir=parent))

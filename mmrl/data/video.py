@@ -1,0 +1,238 @@
+"""Video frames for Qwen-VL policies: which frames to sample, and reading them with decord.
+
+The frame rule is qwen-vl-utils' (``smart_nframes`` and its decord reader), so a model sees the frames it
+was trained with:
+
+* ``nframes`` given: ``n = round(nframes / 2) * 2`` (FRAME_FACTOR 2, Python's ``round``, so ties go to the
+  even quotient: 5 -> 4, 7 -> 8); ``min_frames``/``max_frames`` do not apply;
+* otherwise ``fps`` (default 2): ``n = total / video_fps * fps``, clipped to
+  ``[ceil_even(min_frames), floor_even(max_frames)]``, then to ``total``, then floored to an even number;
+* either way ``2 <= n <= total`` or a ``ValueError``;
+* indices ``torch.linspace(first, last, n).round()`` (float32, round half to even) over the whole video or
+  the ``start``/``end`` range (start frame ``ceil(start * video_fps)``, end frame
+  ``min(floor(end * video_fps), total - 1)``);
+* ``sample_fps = n / total * video_fps`` (``total`` = frames in the range) and
+  ``second_per_grid_ts = temporal_patch_size / sample_fps`` (Qwen2.5-VL: temporal patch 2), the seconds one
+  temporal grid step spans, passed to the model for its time-aligned position ids.
+
+Frames are resized per video to a pixel budget with Qwen's ``smart_resize`` (transformers' own): each side
+a multiple of ``factor`` (28 for Qwen2/2.5-VL, 32 for Qwen3-VL), ``H * W <= max_pixels``, aspect kept.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mmrl.data.prompts import DataError
+
+FRAME_FACTOR = 2
+DEFAULT_FPS = 2.0
+IMAGE_FACTOR = 28
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class FramePlan:
+    """Which frames to decode: ``indices`` into the video, and the timing the model needs."""
+
+    indices: list[int]
+    sample_fps: float
+    second_per_grid_ts: float
+    first: int  # first frame of the sampled range
+    last: int  # last frame of the sampled range (inclusive)
+
+
+def num_sampled_frames(total_frames: int, video_fps: float, *, fps: float | None = None, nframes: float | None = None,
+                       min_frames: int = 4, max_frames: int = 768) -> int:
+    """How many frames to sample from ``total_frames`` at ``video_fps`` (qwen-vl-utils' ``smart_nframes``)."""
+    if fps is not None and nframes is not None:
+        raise ValueError("give either fps or nframes, not both")
+    if isinstance(total_frames, bool) or not isinstance(total_frames, int):
+        raise ValueError(f"total_frames must be an int, got {total_frames!r}")
+    if total_frames <= 0:
+        raise ValueError(f"the video has no frames (total_frames={total_frames})")
+    if not _is_number(video_fps) or video_fps <= 0:
+        raise ValueError(f"video_fps must be a positive number, got {video_fps!r}")
+    if nframes is not None:
+        if not _is_number(nframes):
+            raise ValueError(f"nframes must be a number, got {nframes!r}")
+        n = round(nframes / FRAME_FACTOR) * FRAME_FACTOR
+    else:
+        fps = DEFAULT_FPS if fps is None else fps
+        if not _is_number(fps) or fps <= 0:
+            raise ValueError(f"fps must be a positive number, got {fps!r}")
+        if not _is_number(min_frames) or not _is_number(max_frames):
+            raise ValueError(f"min_frames and max_frames must be numbers, got {min_frames!r}, {max_frames!r}")
+        low = math.ceil(min_frames / FRAME_FACTOR) * FRAME_FACTOR
+        high = math.floor(max_frames / FRAME_FACTOR) * FRAME_FACTOR
+        n = total_frames / video_fps * fps
+        n = min(min(max(n, low), high), total_frames)
+        n = math.floor(n / FRAME_FACTOR) * FRAME_FACTOR
+    if not FRAME_FACTOR <= n <= total_frames:
+        how = (f"nframes={nframes}" if nframes is not None
+               else f"fps={fps}, min_frames={min_frames}, max_frames={max_frames}")
+        raise ValueError(f"{n} frames from a {total_frames}-frame video ({how}): the number of sampled frames must "
+                         f"be even and in [{FRAME_FACTOR}, {total_frames}]")
+    return int(n)
+
+
+def frame_range(total_frames: int, video_fps: float, start: float | None = None,
+                end: float | None = None) -> tuple[int, int]:
+    """First and last (inclusive) frame of the ``[start, end]`` seconds range, as qwen-vl-utils computes it."""
+    if total_frames <= 0:
+        raise ValueError(f"the video has no frames (total_frames={total_frames})")
+    if start is None and end is None:
+        return 0, total_frames - 1
+    duration = total_frames / video_fps
+    first = 0 if start is None else math.ceil(max(0.0, min(float(start), duration)) * video_fps)
+    last = total_frames - 1
+    if end is not None:
+        last = min(math.floor(max(0.0, min(float(end), duration)) * video_fps), total_frames - 1)
+    if first >= last:
+        raise ValueError(f"empty time range start={start}, end={end}: frames {first}..{last} of a "
+                         f"{duration:.3f} s video ({total_frames} frames at {video_fps} fps)")
+    return first, last
+
+
+def plan_frames(total_frames: int, video_fps: float, *, fps: float | None = None, nframes: float | None = None,
+                min_frames: int = 4, max_frames: int = 768, start: float | None = None, end: float | None = None,
+                temporal_patch_size: int = 2) -> FramePlan:
+    """The frame indices plus ``sample_fps`` and ``second_per_grid_ts`` (see the module docstring)."""
+    if fps is not None and nframes is not None:
+        raise ValueError("give either fps or nframes, not both")
+    if not _is_number(video_fps) or video_fps <= 0:
+        raise ValueError(f"video_fps must be a positive number, got {video_fps!r}")
+    first, last = frame_range(total_frames, video_fps, start, end)
+    count = last - first + 1
+    n = num_sampled_frames(count, video_fps, fps=fps, nframes=nframes, min_frames=min_frames, max_frames=max_frames)
+    indices = torch.linspace(first, last, n, dtype=torch.float32).round().long().tolist()
+    sample_fps = n / count * video_fps
+    return FramePlan(indices, sample_fps, temporal_patch_size / sample_fps, first, last)
+
+
+def sample_frame_indices(total_frames: int, video_fps: float, *, fps: float | None = None,
+                         nframes: float | None = None, min_frames: int = 4, max_frames: int = 768) -> list[int]:
+    """Frame indices to decode from a ``total_frames`` video at ``video_fps``: qwen-vl-utils' rule.
+
+    Give ``nframes`` (rounded to an even number) or ``fps`` (default 2 frames per second, then clipped to
+    ``[min_frames, min(max_frames, total_frames)]`` and floored to even). Indices are
+    ``linspace(0, total_frames - 1, n).round()``. ``ValueError`` when both are given, the video has no frames,
+    or the count falls outside ``[2, total_frames]``. :func:`plan_frames` also returns ``sample_fps`` and
+    ``second_per_grid_ts``.
+    """
+    return plan_frames(total_frames, video_fps, fps=fps, nframes=nframes, min_frames=min_frames,
+                       max_frames=max_frames).indices
+
+
+def budget_size(height: int, width: int, *, min_pixels: int | None = None, max_pixels: int | None = None,
+                factor: int = IMAGE_FACTOR) -> tuple[int, int]:
+    """``(height, width)`` after Qwen's ``smart_resize`` to the budget; unchanged when no budget is given.
+
+    Defaults for the missing bound: ``max_pixels = 16384 * factor**2``, ``min_pixels = 4 * factor**2``
+    (qwen-vl-utils' image defaults; the default minimum never exceeds the given maximum). One difference from
+    ``smart_resize``: ``H * W <= max_pixels`` always holds (its upscaling branch can overshoot).
+    """
+    if min_pixels is None and max_pixels is None:
+        return height, width
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    max_pixels = 16384 * factor * factor if max_pixels is None else int(max_pixels)
+    min_pixels = min(4 * factor * factor, max_pixels) if min_pixels is None else int(min_pixels)
+    if max_pixels < factor * factor:
+        raise ValueError(f"max_pixels={max_pixels} is below one {factor}x{factor} patch ({factor * factor} pixels)")
+    if min_pixels > max_pixels:
+        raise ValueError(f"min_pixels={min_pixels} is above max_pixels={max_pixels}")
+    new_h, new_w = smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    if new_h * new_w > max_pixels:
+        # smart_resize's upscaling to min_pixels rounds each side up and can overshoot max_pixels (when the two
+        # are close); the maximum is the hard bound (memory), so scale to it and round down instead.
+        beta = math.sqrt(height * width / max_pixels)
+        new_h = max(factor, math.floor(height / beta / factor) * factor)
+        new_w = max(factor, math.floor(width / beta / factor) * factor)
+    return new_h, new_w
+
+
+@dataclass
+class VideoClip:
+    """Decoded frames of one video.
+
+    ``frames``: uint8 ``[T, 3, H, W]`` (channels first, RGB, as qwen-vl-utils returns and the transformers
+    video processors accept); ``indices``: the decoded frame numbers; ``duration``: seconds of the whole
+    video (``total_frames / video_fps``), against which timestamps are given.
+    """
+
+    path: str
+    frames: torch.Tensor
+    indices: list[int]
+    sample_fps: float
+    second_per_grid_ts: float
+    duration: float
+    video_fps: float
+    total_frames: int
+    original_size: tuple[int, int]  # (width, height) as stored in the file
+
+    @property
+    def frame_times(self) -> list[float]:
+        """Time in seconds of each sampled frame."""
+        return [i / self.video_fps for i in self.indices]
+
+
+def read_video(path: str | Path, *, fps: float | None = None, nframes: float | None = None, min_frames: int = 4,
+               max_frames: int = 768, max_pixels: int | None = None, min_pixels: int | None = None,
+               start: float | None = None, end: float | None = None, factor: int = IMAGE_FACTOR,
+               temporal_patch_size: int = 2) -> VideoClip:
+    """Decode the frames :func:`plan_frames` picks with ``decord`` and resize them to the pixel budget.
+
+    ``max_pixels``/``min_pixels`` bound each frame (``smart_resize``, bicubic with antialiasing as
+    qwen-vl-utils); with neither the frames keep their stored size. ``start``/``end`` (seconds) restrict the
+    sampled range. A missing, unreadable or too-short video is a :class:`DataError` naming the file.
+    """
+    import decord
+
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"video not found: {path}")
+    try:
+        reader = decord.VideoReader(str(path), ctx=decord.cpu(0))
+        total_frames, video_fps = len(reader), float(reader.get_avg_fps())
+    except Exception as exc:  # decord raises RuntimeError / DECORDError with ffmpeg's reason
+        raise DataError(f"cannot read video {path}: {_reason(exc)}") from None
+    try:
+        plan = plan_frames(total_frames, video_fps, fps=fps, nframes=nframes, min_frames=min_frames,
+                           max_frames=max_frames, start=start, end=end, temporal_patch_size=temporal_patch_size)
+    except ValueError as exc:
+        raise DataError(f"video {path}: {exc}") from None
+    try:
+        array = reader.get_batch(plan.indices).asnumpy()
+    except Exception as exc:
+        raise DataError(f"cannot decode frames {plan.indices[0]}..{plan.indices[-1]} of video {path} "
+                        f"(corrupt or truncated?): {_reason(exc)}") from None
+    finally:
+        del reader
+    frames = torch.from_numpy(array).permute(0, 3, 1, 2).contiguous()
+    height, width = frames.shape[-2:]
+    new_h, new_w = budget_size(height, width, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor)
+    if (new_h, new_w) != (height, width):
+        from torchvision.transforms import InterpolationMode
+        from torchvision.transforms.functional import resize
+
+        frames = resize(frames, [new_h, new_w], interpolation=InterpolationMode.BICUBIC, antialias=True)
+    return VideoClip(path=str(path), frames=frames, indices=plan.indices, sample_fps=plan.sample_fps,
+                     second_per_grid_ts=plan.second_per_grid_ts, duration=total_frames / video_fps,
+                     video_fps=video_fps, total_frames=total_frames, original_size=(int(width), int(height)))
+
+
+def _reason(exc: Exception) -> str:
+    """decord's messages carry a C++ source location and a stack trace; keep the first meaningful line."""
+    text = str(exc).strip() or type(exc).__name__
+    line = text.splitlines()[0]
+    if "] " in line and line.startswith("["):
+        line = line.split("] ", 1)[1]
+    return line[:300]

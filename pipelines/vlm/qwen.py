@@ -1,0 +1,475 @@
+"""Qwen-VL policies (Qwen2-VL, Qwen2.5-VL and newer Qwen-VL generations that transformers supports).
+
+The generated tokens are the action sequence: ``rollout`` samples ``G`` completions per prompt with the
+prompt's images or video frames, and ``logprobs`` recomputes the per-token log-probabilities ``[n, T]``
+of the stored completions under the current parameters, in one forward with the vision inputs of just
+those samples, logits divided by the sampling temperature (TRL's convention).
+
+Vision features: with the vision tower frozen (the default, as VLM-R1 / Video-R1 train), each prompt's
+images or frames are encoded ONCE per update and the features are reused by generation (all ``G``
+completions) and by every log-prob forward of every inner epoch, through transformers'
+``mm_encoder_outputs``. TRL's ``GRPOTrainer`` instead re-encodes each image once per completion in each
+forward. With ``freeze_vision=False`` the pixels go through the tower in every forward, with gradients.
+
+Layout of a rollout: prompts are left-padded (``prompt_ids [P, Lp]``), completions right-padded
+(``completion_ids [N, T]``, ``mask`` 1 up to and including the end-of-turn token). A training forward
+concatenates the two, so left and right padding and mixed image / video / text-only batches all go
+through the same code; 3-D rope positions come from the model's own ``get_rope_index`` with the
+attention mask and ``mm_token_type_ids``.
+
+References: TRL ``GRPOTrainer`` (log-prob conventions), VLM-R1 (Shen et al. 2025, arXiv 2504.07615),
+Video-R1 (Feng et al. 2025, arXiv 2503.21776), Time-R1 (Wang et al. 2025, arXiv 2503.13377).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mmrl.core.losses import k3_kl
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LANGUAGE_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class PromptTooLongError(ValueError):
+    """A prompt (vision tokens included) longer than generation.max_prompt_length."""
+
+
+@dataclass
+class Vision:
+    """The vision inputs of one prompt: processor outputs and (frozen tower) their encoded features."""
+
+    image_grid_thw: Tensor | None = None  # [k, 3]
+    video_grid_thw: Tensor | None = None  # [v, 3]
+    second_per_grid_ts: Tensor | None = None  # [v]
+    pixel_values: Tensor | None = None  # [patches, dim]
+    pixel_values_videos: Tensor | None = None
+    image_features: list[Tensor] = field(default_factory=list)  # one [tokens, hidden] per image
+    video_features: list[Tensor] = field(default_factory=list)
+
+
+@dataclass
+class VLMRollout:
+    prompts: list[str]  # [N] the question of each sample
+    metadata: list[dict]  # [N]
+    group_ids: Tensor  # [N]
+    completions: list[str]  # [N] decoded completions (what the rewards judge)
+    prompt_ids: Tensor  # [P, Lp] left-padded
+    prompt_mask: Tensor  # [P, Lp]
+    mm_token_type_ids: Tensor | None  # [P, Lp]
+    completion_ids: Tensor  # [N, T] right-padded
+    mask: Tensor  # [N, T] float: real completion tokens (through the end-of-turn token)
+    prompt_index: Tensor  # [N] row of the prompt tensors for each sample
+    vision: list[Vision]  # [P]
+    old_logps: Tensor | None = None  # computed by the trainer in its first-epoch layout
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+    @property
+    def outputs(self) -> list[str]:
+        return self.completions
+
+
+@dataclass
+class LogProbOutput:
+    logps: Tensor  # [n, t]
+    kl: Tensor | None = None
+
+
+def resolve_vlm_pretrained(pretrained: str) -> str:
+    if pretrained.startswith("tiny:"):
+        from mmrl.pipelines.vlm.tiny import ensure_tiny_vlm
+
+        return str(ensure_tiny_vlm(pretrained.split(":", 1)[1]))
+    return pretrained
+
+
+def load_vlm(pretrained: str, *, dtype: str = "bfloat16", revision: str | None = None,
+             attn_implementation: str | None = None, min_pixels: int | None = None,
+             max_pixels: int | None = None):
+    """``(model, processor)`` from a hub id, a local folder or ``tiny:...``, with one clear error when it fails."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from mmrl.pipelines.flow.loading import ModelLoadError
+
+    source = resolve_vlm_pretrained(pretrained)
+    if (Path(source).exists() or source.startswith((".", "/", "~"))) and not (Path(source) / "config.json").is_file():
+        raise ModelLoadError(f"model.pretrained={pretrained!r}: {source} has no config.json; use a folder written by "
+                             f"save_pretrained (model and processor) or a hub id")
+    kwargs = {"dtype": DTYPES[dtype], "revision": revision}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(source, **kwargs)
+        pixel_kwargs = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+        processor = AutoProcessor.from_pretrained(source, revision=revision, **pixel_kwargs)
+    except Exception as exc:  # transformers / hub raise many types; one message naming the source
+        hint = (" HF_HUB_OFFLINE=1 is set: download the weights first or point model.pretrained at a local folder."
+                if os.environ.get("HF_HUB_OFFLINE") == "1" else "")
+        raise ModelLoadError(f"could not load a Qwen-VL model and processor from {pretrained!r}: {exc}.{hint}") from exc
+    return model, processor
+
+
+class QwenVLPolicy:
+    """A Qwen-VL model as a policy over generated tokens.
+
+    Args:
+        model, processor: a transformers ``*ForConditionalGeneration`` Qwen-VL model and its processor.
+        lora: ``{"rank", "alpha", "dropout", "target_modules"}`` (language-model module names; the vision tower is
+            never targeted), or ``None`` for full fine-tuning of the language model (and of the vision tower when
+            ``freeze_vision`` is False).
+        media: callable ``(item) -> (images, video)`` loading a data item's media (see :mod:`mmrl.data.vlm`).
+    """
+
+    def __init__(self, model, processor, *, lora: dict | None = None, freeze_vision: bool = True,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 256,
+                 max_prompt_length: int = 4096, system_prompt: str | None = None,
+                 question_template: str = "{question}", media=None, gradient_checkpointing: bool = False,
+                 skip_bad_samples: bool = False, device: torch.device | str = "cpu"):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.max_new_tokens = max_new_tokens
+        self.max_prompt_length = max_prompt_length
+        self.system_prompt = system_prompt
+        self.question_template = question_template
+        self.media = media
+        self.skip_bad_samples = skip_bad_samples
+        self.freeze_vision = freeze_vision
+        self.device = torch.device(device)
+        self.skipped: dict[str, int] = {}
+        model.to(self.device)
+        model.requires_grad_(False)
+        self.use_lora = lora is not None
+        if self.use_lora:
+            from peft import LoraConfig, get_peft_model
+
+            targets = self.language_modules(model, lora["target_modules"])
+            if not targets:
+                raise ValueError(f"no language-model module matches model.lora_target_modules={lora['target_modules']}")
+            model = get_peft_model(model, LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"],
+                                                     lora_dropout=lora.get("dropout", 0.0), target_modules=targets))
+        else:
+            for name, param in model.named_parameters():
+                param.requires_grad_(not (freeze_vision and self._is_vision(name)))
+        if not freeze_vision and self.use_lora:
+            logger.warning("freeze_vision=False with LoRA: LoRA adapters are on the language model only; the vision "
+                           "tower stays frozen (full fine-tuning trains it)")
+        self.model = model  # unwrapped; self.train_model is the DDP-wrapped one after prepare()
+        self.train_model = model
+        for p in self.trainable_parameters():
+            p.data = p.data.float()
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "enable_input_require_grads"):
+                model.enable_input_require_grads()
+        self._reference_model = None
+        eos = [self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+        self.eos_ids = [i for i in eos if i is not None and i >= 0]
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[-1]
+        # vision placeholders are never sampled: a generated <|image_pad|> would be read as an image slot when the
+        # completion is replayed. They are suppressed in generation and masked identically in the training softmax,
+        # so the sampling and training distributions stay the same.
+        config = self.base_model.config
+        self.suppressed_ids = sorted({i for i in (getattr(config, k, None) for k in (
+            "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")) if i is not None})
+
+    # ----------------------------------------------------------------------------------- parameters
+
+    @staticmethod
+    def _is_vision(name: str) -> bool:
+        return ".visual." in f".{name}" or name.startswith("visual.")
+
+    @classmethod
+    def language_modules(cls, model, suffixes: list[str]) -> list[str]:
+        """Full names of the language-model linear layers whose name ends with one of ``suffixes``."""
+        names = []
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and not cls._is_vision(name) and "lm_head" not in name:
+                if any(name == s or name.endswith("." + s) for s in suffixes):
+                    names.append(name)
+        return names
+
+    @property
+    def base_model(self):
+        return self.model.get_base_model() if self.use_lora else self.model
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def named_trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def prepare(self, accelerator) -> None:
+        self.train_model = accelerator.prepare(self.model)
+
+    def init_reference(self) -> None:
+        if not self.use_lora and self._reference_model is None:
+            self._reference_model = copy.deepcopy(self.model).requires_grad_(False).eval()
+
+    @contextlib.contextmanager
+    def reference(self):
+        """The reference policy: LoRA adapters disabled, or a frozen copy of the initial model."""
+        if self.use_lora:
+            with self.model.disable_adapter():
+                yield self.model
+        else:
+            self.init_reference()
+            yield self._reference_model
+
+    def export(self, directory: str) -> None:
+        """The trainable part as its ecosystem loads it: a PEFT adapter folder, or the full model + processor."""
+        self.model.save_pretrained(directory)
+        if not self.use_lora:
+            self.processor.save_pretrained(directory)
+
+    # ------------------------------------------------------------------------------------- prompts
+
+    def messages(self, item, n_images: int, has_video: bool) -> list[dict]:
+        content = [{"type": "image"} for _ in range(n_images)]
+        if has_video:
+            content.append({"type": "video"})
+        content.append({"type": "text", "text": self.question_template.format(question=item.question)})
+        messages = [{"role": "user", "content": content}]
+        if self.system_prompt:
+            messages.insert(0, {"role": "system", "content": [{"type": "text", "text": self.system_prompt}]})
+        return messages
+
+    def encode_prompts(self, items: list) -> tuple[dict[str, Any], list[Vision], list[int]]:
+        """Processor inputs for one batch of prompts (left-padded), their per-prompt vision inputs, and the indices
+        of the items kept (items with bad media or over-long prompts are skipped when skip_bad_samples)."""
+        texts, images, videos, kept = [], [], [], []
+        for i, item in enumerate(items):
+            try:
+                item_images, video = self.media(item) if self.media is not None else ([], None)
+            except Exception as exc:
+                if not self.skip_bad_samples:
+                    raise
+                self._skip("bad_media", f"{getattr(item, 'source', i)}: {exc}")
+                continue
+            texts.append(self.processor.apply_chat_template(self.messages(item, len(item_images), video is not None),
+                                                            add_generation_prompt=True, tokenize=False))
+            images.append(item_images)
+            videos.append(video)
+            kept.append(i)
+        kwargs: dict[str, Any] = {"text": texts, "padding": True, "padding_side": "left", "return_tensors": "pt"}
+        flat_images = [im for ims in images for im in ims]
+        if flat_images:
+            kwargs["images"] = flat_images
+        clips = [v for v in videos if v is not None]
+        if clips:
+            kwargs["videos"] = [clip.frames for clip in clips]
+            kwargs["video_metadata"] = [{"fps": clip.sample_fps, "total_num_frames": len(clip.frames),
+                                         "frames_indices": list(range(len(clip.frames)))} for clip in clips]
+            kwargs["do_sample_frames"] = False
+        inputs = self.processor(**kwargs) if texts else None
+        if inputs is None:
+            return {}, [], kept
+        too_long = inputs["attention_mask"].sum(-1) > self.max_prompt_length
+        if too_long.any():
+            bad = [items[kept[j]] for j in too_long.nonzero().flatten().tolist()]
+            names = ", ".join(str(getattr(b, "source", "?")) for b in bad)
+            message = (f"prompt longer than generation.max_prompt_length={self.max_prompt_length} tokens (vision "
+                       f"tokens included) for {names}: lower the pixel budget or raise the limit; prompts are never "
+                       f"truncated through their vision tokens")
+            if not self.skip_bad_samples:
+                raise PromptTooLongError(message)
+            self._skip("prompt_too_long", message)
+            keep = [kept[j] for j in range(len(kept)) if not too_long[j]]
+            if not keep:
+                return {}, [], []
+            inputs, vision, sub_kept = self.encode_prompts([items[i] for i in keep])
+            return inputs, vision, [keep[j] for j in sub_kept]
+        vision = self._split_vision(inputs, [len(ims) for ims in images], [v is not None for v in videos])
+        return inputs, vision, kept
+
+    def _skip(self, reason: str, message: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        logger.warning("skipping sample (%s): %s", reason, message)
+
+    def _split_vision(self, inputs, n_images: list[int], has_video: list[bool]) -> list[Vision]:
+        """Slice the processor's flattened vision tensors per prompt."""
+        out = []
+        img_grid = inputs.get("image_grid_thw")
+        vid_grid = inputs.get("video_grid_thw")
+        seconds = inputs.get("second_per_grid_ts")
+        img_rows = _row_offsets(img_grid)
+        vid_rows = _row_offsets(vid_grid)
+        ii = vi = 0
+        for k, video in zip(n_images, has_video):
+            v = Vision()
+            if k:
+                v.image_grid_thw = img_grid[ii:ii + k]
+                v.pixel_values = inputs["pixel_values"][img_rows[ii]:img_rows[ii + k]]
+                ii += k
+            if video:
+                v.video_grid_thw = vid_grid[vi:vi + 1]
+                v.pixel_values_videos = inputs["pixel_values_videos"][vid_rows[vi]:vid_rows[vi + 1]]
+                if seconds is not None:
+                    v.second_per_grid_ts = torch.as_tensor(seconds, dtype=torch.float32).reshape(-1)[vi:vi + 1]
+                vi += 1
+            out.append(v)
+        return out
+
+    @torch.no_grad()
+    def _encode_vision(self, vision: list[Vision]) -> None:
+        """Frozen tower: encode every prompt's images / frames once; features are reused for the whole update."""
+        base = self.base_model.model
+        for v in vision:
+            if v.pixel_values is not None:
+                feats = base.get_image_features(v.pixel_values.to(self.device), v.image_grid_thw.to(self.device),
+                                                return_dict=True).pooler_output
+                v.image_features = [f.detach() for f in feats]
+            if v.pixel_values_videos is not None:
+                feats = base.get_video_features(v.pixel_values_videos.to(self.device),
+                                                v.video_grid_thw.to(self.device), return_dict=True).pooler_output
+                v.video_features = [f.detach() for f in feats]
+
+    def _vision_kwargs(self, vision: list[Vision]) -> dict[str, Any]:
+        """Model kwargs for a batch whose rows use these per-row vision inputs (features when cached)."""
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        kwargs: dict[str, Any] = {}
+        img = [v for v in vision if v.image_grid_thw is not None]
+        vid = [v for v in vision if v.video_grid_thw is not None]
+        if img:
+            kwargs["image_grid_thw"] = torch.cat([v.image_grid_thw for v in img]).to(self.device)
+            if self.freeze_vision:
+                feats = [f for v in img for f in v.image_features]
+                kwargs.setdefault("mm_encoder_outputs", {})["image"] = BaseModelOutputWithPooling(pooler_output=feats)
+            else:
+                kwargs["pixel_values"] = torch.cat([v.pixel_values for v in img]).to(self.device)
+        if vid:
+            kwargs["video_grid_thw"] = torch.cat([v.video_grid_thw for v in vid]).to(self.device)
+            if vid[0].second_per_grid_ts is not None:
+                kwargs["second_per_grid_ts"] = torch.cat([v.second_per_grid_ts for v in vid]).to(self.device)
+            if self.freeze_vision:
+                feats = [f for v in vid for f in v.video_features]
+                kwargs.setdefault("mm_encoder_outputs", {})["video"] = BaseModelOutputWithPooling(pooler_output=feats)
+            else:
+                kwargs["pixel_values_videos"] = torch.cat([v.pixel_values_videos for v in vid]).to(self.device)
+        return kwargs
+
+    # -------------------------------------------------------------------------------------- rollout
+
+    @torch.no_grad()
+    def rollout(self, items: list, group_size: int, *, generator: torch.Generator, update: int = 0,
+                group_offset: int = 0, greedy: bool = False) -> VLMRollout:
+        """``group_size`` sampled completions per item (``N = len(items) * group_size``)."""
+        inputs, vision, kept = self.encode_prompts(items)
+        if not kept:
+            raise ValueError("no usable sample in this batch (all skipped: see the skip counts)")
+        items = [items[i] for i in kept]
+        if self.freeze_vision:
+            self._encode_vision(vision)
+        prompt_ids = inputs["input_ids"]
+        prompt_mask = inputs["attention_mask"]
+        mm_types = inputs.get("mm_token_type_ids")
+        gen_kwargs = {"input_ids": prompt_ids.to(self.device), "attention_mask": prompt_mask.to(self.device),
+                      **self._vision_kwargs(vision)}
+        if mm_types is not None:
+            gen_kwargs["mm_token_type_ids"] = mm_types.to(self.device)
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        self.model.eval()
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            sequences = self.model.generate(
+                **gen_kwargs, do_sample=not greedy, temperature=self.temperature if not greedy else None,
+                top_p=self.top_p if not greedy else None, top_k=(self.top_k or None) if not greedy else None,
+                max_new_tokens=self.max_new_tokens, num_return_sequences=1 if greedy else group_size,
+                eos_token_id=self.eos_ids, pad_token_id=self.pad_id, suppress_tokens=self.suppressed_ids,
+            )
+        if greedy:
+            group_size = 1
+        completion_ids = sequences[:, prompt_ids.shape[1]:].cpu()
+        mask = _completion_mask(completion_ids, self.eos_ids)
+        completion_ids = completion_ids.masked_fill(mask == 0, self.pad_id)
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        n = len(items) * group_size
+        prompt_index = torch.arange(len(items)).repeat_interleave(group_size)
+        return VLMRollout(
+            prompts=[items[i].question for i in prompt_index.tolist()],
+            metadata=[dict(items[i].metadata) for i in prompt_index.tolist()],
+            group_ids=prompt_index + group_offset,
+            completions=texts, prompt_ids=prompt_ids, prompt_mask=prompt_mask, mm_token_type_ids=mm_types,
+            completion_ids=completion_ids, mask=mask.float(), prompt_index=prompt_index, vision=vision,
+            extras={"num_samples": n, "completion_length": mask.sum(-1).float()},
+        )
+
+    def logprobs(self, rollout: VLMRollout, index: Tensor, steps: Tensor | None = None, *,
+                 with_kl: bool = False) -> LogProbOutput:
+        """Per-token log-probs ``[n, T]`` (or the ``steps`` columns) of the stored completions of samples ``index``."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        rows = rollout.prompt_index[index]
+        completion = rollout.completion_ids[index]
+        width = completion.shape[1]
+        input_ids = torch.cat([rollout.prompt_ids[rows], completion], dim=1).to(self.device)
+        attention = torch.cat([rollout.prompt_mask[rows], rollout.mask[index].long()], dim=1).to(self.device)
+        kwargs = {"input_ids": input_ids, "attention_mask": attention,
+                  **self._vision_kwargs([rollout.vision[r] for r in rows.tolist()])}
+        if rollout.mm_token_type_ids is not None:
+            kwargs["mm_token_type_ids"] = torch.cat(
+                [rollout.mm_token_type_ids[rows], torch.zeros_like(completion, dtype=rollout.mm_token_type_ids.dtype)],
+                dim=1).to(self.device)
+
+        def token_logps(model) -> Tensor:
+            logits = model(**kwargs, logits_to_keep=width + 1, use_cache=False).logits[:, :-1].float()
+            logits = logits / self.temperature
+            if self.suppressed_ids:
+                logits[..., self.suppressed_ids] = float("-inf")
+            targets = input_ids[:, -width:]
+            picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            return picked - torch.logsumexp(logits, dim=-1)
+
+        logps = token_logps(self.train_model)
+        kl = None
+        if with_kl:
+            with torch.no_grad(), self.reference() as ref_model:
+                kl = k3_kl(logps.detach(), token_logps(ref_model))
+        if steps is not None:
+            steps = torch.as_tensor(steps, device=logps.device)
+            logps = logps[:, steps]
+            kl = kl[:, steps] if kl is not None else None
+        return LogProbOutput(logps=logps, kl=kl)
+
+    @torch.no_grad()
+    def sample_eval(self, items: list, seeds: list[int] | None = None) -> list[str]:
+        """Greedy answers for evaluation items (``seeds`` unused: decoding is deterministic)."""
+        return self.rollout(items, 1, generator=torch.Generator().manual_seed(0), greedy=True).completions
+
+
+def _row_offsets(grid: Tensor | None) -> list[int]:
+    """Cumulative patch rows of each image / video in the processor's flattened pixel tensor."""
+    if grid is None:
+        return [0]
+    counts = grid.prod(-1).tolist()
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + int(c))
+    return offsets
+
+
+def _completion_mask(completion_ids: Tensor, eos_ids: list[int]) -> Tensor:
+    """1 for every token up to and including the first end-of-turn token, 0 after (TRL's completion mask)."""
+    is_eos = torch.zeros_like(completion_ids, dtype=torch.bool)
+    for eos in eos_ids:
+        is_eos |= completion_ids == eos
+    seq = torch.arange(completion_ids.shape[1]).expand_as(completion_ids)
+    first = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full((len(completion_ids),),
+                                                                            completion_ids.shape[1]))
+    return (seq <= first.unsqueeze(1)).long()

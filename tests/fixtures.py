@@ -1,0 +1,103 @@
+"""Tiny real media for tests: images written with Pillow, mp4 videos encoded with PyAV, corrupt copies.
+
+Video frames are solid colours from :data:`PALETTE` (levels 0/85/170/255 per channel, 64 colours at least
+85 apart), so a decoded frame is identified by its nearest palette colour despite codec error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+LEVELS = (0, 85, 170, 255)
+PALETTE = [(LEVELS[i % 4], LEVELS[(i // 4) % 4], LEVELS[(i // 16) % 4]) for i in range(64)]
+
+
+def frame_colour(index: int) -> tuple[int, int, int]:
+    """The solid RGB colour of frame ``index`` in videos from :func:`write_video` (cycles every 64 frames)."""
+    return PALETTE[index % len(PALETTE)]
+
+
+def nearest_frame(frame, num_frames: int = 64) -> int:
+    """Which frame (``< num_frames``, ``<= 64``) a decoded solid frame shows: the nearest palette colour to
+    its mean. ``frame`` is ``[3, H, W]`` or ``[H, W, 3]`` (tensor or array)."""
+    array = np.asarray(frame, dtype=np.float64)
+    channels_first = array.shape[0] == 3 and array.shape[-1] != 3
+    mean = array.reshape(3, -1).mean(1) if channels_first else array.reshape(-1, 3).mean(0)
+    distances = [np.abs(mean - np.array(frame_colour(i))).sum() for i in range(min(num_frames, len(PALETTE)))]
+    return int(np.argmin(distances))
+
+
+def write_image(path: str | Path, width: int = 64, height: int = 48, colour=(200, 30, 30), *,
+                mode: str = "RGB") -> Path:
+    """A solid image; the format follows the suffix (``.png``, ``.jpg``, ...). ``mode="RGBA"`` writes half
+    transparency (PNG)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fill = tuple(colour) + ((128,) if mode == "RGBA" else ())
+    Image.new(mode, (width, height), fill).save(path)
+    return path
+
+
+def write_gradient_image(path: str | Path, width: int = 64, height: int = 48) -> Path:
+    """An image whose pixels all differ (a red/green gradient), for resize checks."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    x = np.linspace(0, 255, width, dtype=np.float64)[None, :].repeat(height, 0)
+    y = np.linspace(0, 255, height, dtype=np.float64)[:, None].repeat(width, 1)
+    array = np.stack([x, y, np.full_like(x, 64)], -1).round().astype(np.uint8)
+    Image.fromarray(array).save(path)
+    return path
+
+
+def write_video(path: str | Path, num_frames: int = 40, width: int = 64, height: int = 48, fps: int = 10, *,
+                codec: str = "libx264", faststart: bool = False) -> Path:
+    """An mp4 whose frame ``i`` is solid :func:`frame_colour` ``(i)``, encoded with PyAV (near-lossless)."""
+    import av
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    options = {"movflags": "faststart"} if faststart else {}
+    with av.open(str(path), "w", options=options) as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if codec == "libx264":
+            stream.options = {"crf": "10", "preset": "ultrafast"}
+        for index in range(num_frames):
+            array = np.empty((height, width, 3), np.uint8)
+            array[:] = frame_colour(index)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def truncate_file(source: str | Path, target: str | Path | None = None, fraction: float = 0.5) -> Path:
+    """Keep the first ``fraction`` of ``source``'s bytes (in place, or into ``target``): a corrupt file."""
+    source = Path(source)
+    target = source if target is None else Path(target)
+    data = source.read_bytes()
+    target.write_bytes(data[:int(len(data) * fraction)])
+    return target
+
+
+def write_garbage(path: str | Path, size: int = 256) -> Path:
+    """A file of non-media bytes (named like an image or a video)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(bytes((i * 7 + 3) % 256 for i in range(size)))
+    return path
+
+
+def write_jsonl(path: str | Path, records: list) -> Path:
+    """One JSON value per line; a ``str`` (UTF-8) or ``bytes`` record is written verbatim (malformed lines)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [r if isinstance(r, bytes) else (r if isinstance(r, str) else json.dumps(r)).encode("utf-8")
+             for r in records]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path

@@ -1,0 +1,196 @@
+"""Frame sampling (qwen-vl-utils' rule, hand-worked) and decoding real mp4 files with decord."""
+
+import pytest
+import torch
+from fixtures import frame_colour, nearest_frame, truncate_file, write_garbage, write_video
+
+from mmrl.data.prompts import DataError
+from mmrl.data.video import budget_size, num_sampled_frames, plan_frames, read_video, sample_frame_indices
+
+# ------------------------------------------------------------------------------------------- the rule
+
+
+def test_fps_rule_300_frames_at_30fps():
+    # 300 / 30 * 2 = 20 frames; indices round(i * 299 / 19)
+    expected = [0, 16, 31, 47, 63, 79, 94, 110, 126, 142, 157, 173, 189, 205, 220, 236, 252, 268, 283, 299]
+    assert sample_frame_indices(300, 30.0, fps=2) == expected
+    assert sample_frame_indices(300, 30.0) == expected  # fps defaults to 2
+    plan = plan_frames(300, 30.0, fps=2)
+    assert plan.sample_fps == pytest.approx(2.0)  # 20 / 300 * 30
+    assert plan.second_per_grid_ts == pytest.approx(1.0)  # 2 / sample_fps
+
+
+def test_fps_rule_floors_to_even():
+    # 100 / 30 * 2 = 6.67 -> 6; linspace(0, 99, 6) = 0, 19.8, 39.6, 59.4, 79.2, 99
+    assert sample_frame_indices(100, 30.0, fps=2) == [0, 20, 40, 59, 79, 99]
+    plan = plan_frames(100, 30.0, fps=2)
+    assert plan.sample_fps == pytest.approx(6 / 100 * 30)
+    assert plan.second_per_grid_ts == pytest.approx(2 / 1.8)
+    # 90 / 30 * 2.5 = 7.5 -> 6 (floor to even, never up)
+    assert num_sampled_frames(90, 30.0, fps=2.5) == 6
+
+
+def test_nframes_rounds_to_even():
+    assert sample_frame_indices(40, 10.0, nframes=4) == [0, 13, 26, 39]
+    assert sample_frame_indices(40, 10.0, nframes=8) == [0, 6, 11, 17, 22, 28, 33, 39]
+    # round(n / 2) * 2 with Python's round (ties to even quotient), as qwen-vl-utils
+    assert num_sampled_frames(40, 10.0, nframes=5) == 4  # round(2.5) = 2
+    assert num_sampled_frames(40, 10.0, nframes=7) == 8  # round(3.5) = 4
+    assert num_sampled_frames(40, 10.0, nframes=3) == 4  # round(1.5) = 2
+    assert num_sampled_frames(40, 10.0, nframes=6) == 6
+    # min/max_frames do not apply to nframes
+    assert num_sampled_frames(40, 10.0, nframes=2, min_frames=10) == 2
+
+
+def test_min_and_max_clipping():
+    # 40 / 10 * 0.5 = 2 frames -> clipped up to min_frames 4
+    assert sample_frame_indices(40, 10.0, fps=0.5) == [0, 13, 26, 39]
+    # odd min_frames is ceiled to even: 5 -> 6
+    assert num_sampled_frames(40, 10.0, fps=0.5, min_frames=5) == 6
+    # 300 / 30 * 30 = 300 -> max 768 does not bind, total does: every frame
+    assert sample_frame_indices(300, 30.0, fps=30) == list(range(300))
+    # max_frames 9 -> floored to 8
+    assert num_sampled_frames(300, 30.0, fps=30, max_frames=9) == 8
+    # the default max is 768
+    assert num_sampled_frames(10_000, 10.0, fps=10) == 768
+
+
+def test_short_videos():
+    # 3 frames: min 4 is capped by the video's length, then floored to even -> 2
+    assert sample_frame_indices(3, 30.0, fps=2) == [0, 2]
+    assert plan_frames(3, 30.0).sample_fps == pytest.approx(2 / 3 * 30)
+    assert sample_frame_indices(2, 30.0) == [0, 1]
+    assert sample_frame_indices(5, 30.0) == [0, 1, 3, 4]  # 4 frames: linspace(0, 4, 4) = 0, 1.33, 2.67, 4
+
+
+def test_start_end_range():
+    # 40 frames at 10 fps, [1 s, 3 s] -> frames 10..30 (21 frames); 21 / 10 * 2 = 4.2 -> 4
+    plan = plan_frames(40, 10.0, start=1.0, end=3.0)
+    assert (plan.first, plan.last) == (10, 30)
+    assert plan.indices == [10, 17, 23, 30]
+    assert plan.sample_fps == pytest.approx(4 / 21 * 10)
+    # start past end, or a range of one frame
+    with pytest.raises(ValueError, match="empty time range"):
+        plan_frames(40, 10.0, start=3.0, end=1.0)
+    with pytest.raises(ValueError, match="empty time range"):
+        plan_frames(40, 10.0, start=2.0, end=2.05)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="either fps or nframes"):
+        sample_frame_indices(40, 10.0, fps=2, nframes=4)
+    with pytest.raises(ValueError, match="no frames"):
+        sample_frame_indices(0, 10.0)
+    with pytest.raises(ValueError, match=r"\[2, 40\]"):
+        sample_frame_indices(40, 10.0, nframes=50)
+    with pytest.raises(ValueError, match=r"\[2, 1\]"):
+        sample_frame_indices(1, 30.0)  # a 1-frame video cannot give an even count
+    with pytest.raises(ValueError, match=r"\[2, 40\]"):
+        sample_frame_indices(40, 10.0, nframes=1)  # round(0.5) * 2 = 0
+    with pytest.raises(ValueError, match="video_fps"):
+        sample_frame_indices(40, 0.0)
+    with pytest.raises(ValueError, match="fps must be a positive"):
+        sample_frame_indices(40, 10.0, fps=-1)
+
+
+# ------------------------------------------------------------------------------------------- decoding
+
+
+@pytest.fixture(scope="module")
+def video_40(tmp_path_factory):
+    return write_video(tmp_path_factory.mktemp("video") / "v40.mp4", num_frames=40, width=64, height=48, fps=10)
+
+
+def test_fixture_palette_is_distinct():
+    assert len({frame_colour(i) for i in range(40)}) == 40
+
+
+def test_read_video_decodes_the_sampled_frames(video_40):
+    clip = read_video(video_40, fps=2)
+    assert clip.indices == [0, 6, 11, 17, 22, 28, 33, 39]  # 40 / 10 * 2 = 8 frames
+    assert clip.frames.dtype == torch.uint8 and clip.frames.shape == (8, 3, 48, 64)
+    assert [nearest_frame(f, 40) for f in clip.frames] == clip.indices
+    # solid colours survive the codec within a few levels
+    for frame, index in zip(clip.frames, clip.indices):
+        assert (frame.float().mean((1, 2)) - torch.tensor(frame_colour(index), dtype=torch.float)).abs().max() < 6
+    assert clip.video_fps == pytest.approx(10.0) and clip.total_frames == 40
+    assert clip.duration == pytest.approx(4.0)
+    assert clip.sample_fps == pytest.approx(2.0) and clip.second_per_grid_ts == pytest.approx(1.0)
+    assert clip.original_size == (64, 48)
+    assert clip.frame_times == pytest.approx([i / 10 for i in clip.indices])
+
+
+def test_read_video_every_frame_and_nframes(video_40):
+    clip = read_video(video_40, nframes=40)
+    assert [nearest_frame(f, 40) for f in clip.frames] == list(range(40))
+    clip = read_video(video_40, nframes=4)
+    assert clip.indices == [0, 13, 26, 39]
+    assert [nearest_frame(f, 40) for f in clip.frames] == [0, 13, 26, 39]
+    assert clip.sample_fps == pytest.approx(1.0) and clip.second_per_grid_ts == pytest.approx(2.0)
+
+
+def test_read_video_time_range(video_40):
+    clip = read_video(video_40, start=1.0, end=3.0)
+    assert clip.indices == [10, 17, 23, 30]
+    assert [nearest_frame(f, 40) for f in clip.frames] == [10, 17, 23, 30]
+    assert clip.duration == pytest.approx(4.0)  # of the whole video
+
+
+def test_pixel_budget(video_40):
+    # 48 x 64 -> each side rounded to 28: 56 x 56 = 3136, within a 3136 budget
+    clip = read_video(video_40, nframes=4, max_pixels=3136)
+    assert clip.frames.shape == (4, 3, 56, 56) and clip.frames.dtype == torch.uint8
+    # a budget of 2 patches: 56 x 56 is over, so both sides shrink: floor(48 / 1.4 / 28) = 1, floor(64 / 1.4 / 28) = 1
+    clip = read_video(video_40, nframes=4, max_pixels=2 * 28 * 28)
+    assert clip.frames.shape[-2:] == (28, 28)
+    assert [nearest_frame(f, 40) for f in clip.frames] == [0, 13, 26, 39]  # still the right frames
+    # Qwen3-VL's factor 32
+    clip = read_video(video_40, nframes=2, max_pixels=64 * 64, factor=32)
+    h, w = clip.frames.shape[-2:]
+    assert h % 32 == 0 and w % 32 == 0 and h * w <= 64 * 64
+    with pytest.raises(ValueError, match="below one"):
+        read_video(video_40, nframes=2, max_pixels=100)
+
+
+def test_budget_size_hand_cases():
+    assert budget_size(48, 64) == (48, 64)  # no budget: unchanged
+    assert budget_size(48, 64, max_pixels=3136) == (56, 56)  # rounded to 28, within budget
+    assert budget_size(50, 100, max_pixels=4000) == (28, 84)  # beta = sqrt(5000/4000): floor(1.6), floor(3.2)
+    # smart_resize alone would upscale 30 x 40 towards min 3136 to 56 x 84 = 4704 > max; the max wins
+    assert budget_size(30, 40, max_pixels=3136) == (28, 56)
+    # an explicit minimum upscales: 48 x 64 to at least 112 x 112 pixels, sides ceiled to 28
+    assert budget_size(48, 64, min_pixels=112 * 112) == (112, 140)
+    with pytest.raises(ValueError, match="above max_pixels"):
+        budget_size(48, 64, min_pixels=5000, max_pixels=4000)
+
+
+def test_pixel_budget_on_a_larger_video(tmp_path):
+    path = write_video(tmp_path / "big.mp4", num_frames=8, width=320, height=180, fps=8)
+    budget = 100 * 28 * 28 // 4
+    clip = read_video(path, nframes=4, max_pixels=budget)
+    h, w = clip.frames.shape[-2:]
+    assert h % 28 == 0 and w % 28 == 0 and h * w <= budget
+    assert w > h  # aspect kept (landscape stays landscape)
+    assert [nearest_frame(f, 8) for f in clip.frames] == clip.indices
+
+
+def test_missing_video_names_the_file(tmp_path):
+    with pytest.raises(DataError, match="video not found: .*nowhere.mp4"):
+        read_video(tmp_path / "nowhere.mp4")
+
+
+@pytest.mark.parametrize("faststart", [False, True])
+def test_truncated_video_names_the_file(tmp_path, faststart):
+    path = write_video(tmp_path / "cut.mp4", num_frames=40, faststart=faststart)
+    truncate_file(path, fraction=0.6)
+    with pytest.raises(DataError, match="cut.mp4") as info:
+        read_video(path, nframes=40)
+    assert "video" in str(info.value)
+
+
+def test_garbage_and_one_frame_videos(tmp_path):
+    with pytest.raises(DataError, match="cannot read video .*junk.mp4"):
+        read_video(write_garbage(tmp_path / "junk.mp4"))
+    one = write_video(tmp_path / "one.mp4", num_frames=1)
+    with pytest.raises(DataError, match=r"one.mp4.*\[2, 1\]"):
+        read_video(one)

@@ -1,0 +1,163 @@
+"""The Qwen-VL policy on tiny Qwen2.5-VL / Qwen2-VL models: rollouts, log-prob replay, padding, vision caching."""
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from PIL import Image
+
+from mmrl.core.losses import policy_loss
+from mmrl.data.video import VideoClip
+from mmrl.pipelines.vlm.qwen import PromptTooLongError, QwenVLPolicy, _completion_mask, load_vlm
+from mmrl.pipelines.vlm.tiny import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl
+
+LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+
+
+@dataclass
+class Item:
+    question: str
+    images: list = field(default_factory=list)
+    video: VideoClip | None = None
+    metadata: dict = field(default_factory=dict)
+    source: str = "test:1"
+
+
+def media(item):
+    return item.images, item.video
+
+
+def clip(frames: int = 4) -> VideoClip:
+    g = torch.Generator().manual_seed(frames)
+    pixels = torch.randint(0, 255, (frames, 3, 56, 56), generator=g, dtype=torch.uint8)
+    return VideoClip(path="x.mp4", frames=pixels, indices=list(range(frames)), sample_fps=2.0, second_per_grid_ts=1.0,
+                     duration=frames / 2.0, video_fps=2.0, total_frames=frames, original_size=(56, 56))
+
+
+ITEMS = [
+    Item("what colour is it?", [Image.new("RGB", (56, 84), (200, 10, 10))]),
+    Item("count the boxes in both pictures", [Image.new("RGB", (84, 56), (10, 200, 10)), Image.new("RGB", (56, 56))]),
+    Item("a question without any image"),
+    Item("when does the person stand up?", video=clip(4)),
+]
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
+def model_path(request, tmp_path_factory):
+    builder = build_tiny_qwen2_5_vl if request.param == "qwen2_5_vl" else build_tiny_qwen2_vl
+    return str(builder(tmp_path_factory.mktemp(request.param) / "model"))
+
+
+def make_policy(path, **kwargs):
+    model, processor = load_vlm(path, dtype="float32")
+    defaults = dict(lora=dict(LORA), max_new_tokens=10, media=media, system_prompt="Answer briefly.")
+    defaults.update(kwargs)
+    return QwenVLPolicy(model, processor, **defaults)
+
+
+def test_rollout_and_replayed_logprobs_match_generation(model_path):
+    policy = make_policy(model_path)
+    rollout = policy.rollout(ITEMS, 3, generator=torch.Generator().manual_seed(0))
+    assert len(rollout) == 12 and rollout.completion_ids.shape[0] == 12
+    assert rollout.group_ids.tolist() == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+    assert rollout.prompts[4] == ITEMS[1].question and len(rollout.completions) == 12
+    # replay the sampled tokens with generate's own logits: same log-probs as one full forward
+    base = policy.model
+    inputs, vision, _ = policy.encode_prompts(ITEMS[:1])
+    policy._encode_vision(vision)
+    with torch.random.fork_rng():
+        torch.manual_seed(7)
+        gen = base.generate(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                            mm_token_type_ids=inputs["mm_token_type_ids"], **policy._vision_kwargs(vision),
+                            do_sample=True, max_new_tokens=6, output_logits=True, return_dict_in_generate=True,
+                            eos_token_id=policy.eos_ids, pad_token_id=policy.pad_id,
+                            suppress_tokens=policy.suppressed_ids)
+    raw = torch.stack(gen.logits, dim=1).float()
+    raw[..., policy.suppressed_ids] = float("-inf")  # vision placeholders are never sampled nor scored
+    steps = raw.log_softmax(-1)
+    tokens = gen.sequences[:, inputs["input_ids"].shape[1]:]
+    want = steps.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    single = policy.rollout(ITEMS[:1], 1, generator=torch.Generator().manual_seed(0))
+    single.completion_ids = tokens
+    single.mask = _completion_mask(tokens, policy.eos_ids).float()
+    got = policy.logprobs(single, torch.tensor([0])).logps
+    m = single.mask.bool()
+    torch.testing.assert_close(got[m], want[m], atol=1e-4, rtol=1e-4)
+
+
+def test_logprobs_do_not_depend_on_batch_composition(model_path):
+    """Left-padded prompts + right-padded completions, mixed image / two-image / text-only / video rows."""
+    policy = make_policy(model_path)
+    rollout = policy.rollout(ITEMS, 2, generator=torch.Generator().manual_seed(1))
+    everything = policy.logprobs(rollout, torch.arange(len(rollout))).logps
+    for i in range(len(rollout)):
+        alone = policy.logprobs(rollout, torch.tensor([i])).logps
+        mask = rollout.mask[i].bool()
+        torch.testing.assert_close(alone[0][mask], everything[i][mask], atol=1e-5, rtol=1e-5)
+
+
+def test_first_ratio_is_one_kl_zero_and_only_lora_trains(model_path):
+    policy = make_policy(model_path)
+    rollout = policy.rollout(ITEMS, 2, generator=torch.Generator().manual_seed(2))
+    idx = torch.tensor([5, 0, 3])
+    old = policy.logprobs(rollout, idx).logps.detach()
+    out = policy.logprobs(rollout, idx, with_kl=True)
+    result = policy_loss(out.logps, old, torch.tensor([1.0, -1.0, 0.5]), rollout.mask[idx], kl=out.kl, beta=0.04)
+    assert result.metrics["ratio/min"].item() == 1.0 and result.metrics["ratio/max"].item() == 1.0
+    assert torch.equal(out.kl, torch.zeros_like(out.kl))
+    before = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    opt = torch.optim.SGD(policy.trainable_parameters(), lr=0.5)
+    result.loss.backward()
+    opt.step()
+    changed = {k for k, v in policy.model.state_dict().items() if not torch.equal(before[k], v)}
+    assert changed and all("lora" in k for k in changed)
+    assert not any("visual" in k for k in changed)
+    after = policy.logprobs(rollout, idx, with_kl=True)
+    assert after.kl[rollout.mask[idx].bool()].max() > 0
+
+
+def test_vision_is_encoded_once_per_prompt_per_update(model_path, monkeypatch):
+    policy = make_policy(model_path)
+    model = policy.base_model.model
+    calls = {"image": 0, "video": 0}
+    for kind in calls:
+        original = getattr(model, f"get_{kind}_features")
+
+        def counting(*args, _original=original, _kind=kind, **kwargs):
+            calls[_kind] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(model, f"get_{kind}_features", counting)
+    rollout = policy.rollout(ITEMS, 4, generator=torch.Generator().manual_seed(3))
+    for _ in range(2):  # two inner epochs of minibatches
+        for idx in torch.arange(len(rollout)).split(5):
+            policy.logprobs(rollout, idx)
+    assert calls == {"image": 2, "video": 1}  # two prompts with images, one with a video; 16 completions
+
+
+def test_full_finetuning_trains_the_vision_tower_when_unfrozen(model_path):
+    policy = make_policy(model_path, lora=None, freeze_vision=False)
+    names = policy.named_trainable_parameters()
+    assert any("visual" in n for n in names) and any("visual" not in n for n in names)
+    rollout = policy.rollout(ITEMS[:2], 2, generator=torch.Generator().manual_seed(4))
+    out = policy.logprobs(rollout, torch.arange(4))
+    (out.logps * rollout.mask).sum().backward()
+    grads = [p.grad for n, p in names.items() if "visual" in n]
+    assert any(g is not None and g.abs().sum() > 0 for g in grads)
+    frozen = make_policy(model_path, lora=None, freeze_vision=True)
+    assert not any("visual" in n for n in frozen.named_trainable_parameters())
+
+
+def test_long_prompt_is_an_error_or_a_counted_skip(model_path):
+    long_item = Item("describe " * 200, [Image.new("RGB", (56, 56))], source="data.jsonl:7")
+    with pytest.raises(PromptTooLongError, match="data.jsonl:7"):
+        make_policy(model_path, max_prompt_length=64).rollout([long_item], 2, generator=torch.Generator())
+    policy = make_policy(model_path, max_prompt_length=64, skip_bad_samples=True)
+    rollout = policy.rollout([long_item, ITEMS[0]], 2, generator=torch.Generator())
+    assert len(rollout) == 2 and rollout.prompts == [ITEMS[0].question] * 2
+    assert policy.skipped == {"prompt_too_long": 1}
+
+
+def test_completion_mask_stops_after_first_eos():
+    ids = torch.tensor([[5, 6, 9, 7, 9], [5, 6, 7, 8, 4], [9, 1, 1, 1, 1]])
+    assert _completion_mask(ids, [9]).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
