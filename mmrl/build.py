@@ -28,9 +28,10 @@ def build_prompt_items(config: Config) -> list[PromptItem]:
 def build_source(config: Config):
     """The seeded, resumable data order: prompts for flow policies, VLM samples for Qwen-VL."""
     if config.model.family == "qwen_vl":
+        from mmrl.data.synthetic import resolve_dataset
         from mmrl.data.vlm import VLMSampleSource, read_vlm_jsonl
 
-        samples = read_vlm_jsonl(config.data.dataset, skip_bad=config.data.skip_bad_samples)
+        samples = read_vlm_jsonl(resolve_dataset(config.data.dataset), skip_bad=config.data.skip_bad_samples)
         if not samples:
             raise DataError(f"{config.data.dataset}: no usable sample")
         return VLMSampleSource(samples, seed=config.seed, shuffle=config.data.shuffle)

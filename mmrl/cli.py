@@ -4,7 +4,8 @@
     mmrl config validate CONFIG [key=value ...]
     mmrl config show [CONFIG] [key=value ...]  the resolved config; --help-fields lists every field
     mmrl sample RUN_OR_CHECKPOINT --prompt P [--prompt P ...] [--seeds 0 1] [--out DIR]
-    mmrl tiny {sd3,flux} OUTDIR              build a tiny random pipeline (tests, CPU smoke runs)
+    mmrl tiny KIND OUTDIR                    tiny random model (sd3, flux, qwen2_5_vl, qwen2_vl) or synthetic
+                                             data set (grounding, temporal_grounding) for CPU smoke runs
     mmrl rewards                             list registered rewards
 
 Multi-GPU: ``accelerate launch --num_processes 8 -m mmrl.cli train CONFIG`` (or ``torchrun``).
@@ -93,11 +94,15 @@ def _cmd_sample(args) -> int:
 
 
 def _cmd_tiny(args) -> int:
+    from mmrl.data.synthetic import build_grounding_set, build_temporal_set
     from mmrl.pipelines.flow.tiny import build_tiny_flux, build_tiny_sd3
+    from mmrl.pipelines.vlm.tiny import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl
 
-    builder = build_tiny_sd3 if args.kind == "sd3" else build_tiny_flux
-    path = builder(args.outdir, seed=args.seed)
-    print(f"tiny {args.kind} pipeline written to {path}")
+    builders = {"sd3": build_tiny_sd3, "flux": build_tiny_flux, "qwen2_5_vl": build_tiny_qwen2_5_vl,
+                "qwen2_vl": build_tiny_qwen2_vl, "grounding": build_grounding_set,
+                "temporal_grounding": build_temporal_set}
+    path = builders[args.kind](args.outdir, seed=args.seed)
+    print(f"tiny {args.kind} written to {path}")
     return 0
 
 
@@ -136,8 +141,8 @@ def make_parser() -> argparse.ArgumentParser:
     sample.add_argument("overrides", nargs="*")
     sample.set_defaults(func=_cmd_sample)
 
-    tiny = sub.add_parser("tiny", help="build a tiny random pipeline")
-    tiny.add_argument("kind", choices=("sd3", "flux"))
+    tiny = sub.add_parser("tiny", help="build a tiny random model or a synthetic data set")
+    tiny.add_argument("kind", choices=("sd3", "flux", "qwen2_5_vl", "qwen2_vl", "grounding", "temporal_grounding"))
     tiny.add_argument("outdir")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_tiny)

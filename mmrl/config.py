@@ -125,7 +125,8 @@ class GenerationConfig:
 class DataConfig:
     """Prompts (flow policies) or a VLM dataset."""
 
-    dataset: str | None = opt(None, "VLM: a JSONL dataset (see mmrl.data.vlm for the format).")
+    dataset: str | None = opt(None, "VLM: a JSONL dataset (see mmrl.data.vlm for the format), or 'tiny:grounding' / "
+                                    "'tiny:temporal_grounding' for the synthetic sets made on the spot.")
     skip_bad_samples: bool = opt(False, "VLM: skip (and count) samples with missing or corrupt media or prompts over "
                                  "generation.max_prompt_length instead of stopping with an error.")
     prompts: str | None = opt(None, "Prompt file: .txt (one per line) or .jsonl (a 'prompt' field, other fields "
@@ -376,7 +377,7 @@ def validate(config: Config, *, check_files: bool = True) -> None:
     if config.model.family == "qwen_vl":
         if d.dataset is None:
             raise ConfigError("data.dataset: a VLM run needs a JSONL dataset (see mmrl.data.vlm)")
-        if check_files and not Path(d.dataset).is_file():
+        if check_files and not d.dataset.startswith("tiny:") and not Path(d.dataset).is_file():
             raise ConfigError(f"data.dataset: file not found: {d.dataset}")
         g = config.generation
         if not (g.temperature > 0 and 0 < g.top_p <= 1 and g.max_new_tokens >= 1 and g.max_prompt_length >= 1):

@@ -155,10 +155,17 @@ class Trainer:
     def _score(self, rollout) -> dict[str, torch.Tensor]:
         batch = self.config.train.reward_batch_size
         parts: list[dict[str, torch.Tensor]] = []
+        self.reward_counts: dict[str, float] = {}
         for start in range(0, len(rollout), batch):
             end = start + batch
             parts.append(self.reward_fn(rollout.outputs[start:end], rollout.prompts[start:end],
                                         rollout.metadata[start:end]))
+            # unparseable outputs (scored 0) and unjudgeable samples (NaN) are counted, per component
+            for name, info in getattr(self.reward_fn, "last_info", {}).get("components", {}).items():
+                for key in ("num_unparseable", "num_nan"):
+                    if info.get(key):
+                        tag = f"reward_info/{name}/{key}"
+                        self.reward_counts[tag] = self.reward_counts.get(tag, 0.0) + float(info[key])
         return {k: torch.cat([p[k].float().cpu() for p in parts]) for k in parts[0]}
 
     def _advantages(self, rollout, scores: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -395,8 +402,7 @@ class Trainer:
             metrics["completions/mean_length"] = float(rollout.extras["completion_length"].mean())
         for reason, count in getattr(self.policy, "skipped", {}).items():
             metrics[f"samples/skipped_{reason}"] = float(count)
-        for key, value in getattr(self.reward_fn, "last_info", {}).get("counts", {}).items():
-            metrics[f"reward_info/{key}"] = float(value)
+        metrics.update(self.reward_counts)
         metrics["optimizer_steps"] = float(self.optimizer_steps)
         metrics["time/rollout"] = t1 - t0
         metrics["time/reward"] = t2 - t1

@@ -17,6 +17,20 @@ Registered rewards (``list_rewards()``): ``brightness``, ``saturation``, ``color
 (transformers CLIP), ``hpsv2`` (open_clip). Build one with ``build_reward(name, **kwargs)`` and
 several, weighted, with :func:`build_rewards`. Model backbones (transformers, open_clip) are
 imported only when such a reward is built.
+
+Text rewards for vision-language policies take completions instead of images::
+
+    scores = reward(completions, prompts, metadata)   # completions: list of N strings
+
+with the per-sample ground truth in ``metadata`` (fields documented in :mod:`mmrl.rewards._text`).
+An unparseable answer scores 0 and is counted (``last_info["num_unparseable"]``); a sample whose
+metadata lacks what the reward needs is NaN. :class:`ComposedReward` and :func:`build_rewards` take
+either kind of batch. Registered: ``think_answer_format``, ``choice_accuracy``,
+``multi_choice_accuracy`` (TW-GRPO), ``numeric_accuracy``, ``numeric_fuzzy`` (FGRPR),
+``math_accuracy`` (math-verify) in :mod:`~mmrl.rewards.answer`; ``iou``, ``box_f1``,
+``box_matched_iou``, ``box_weighted_pr`` (DIP-R1), ``box_set_f1`` (Falcon-Perception),
+``box_salience_iou`` (GRiP), ``temporal_iou``, ``temporal_dual`` (Temporal-R1) in
+:mod:`~mmrl.rewards.grounding`; ``task_routed`` (Mixed-R1) in :mod:`~mmrl.rewards.routing`.
 """
 from ._base import (
     ImageBatch,
@@ -31,12 +45,36 @@ from ._base import (
 )
 
 # Importing the modules registers their rewards; none imports a model library at import time.
-from . import hps, jpeg, pickscore, pixel  # noqa: E402,F401  (registration side effect)
+from . import answer, grounding, hps, jpeg, pickscore, pixel, routing  # noqa: E402,F401  (registration side effect)
+from ._text import TextReward  # noqa: E402
+from .answer import (  # noqa: E402
+    ChoiceAccuracy,
+    MathAccuracy,
+    MultiChoiceAccuracy,
+    NumericAccuracy,
+    NumericFuzzy,
+    ThinkAnswerFormat,
+    extract_answer,
+    think_answer_format,
+)
 from .compose import ComposedReward, build_rewards  # noqa: E402
+from .grounding import (  # noqa: E402
+    BoxF1,
+    BoxIoU,
+    BoxMatchedIoU,
+    BoxSalienceIoU,
+    BoxSetF1,
+    BoxWeightedPR,
+    TemporalDual,
+    TemporalIoU,
+    box_iou,
+    temporal_iou,
+)
 from .hps import HPSv2, hps_preprocess  # noqa: E402
 from .jpeg import JpegCompressibility, JpegIncompressibility  # noqa: E402
 from .pickscore import PickScore  # noqa: E402
 from .pixel import Brightness, Colorfulness, Saturation  # noqa: E402
+from .routing import TaskRoutedReward  # noqa: E402
 
 __all__ = [
     "RewardFn",
@@ -58,4 +96,24 @@ __all__ = [
     "PickScore",
     "HPSv2",
     "hps_preprocess",
+    "TextReward",
+    "think_answer_format",
+    "extract_answer",
+    "ThinkAnswerFormat",
+    "ChoiceAccuracy",
+    "MultiChoiceAccuracy",
+    "NumericAccuracy",
+    "NumericFuzzy",
+    "MathAccuracy",
+    "box_iou",
+    "temporal_iou",
+    "BoxIoU",
+    "BoxF1",
+    "BoxMatchedIoU",
+    "BoxWeightedPR",
+    "BoxSetF1",
+    "BoxSalienceIoU",
+    "TemporalIoU",
+    "TemporalDual",
+    "TaskRoutedReward",
 ]

@@ -9,6 +9,10 @@ lists the components that enter the total (what the trainer normalises); ``all_w
 
 The batch is validated and converted once (tensor <-> PIL) and shared by all components; each
 component object is called exactly once per call, even if it appears under several names.
+
+Text outputs (a vision-language policy's completions: a list of strings) take the text path: the
+shapes are checked (:func:`~mmrl.rewards._text.check_text_batch`) and the completions, prompts and
+metadata are passed straight to every component, which reads them itself.
 """
 from __future__ import annotations
 
@@ -18,8 +22,9 @@ from typing import Mapping
 import torch
 
 from ._base import Reward, RewardFn, _info, build_reward, nearest, prepare_batch
+from ._text import check_text_batch, is_text_batch
 
-__all__ = ["ComposedReward", "build_rewards"]
+__all__ = ["ComposedReward", "build_rewards", "parse_reward_spec"]
 
 
 class ComposedReward:
@@ -61,17 +66,30 @@ class ComposedReward:
         return {k: w for k, (_, w) in self.components.items()}
 
     def __call__(self, images, prompts=None, metadata=None) -> dict[str, torch.Tensor]:
-        batch = prepare_batch(images, prompts, metadata, needs_prompts=self.needs_prompts)
+        """Score ``images`` (an image batch) or completions (a list of strings, the text path)."""
+        if isinstance(images, (list, tuple)) and (not images or is_text_batch(images)):
+            completions, _, _ = check_text_batch(images, prompts, metadata)
+            if self.needs_prompts and prompts is None:
+                raise ValueError("a component needs one prompt per sample, but prompts=None was passed")
+            n = len(completions)
+
+            def score(reward):  # text rewards read the completions themselves
+                return reward(images, prompts, metadata)
+        else:
+            batch = prepare_batch(images, prompts, metadata, needs_prompts=self.needs_prompts)
+            n = batch.n
+
+            def score(reward):  # mmrl rewards take the prepared batch (shared conversions); others the inputs
+                return reward(batch if isinstance(reward, Reward) else images, batch.prompts, batch.metadata)
+
         results: dict[int, tuple[dict[str, torch.Tensor], dict]] = {}
         out: dict[str, torch.Tensor] = {}
         comp_info: dict[str, dict] = {}
-        total = torch.zeros(batch.n, dtype=torch.float32)
+        total = torch.zeros(n, dtype=torch.float32)
         reasons: dict[int, str] = {}
         for key, (reward, weight) in self.components.items():
             if id(reward) not in results:  # the same object under two names is called once
-                # mmrl rewards take the prepared batch (shared conversions); others get the inputs.
-                inputs = batch if isinstance(reward, Reward) else images
-                scores = reward(inputs, batch.prompts, batch.metadata)
+                scores = score(reward)
                 results[id(reward)] = (scores, dict(getattr(reward, "last_info", {}) or {}))
             scores, info = results[id(reward)]
             main_key = getattr(reward, "name", key)
@@ -91,7 +109,7 @@ class ComposedReward:
                     why = info.get("nan_samples", {}).get(i, "NaN score")
                     reasons.setdefault(i, f"{key}: {why}")
         out["total"] = total
-        self.last_info = {"total": _info(batch.n, reasons), "components": comp_info}
+        self.last_info = {"total": _info(n, reasons), "components": comp_info}
         return out
 
     def __repr__(self) -> str:
@@ -116,22 +134,22 @@ def build_rewards(spec: Mapping[str, float | Mapping]) -> ComposedReward:
         raise ValueError(f"reward spec must be a non-empty mapping name -> weight | dict, got {spec!r}")
     components = {}
     for key, entry in spec.items():
-        if isinstance(entry, Mapping):
-            for k in entry:
-                if k not in _SPEC_KEYS:
-                    close = nearest(k, _SPEC_KEYS)
-                    hint = f"did you mean {close[0]!r}? " if close else ""
-                    raise ValueError(
-                        f"reward spec {key!r} has unknown key {k!r}; {hint}valid keys: {', '.join(_SPEC_KEYS)}"
-                    )
-            weight = entry.get("weight", 1.0)
-            kwargs = dict(entry.get("kwargs") or {})
-            reg_name = entry.get("reward", key)
-        elif isinstance(entry, (int, float)) and not isinstance(entry, bool):
-            weight, kwargs, reg_name = entry, {}, key
-        else:
-            raise ValueError(
-                f"reward spec {key!r} must be a weight or a dict with {_SPEC_KEYS}, got {entry!r}"
-            )
+        reg_name, kwargs, weight = parse_reward_spec(key, entry)
         components[key] = (build_reward(reg_name, **kwargs), weight)
     return ComposedReward(components)
+
+
+def parse_reward_spec(key: str, entry: float | Mapping) -> tuple[str, dict, float]:
+    """One entry of a reward spec -> ``(registered name, kwargs, weight)`` (see :func:`build_rewards`)."""
+    if isinstance(entry, Mapping):
+        for k in entry:
+            if k not in _SPEC_KEYS:
+                close = nearest(k, _SPEC_KEYS)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ValueError(
+                    f"reward spec {key!r} has unknown key {k!r}; {hint}valid keys: {', '.join(_SPEC_KEYS)}"
+                )
+        return entry.get("reward", key), dict(entry.get("kwargs") or {}), entry.get("weight", 1.0)
+    if isinstance(entry, (int, float)) and not isinstance(entry, bool):
+        return key, {}, entry
+    raise ValueError(f"reward spec {key!r} must be a weight or a dict with {_SPEC_KEYS}, got {entry!r}")

@@ -1,0 +1,430 @@
+"""Answer rewards for vision-language policies: format, choice letters, numbers, multi-select, math.
+
+Every reward here is a :class:`~mmrl.rewards._text.TextReward`:
+``reward(completions, prompts, metadata) -> {name: [N], ...}``. The answer is read from the one
+``<answer>...</answer>`` block (:func:`extract_answer`); with ``require_tags=False`` a completion with
+no answer tag at all is read whole. Unreadable answers score 0 and are counted in
+``last_info["num_unparseable"]``; a sample without the metadata a reward needs is NaN.
+
+Metadata read here:
+
+* ``solution``: the reference answer. A choice letter (``"B"``, ``"(B)"``, ``"B. text"``, or the option
+  text when ``choices`` is given) for ``choice_accuracy``; letters ``"A,C"`` or ``["A", "C"]`` for
+  ``multi_choice_accuracy``; a number (or a string holding one) for ``numeric_accuracy`` and
+  ``numeric_fuzzy``; a LaTeX or plain expression for ``math_accuracy``. A solution wrapped in
+  ``<answer>`` tags (TW-GRPO's data) is unwrapped.
+* ``choices``: the option texts in letter order (optional; limits the valid letters and lets an
+  answer that repeats an option's text count as that letter).
+
+Registered rewards and their keyword arguments:
+
+=========================  ==========================================  ================================
+name                       kwargs                                      extra keys
+=========================  ==========================================  ================================
+``think_answer_format``    (none)                                      (none)
+``choice_accuracy``        ``require_tags=True``                       (none)
+``multi_choice_accuracy``  ``require_tags=True, partial_credit=True``  ``exact``
+``numeric_accuracy``       ``require_tags=True, rel_tol=1e-6,          ``abs_error``
+                           abs_tol=1e-9``
+``numeric_fuzzy``          ``require_tags=True, rule="fgrpr",          ``relative_error``
+                           tau=0.5``
+``math_accuracy``          ``require_tags=True, timeout_seconds=5``    (none)
+=========================  ==========================================  ================================
+"""
+from __future__ import annotations
+
+import math
+import re
+import signal
+import string
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Sequence
+
+from ._base import register_reward
+from ._text import (
+    TextReward,
+    Unjudgeable,
+    Unparseable,
+    answer_or_text,
+    extract_answer,
+    parse_number,
+    require,
+    think_answer_format,
+)
+
+__all__ = [
+    "think_answer_format",
+    "extract_answer",
+    "parse_choice",
+    "parse_choice_set",
+    "multi_choice_credit",
+    "fgrpr_precision",
+    "ThinkAnswerFormat",
+    "ChoiceAccuracy",
+    "MultiChoiceAccuracy",
+    "NumericAccuracy",
+    "NumericFuzzy",
+    "MathAccuracy",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Choice letters
+# --------------------------------------------------------------------------------------------
+
+_PREFIX = re.compile(
+    r"^\s*(?:the\s+)?(?:final\s+|correct\s+|best\s+)*(?:answer|option|choice)s?\s*(?:is|are|:|=|-)?\s*",
+    re.IGNORECASE,
+)
+_WHOLE_LETTER = re.compile(r"\(?([A-Za-z])\)?[.)]?")
+_LEADING_LETTER = re.compile(r"\(?([A-Z])\)?(?=$|[\s.,:;)\]])")
+_ANYWHERE = re.compile(r"(?i:answer|option|choice)\s*(?i:is|:)?\s*\(?([A-Z])\)?(?![A-Za-z])")
+
+
+def _valid_letters(choices: Sequence[str] | None) -> str:
+    if choices is None:
+        return string.ascii_uppercase
+    return string.ascii_uppercase[: len(choices)]
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"\s+", " ", re.sub(r"[^\w\s]", " ", text.lower())).strip()
+
+
+def parse_choice(answer: str, choices: Sequence[str] | None = None) -> str:
+    """The choice letter an answer names, upper case; raises :class:`Unparseable`.
+
+    Tried in order, the first valid letter wins (valid: ``A``.. up to ``len(choices)``, or A-Z):
+
+    1. the whole answer is a letter: ``B``, ``(B)``, ``B.``, ``b)``; a prefix ``Answer:`` /
+       ``The answer is`` / ``Option`` is dropped first;
+    2. the answer repeats an option's text (``choices`` given; case and punctuation ignored);
+    3. ``answer is B`` / ``option: (B)`` anywhere in the answer (upper-case letter);
+    4. the answer starts with an upper-case letter token: ``B. red car``, ``(B) red car``, ``B, because``.
+    """
+    if not isinstance(answer, str) or not answer.strip():
+        raise Unparseable("empty answer")
+    valid = _valid_letters(choices)
+    body = _PREFIX.sub("", answer.strip(), count=1).strip()
+    candidates: list[str] = []
+    whole = _WHOLE_LETTER.fullmatch(body)
+    if whole:
+        candidates.append(whole.group(1).upper())
+    if choices:
+        norm = _norm(body)
+        for letter, text in zip(valid, choices):
+            if isinstance(text, str) and norm and _norm(text) == norm:
+                candidates.append(letter)
+    candidates += [m.group(1) for m in _ANYWHERE.finditer(answer)]
+    leading = _LEADING_LETTER.match(body)
+    if leading:
+        candidates.append(leading.group(1))
+    for letter in candidates:
+        if letter in valid:
+            return letter
+    if candidates:
+        raise Unparseable(f"letter {candidates[0]!r} is not one of the options {valid[0]}-{valid[-1]}")
+    raise Unparseable("no choice letter in the answer")
+
+
+_SPLIT = re.compile(r"\s*(?:,|;|/|&|\band\b|\s)\s*", re.IGNORECASE)
+
+
+def parse_choice_set(answer: Any, choices: Sequence[str] | None = None) -> frozenset[str]:
+    """The set of letters of a multi-select answer (``"A, C"``, ``"(A) and (C)"``, ``["A", "C"]``).
+
+    Tokens are split on commas, semicolons, slashes, ``&``, ``and`` and spaces; every token must be a
+    single valid letter (optionally in parentheses or followed by a period), else :class:`Unparseable`.
+    """
+    valid = _valid_letters(choices)
+    if isinstance(answer, (list, tuple, set, frozenset)):
+        tokens = [str(t) for t in answer]
+    elif isinstance(answer, str):
+        body = _PREFIX.sub("", answer.strip(), count=1).strip()
+        tokens = [t for t in _SPLIT.split(body) if t]
+    else:
+        raise Unparseable(f"answer is not text (got {type(answer).__name__})")
+    letters = set()
+    for token in tokens:
+        m = _WHOLE_LETTER.fullmatch(token.strip().strip("[]"))
+        if not m or m.group(1).upper() not in valid:
+            raise Unparseable(f"{token!r} is not an option letter {valid[0]}-{valid[-1]}")
+        letters.add(m.group(1).upper())
+    if not letters:
+        raise Unparseable("no choice letter in the answer")
+    return frozenset(letters)
+
+
+def multi_choice_credit(pred: set[str] | frozenset[str], gt: set[str] | frozenset[str], partial_credit: bool = True) -> float:
+    """TW-GRPO's soft multi-choice reward: ``|pred| / |gt|`` if ``pred ⊆ gt``, else 0.
+
+    Dang et al., "Reinforcing Video Reasoning with Focused Thinking" (TW-GRPO, arXiv:2505.24718), as
+    implemented by their released ``accuracy_reward`` (``src/open_r1/grpo.py``): a subset of the correct
+    options earns the fraction of them it names; naming any wrong option scores 0. With
+    ``partial_credit=False`` it is their ``origin_accuracy`` (1 only for the exact set).
+    """
+    if not gt:
+        raise ValueError("the ground-truth option set is empty")
+    if not pred or not pred <= gt:
+        return 0.0
+    credit = len(pred) / len(gt)
+    return credit if partial_credit or credit == 1.0 else 0.0
+
+
+def _solution_text(meta: Mapping, reward: str) -> Any:
+    sol = require(meta, "solution", reward)
+    if isinstance(sol, str):
+        inner = extract_answer(sol)
+        return inner if inner is not None else sol.strip()
+    return sol
+
+
+def _choices(meta: Mapping) -> list[str] | None:
+    choices = meta.get("choices")
+    if choices is None:
+        return None
+    if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence) or not choices:
+        raise Unjudgeable(f"metadata 'choices' must be a non-empty list of option texts, got {choices!r}")
+    if len(choices) > 26:
+        raise Unjudgeable(f"metadata 'choices' has {len(choices)} options; at most 26 letters are supported")
+    return list(choices)
+
+
+# --------------------------------------------------------------------------------------------
+# Numbers
+# --------------------------------------------------------------------------------------------
+
+
+def fgrpr_precision(pred: float, gt: float) -> float:
+    """CrowdVLM-R1's Fuzzy Group Relative Policy Reward (FGRPR) precision term.
+
+    Wang et al., "CrowdVLM-R1: Expanding R1 Ability to Vision Language Model for Crowd Counting using
+    Fuzzy Group Relative Policy Reward" (arXiv:2504.03724), as in their released ``count_reward``:
+    with the relative error ``e = |pred - gt| / gt``, the reward is ``1.5 - e`` when ``e < 0.5`` and 0
+    otherwise (so an exact count earns 1.5, a near miss between 1.0 and 1.5, a far miss 0). Their code
+    divides by ``gt``; mmrl uses ``|gt|`` so a negative target does not flip the sign, and for ``gt = 0``
+    takes ``e = 0`` for an exact answer and infinity otherwise.
+    """
+    e = _relative_error(pred, gt)
+    return 1.5 - e if e < 0.5 else 0.0
+
+
+def _relative_error(pred: float, gt: float) -> float:
+    if gt == 0:
+        return 0.0 if pred == 0 else math.inf
+    return abs(pred - gt) / abs(gt)
+
+
+def _number_solution(meta: Mapping, reward: str) -> float:
+    sol = _solution_text(meta, reward)
+    try:
+        return parse_number(sol)
+    except Unparseable as exc:
+        raise Unjudgeable(f"metadata 'solution' {sol!r} is not a number ({exc})") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Rewards
+# --------------------------------------------------------------------------------------------
+
+
+@register_reward("think_answer_format")
+class ThinkAnswerFormat(TextReward):
+    """1.0 for ``<think>...</think><answer>...</answer>`` exactly once each, else 0 (:func:`think_answer_format`).
+
+    Needs no metadata. This is the strict form of the format reward of VLM-R1 / Video-R1 / Time-R1.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def _score_one(self, text, prompt, meta):
+        return think_answer_format(text)
+
+
+@register_reward("choice_accuracy")
+class ChoiceAccuracy(TextReward):
+    """1.0 when the answer's choice letter equals ``solution``'s, else 0 (single-answer multiple choice).
+
+    Reads ``solution`` and optionally ``choices``. Letters are parsed by :func:`parse_choice`, which
+    tolerates ``B``, ``(B)``, ``B.``, ``Answer: B``, ``The answer is B`` and the option's own text.
+    """
+
+    def __init__(self, require_tags: bool = True) -> None:
+        super().__init__()
+        self.require_tags = bool(require_tags)
+
+    def _score_one(self, text, prompt, meta):
+        choices = _choices(meta)
+        sol = _solution_text(meta, self.name)
+        try:
+            gt = parse_choice(str(sol), choices)
+        except Unparseable as exc:
+            raise Unjudgeable(f"metadata 'solution' {sol!r} is not a choice letter ({exc})") from None
+        pred = parse_choice(answer_or_text(text, self.require_tags), choices)
+        return float(pred == gt)
+
+
+@register_reward("multi_choice_accuracy")
+class MultiChoiceAccuracy(TextReward):
+    """TW-GRPO's soft multi-select reward (:func:`multi_choice_credit`): ``|pred|/|gt|`` for a subset
+    of the correct letters, 0 as soon as one wrong letter is named.
+
+    Reads ``solution`` (``"A,C"`` or ``["A", "C"]``) and optionally ``choices``. Extra key ``exact``:
+    1 when the named set is exactly the correct one.
+    """
+
+    extra_keys = ("exact",)
+
+    def __init__(self, require_tags: bool = True, partial_credit: bool = True) -> None:
+        super().__init__()
+        self.require_tags = bool(require_tags)
+        self.partial_credit = bool(partial_credit)
+
+    def _score_one(self, text, prompt, meta):
+        choices = _choices(meta)
+        sol = _solution_text(meta, self.name)
+        try:
+            gt = parse_choice_set(sol, choices)
+        except Unparseable as exc:
+            raise Unjudgeable(f"metadata 'solution' {sol!r} is not a set of choice letters ({exc})") from None
+        try:
+            pred = parse_choice_set(answer_or_text(text, self.require_tags), choices)
+        except Unparseable as exc:
+            raise Unparseable(exc.reason, {"exact": 0.0}) from None
+        return {self.name: multi_choice_credit(pred, gt, self.partial_credit), "exact": float(pred == gt)}
+
+
+@register_reward("numeric_accuracy")
+class NumericAccuracy(TextReward):
+    """1.0 when ``|pred - gt| <= max(rel_tol * |gt|, abs_tol)``, else 0.
+
+    Reads ``solution`` (a number, or a string with exactly one). The answer must hold exactly one
+    number (:func:`~mmrl.rewards._text.parse_number`). Extra key ``abs_error``: ``|pred - gt|``.
+    """
+
+    extra_keys = ("abs_error",)
+
+    def __init__(self, require_tags: bool = True, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> None:
+        super().__init__()
+        if rel_tol < 0 or abs_tol < 0:
+            raise ValueError(f"rel_tol and abs_tol must be >= 0, got {rel_tol}, {abs_tol}")
+        self.require_tags = bool(require_tags)
+        self.rel_tol, self.abs_tol = float(rel_tol), float(abs_tol)
+
+    def _score_one(self, text, prompt, meta):
+        gt = _number_solution(meta, self.name)
+        pred = parse_number(answer_or_text(text, self.require_tags))
+        err = abs(pred - gt)
+        return {self.name: float(err <= max(self.rel_tol * abs(gt), self.abs_tol)), "abs_error": err}
+
+
+@register_reward("numeric_fuzzy")
+class NumericFuzzy(TextReward):
+    """A graded score for near-miss numbers (counting): FGRPR by default.
+
+    * ``rule="fgrpr"`` (default): CrowdVLM-R1's precision reward (:func:`fgrpr_precision`):
+      ``1.5 - e`` if the relative error ``e = |pred - gt| / |gt| < 0.5``, else 0. Range {0} ∪ (1, 1.5].
+    * ``rule="exp"``: ``exp(-e / tau)``, 1 for an exact answer, decaying with the relative error
+      (``tau`` = the relative error at which the score falls to 1/e); range (0, 1].
+
+    Reads ``solution``. Extra key ``relative_error``.
+    """
+
+    extra_keys = ("relative_error",)
+
+    RULES = ("fgrpr", "exp")
+
+    def __init__(self, require_tags: bool = True, rule: str = "fgrpr", tau: float = 0.5) -> None:
+        super().__init__()
+        if rule not in self.RULES:
+            raise ValueError(f"unknown rule {rule!r}; use one of {self.RULES}")
+        if not tau > 0:
+            raise ValueError(f"tau must be > 0, got {tau}")
+        self.require_tags = bool(require_tags)
+        self.rule, self.tau = rule, float(tau)
+
+    def _score_one(self, text, prompt, meta):
+        gt = _number_solution(meta, self.name)
+        pred = parse_number(answer_or_text(text, self.require_tags))
+        e = _relative_error(pred, gt)
+        score = fgrpr_precision(pred, gt) if self.rule == "fgrpr" else math.exp(-e / self.tau)
+        return {self.name: score, "relative_error": e}
+
+
+_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}")
+
+
+@contextmanager
+def _keep_outer_alarm() -> Iterator[None]:
+    """math-verify arms SIGALRM and cancels it afterwards; re-arm a timer that was running before
+    (a watchdog, pytest-timeout) with the time it had left, instead of silently dropping it."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    remaining, interval = signal.getitimer(signal.ITIMER_REAL)
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        if remaining > 0:
+            left = max(remaining - (time.monotonic() - start), 1e-3)
+            signal.setitimer(signal.ITIMER_REAL, left, interval)
+
+
+@register_reward("math_accuracy")
+class MathAccuracy(TextReward):
+    """1.0 when math-verify judges the answer equal to ``solution``, else 0.
+
+    Uses Hugging Face's ``math-verify`` (``parse`` then ``verify(gold, pred)``): LaTeX or plain
+    expressions, ``\\boxed{}``, fractions vs decimals, sets and intervals. A bare expression (no ``$``,
+    no ``\\boxed``, no words) is read wrapped in ``$...$`` first; an answer that parses to nothing is
+    unparseable.
+    math-verify bounds its work with ``SIGALRM``, which only works in the main thread: elsewhere (and
+    with ``timeout_seconds=None``) it runs without a time limit. A ``SIGALRM`` timer already running
+    (a watchdog) is re-armed afterwards with the time it had left.
+    """
+
+    def __init__(self, require_tags: bool = True, timeout_seconds: int | None = 5) -> None:
+        super().__init__()
+        try:
+            import math_verify  # noqa: F401
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError("math_accuracy needs the math-verify package: pip install 'math-verify[antlr4_13_2]'") from exc
+        self.require_tags = bool(require_tags)
+        self.timeout_seconds = timeout_seconds
+
+    def _timeout(self) -> int | None:
+        if self.timeout_seconds is None or threading.current_thread() is not threading.main_thread():
+            return None
+        return int(self.timeout_seconds)
+
+    def _parse(self, text: str) -> list:
+        from math_verify import parse
+
+        timeout = self._timeout()
+        # A bare expression ("1+x^2", "\\sqrt{2}") is read as inline LaTeX: math-verify's plain-text
+        # extraction would take its first number. Text with words is read as text ("$hello$" would
+        # parse as a product of symbols).
+        expression = "$" not in text and "\\boxed" not in text and not _WORD.search(text)
+        for candidate in ([f"${text}$", text] if expression else [text]):
+            parsed = parse(candidate, parsing_timeout=timeout)
+            if parsed:
+                return parsed
+        return []
+
+    def _score_one(self, text, prompt, meta):
+        from math_verify import verify
+
+        sol = _solution_text(meta, self.name)
+        answer = answer_or_text(text, self.require_tags)
+        with _keep_outer_alarm():
+            gold = self._parse(str(sol))
+            if not gold:
+                raise Unjudgeable(f"math-verify could not parse metadata 'solution' {sol!r}")
+            pred = self._parse(answer)
+            if not pred:
+                raise Unparseable("math-verify found no expression in the answer")
+            return float(verify(gold, pred, timeout_seconds=self._timeout()))

@@ -1,0 +1,818 @@
+"""Grounding rewards: boxes (single and multi-object) and temporal spans, for vision-language policies.
+
+All geometry is on continuous coordinates. A box is ``[x1, y1, x2, y2]``; one with ``x2 <= x1`` or
+``y2 <= y1`` (reversed or empty) is invalid and never scores (the anchors differ here; mmrl follows
+REFERENCE.md section 7). A span is ``[start, end]`` in seconds; a reversed or empty span scores 0.
+
+Reading boxes from an answer (:func:`parse_boxes`, then :func:`rescale_box` into ORIGINAL image pixels):
+
+* JSON, as Qwen2.5-VL writes it: ``[{"bbox_2d": [x1, y1, x2, y2], "label": "cat"}, ...]`` (also the keys
+  ``bbox``, ``box``, ``box_2d``; a bare ``[x1, y1, x2, y2]``; a list of such lists; code fences ignored);
+* Qwen2-VL's native ``<|box_start|>(x1,y1),(x2,y2)<|box_end|>``;
+* otherwise every ``[x1, y1, x2, y2]`` in the text;
+* ``[]``, ``none``, ``null``, ``no object``: an explicit empty prediction (the set rewards score it).
+
+Coordinate formats (``coord_format``, per sample from metadata, else the reward's default):
+
+* ``"qwen2"``: Qwen2-VL's [0, 1000) normalised units: ``x_abs = x / 1000 * W``, ``y_abs = y / 1000 * H``
+  with ``image_size = [W, H]``;
+* ``"qwen25"``: Qwen2.5-VL's absolute pixels of the resized model input: ``x_abs = x * W / W_in``,
+  ``y_abs = y * H / H_in`` with ``input_size = [W_in, H_in]`` (= ``grid_w * 14, grid_h * 14``);
+* ``"absolute"``: already original pixels.
+
+Metadata read here: ``boxes`` (ground truth in original pixels; ``[]`` is a valid "nothing there" for
+the multi-object rewards), ``image_size``, ``input_size``, ``coord_format``, ``salience``,
+``timestamps``, ``duration``, ``solution``, ``choices``.
+
+Registered rewards and their keyword arguments (all also take ``require_tags=True``; the box rewards
+``coord_format="absolute"``, the default when a sample's metadata has none):
+
+=====================  ======================================================  ================================
+name                   kwargs                                                  extra keys
+=====================  ======================================================  ================================
+``iou``                (none)                                                  ``acc@0.5`` (IoU > 0.5, strict)
+``box_f1``             ``iou_threshold=0.5, spam_penalty=False``               ``precision``, ``recall``
+``box_matched_iou``    ``iou_threshold=0.5, iou_weight=0.5, spam_penalty=True``  ``mean_iou``, ``completeness``
+``box_weighted_pr``    ``iou_threshold=0.5, precision_weight=0.5,              ``precision``, ``recall``
+                       spam_penalty=False`` (DIP-R1)
+``box_set_f1``         ``iou_thresholds=(0.5, 0.55, ..., 0.95)`` (Falcon)       ``f1@0.5``
+``box_salience_iou``   ``spam_penalty=True`` (GRiP)                            (none)
+``temporal_iou``       ``time_unit="seconds"``                                 ``r1@0.3``, ``r1@0.5``, ``r1@0.7``
+``temporal_dual``      ``time_unit="seconds"`` (Temporal-R1 / Temporal-RLT)     ``semantic``, ``temporal``
+=====================  ======================================================  ================================
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ._base import register_reward
+from ._text import TextReward, Unjudgeable, Unparseable, answer_or_text, require
+from .answer import _choices, _solution_text, parse_choice
+
+__all__ = [
+    "COORD_FORMATS",
+    "box_iou",
+    "valid_box",
+    "parse_boxes",
+    "rescale_box",
+    "iou_matrix",
+    "match_boxes",
+    "spam_penalty",
+    "box_f1",
+    "matched_iou_completeness",
+    "weighted_precision_recall",
+    "set_f1",
+    "salience_weighted_iou",
+    "temporal_iou",
+    "parse_timestamps",
+    "recall_at",
+    "mean_iou",
+    "BoxIoU",
+    "BoxF1",
+    "BoxMatchedIoU",
+    "BoxWeightedPR",
+    "BoxSetF1",
+    "BoxSalienceIoU",
+    "TemporalIoU",
+    "TemporalDual",
+]
+
+COORD_FORMATS = ("qwen2", "qwen25", "absolute")
+FALCON_IOU_THRESHOLDS = (0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
+
+
+# --------------------------------------------------------------------------------------------
+# Box geometry
+# --------------------------------------------------------------------------------------------
+
+
+def _as_box(box: Any) -> tuple[float, float, float, float] | None:
+    """Four finite floats, or None."""
+    if isinstance(box, (str, bytes, Mapping)) or not isinstance(box, Iterable):
+        return None
+    try:
+        values = tuple(float(v) for v in box)
+    except (TypeError, ValueError):
+        return None
+    if len(values) != 4 or not all(math.isfinite(v) for v in values):
+        return None
+    return values  # type: ignore[return-value]
+
+
+def valid_box(box: Any) -> bool:
+    """True for four finite numbers with ``x2 > x1`` and ``y2 > y1``."""
+    b = _as_box(box)
+    return b is not None and b[2] > b[0] and b[3] > b[1]
+
+
+def box_iou(pred: Sequence[float], gt: Sequence[float]) -> float:
+    """Intersection over union of two ``[x1, y1, x2, y2]`` boxes on continuous coordinates.
+
+    An invalid box (not four finite numbers, ``x2 <= x1`` or ``y2 <= y1``) scores 0; boxes that only
+    touch (a shared edge or corner) have zero intersection and score 0. No ``+1`` pixel convention.
+    """
+    p, g = _as_box(pred), _as_box(gt)
+    if p is None or g is None or not (p[2] > p[0] and p[3] > p[1] and g[2] > g[0] and g[3] > g[1]):
+        return 0.0
+    iw = min(p[2], g[2]) - max(p[0], g[0])
+    ih = min(p[3], g[3]) - max(p[1], g[1])
+    if iw <= 0 or ih <= 0:
+        return 0.0
+    inter = iw * ih
+    union = (p[2] - p[0]) * (p[3] - p[1]) + (g[2] - g[0]) * (g[3] - g[1]) - inter
+    return inter / union
+
+
+def iou_matrix(pred: Sequence[Sequence[float]], gt: Sequence[Sequence[float]]) -> np.ndarray:
+    """``[len(pred), len(gt)]`` float64 matrix of :func:`box_iou`."""
+    out = np.zeros((len(pred), len(gt)), dtype=np.float64)
+    for i, p in enumerate(pred):
+        for j, g in enumerate(gt):
+            out[i, j] = box_iou(p, g)
+    return out
+
+
+def match_boxes(
+    pred: Sequence[Sequence[float]],
+    gt: Sequence[Sequence[float]],
+    iou_threshold: float = 0.5,
+    *,
+    weights: Sequence[float] | None = None,
+    mask_below_threshold: bool = True,
+) -> list[tuple[int, int, float]]:
+    """One-to-one matching of predictions to ground truth: ``[(pred_index, gt_index, iou), ...]``.
+
+    Hungarian assignment (``scipy.optimize.linear_sum_assignment``) maximising the total IoU (times the
+    ground-truth ``weights`` when given); pairs with IoU below ``iou_threshold`` are dropped. With
+    ``mask_below_threshold`` (default) such pairs are worth 0 in the assignment too, so a sub-threshold
+    overlap can never displace a match that counts: this maximises the matched IoU among assignments
+    that count as many matches as possible above the threshold in the usual cases (greedy
+    highest-IoU-first matching does not). ``mask_below_threshold=False`` is plain Hungarian on IoU
+    (what Falcon-Perception's evaluation does).
+    """
+    if len(pred) == 0 or len(gt) == 0:
+        return []
+    from scipy.optimize import linear_sum_assignment
+
+    ious = iou_matrix(pred, gt)
+    value = ious.copy()
+    if mask_below_threshold:
+        value[value < iou_threshold] = 0.0
+    if weights is not None:
+        value = value * np.asarray(weights, dtype=np.float64)[None, :]
+    rows, cols = linear_sum_assignment(value, maximize=True)
+    return [(int(i), int(j), float(ious[i, j])) for i, j in zip(rows, cols) if ious[i, j] >= iou_threshold]
+
+
+def spam_penalty(n_pred: int, n_gt: int) -> float:
+    """VLM-R1's box-spam penalty ``min(1, #gt / #pred)`` (1 when nothing was predicted).
+
+    Shen et al., "VLM-R1: A Stable and Generalizable R1-style Large Vision-Language Model"
+    (arXiv:2504.07615), open-vocabulary detection reward: the per-sample score is multiplied by it, so
+    predicting more boxes than there are objects cannot pay.
+    """
+    return 1.0 if n_pred <= 0 else min(1.0, n_gt / n_pred)
+
+
+def _presence(n_pred: int, n_gt: int) -> float | None:
+    """1 when both sets are empty (a correct "nothing there"), 0 when exactly one is, else None."""
+    if n_pred == 0 and n_gt == 0:
+        return 1.0
+    if n_pred == 0 or n_gt == 0:
+        return 0.0
+    return None
+
+
+def box_f1(pred, gt, iou_threshold: float = 0.5) -> dict[str, float]:
+    """F1 of the one-to-one matching at ``IoU >= iou_threshold`` (:func:`match_boxes`).
+
+    ``precision = TP / #pred``, ``recall = TP / #gt``, ``f1 = 2·TP / (#pred + #gt)``. Both empty: all 1;
+    exactly one empty: all 0. Returns ``{"f1", "precision", "recall", "tp"}``.
+    """
+    n_pred, n_gt = len(pred), len(gt)
+    empty = _presence(n_pred, n_gt)
+    if empty is not None:
+        return {"f1": empty, "precision": empty, "recall": empty, "tp": 0.0}
+    tp = len(match_boxes(pred, gt, iou_threshold))
+    return {"f1": 2 * tp / (n_pred + n_gt), "precision": tp / n_pred, "recall": tp / n_gt, "tp": float(tp)}
+
+
+def matched_iou_completeness(pred, gt, iou_threshold: float = 0.5, iou_weight: float = 0.5) -> dict[str, float]:
+    """Weighted sum of how well the matched boxes fit and how many objects were found.
+
+    ``mean_iou`` = mean IoU over the one-to-one matches at ``IoU >= iou_threshold`` (0 without a match),
+    ``completeness`` = ``#matched / #gt`` (recall), ``score = iou_weight * mean_iou + (1 - iou_weight) *
+    completeness`` (REFERENCE.md section 7: "a weighted sum of matched IoU and completeness"). Extra
+    boxes cost nothing here, so the registered reward applies :func:`spam_penalty` by default.
+    Both empty: 1; exactly one empty: 0.
+    """
+    empty = _presence(len(pred), len(gt))
+    if empty is not None:
+        return {"score": empty, "mean_iou": empty, "completeness": empty}
+    matches = match_boxes(pred, gt, iou_threshold)
+    mean = sum(m[2] for m in matches) / len(matches) if matches else 0.0
+    completeness = len(matches) / len(gt)
+    return {"score": iou_weight * mean + (1 - iou_weight) * completeness, "mean_iou": mean, "completeness": completeness}
+
+
+def weighted_precision_recall(pred, gt, iou_threshold: float = 0.5, precision_weight: float = 0.5) -> dict[str, float]:
+    """DIP-R1's weighted precision-recall accuracy reward (closest documented rule, see below).
+
+    Park et al., "DIP-R1: Deep Inspection and Perception with RL Looking Through and Understanding
+    Complex Scenes" (arXiv:2505.23179) reward decision-making with "a weighted precision-recall accuracy
+    reward" for crowded-scene detection. The exact formula was not available to us; mmrl implements
+    ``score = w·P + (1 - w)·R`` with ``P = TP / #pred``, ``R = TP / #gt`` from the one-to-one matching at
+    ``IoU >= iou_threshold`` and ``w = precision_weight``. Both empty: 1; exactly one empty: 0.
+    """
+    f = box_f1(pred, gt, iou_threshold)
+    empty = _presence(len(pred), len(gt))
+    score = empty if empty is not None else precision_weight * f["precision"] + (1 - precision_weight) * f["recall"]
+    return {"score": score, "precision": f["precision"], "recall": f["recall"]}
+
+
+def set_f1(pred, gt, iou_thresholds: Sequence[float] = FALCON_IOU_THRESHOLDS) -> dict[str, float]:
+    """Falcon-Perception's set-level F1, averaged over IoU thresholds.
+
+    Mirrors ``sample_f1`` in Falcon-Perception's ``eval/metrics.py`` (PBench; Bevli et al., "Falcon
+    Perception", arXiv:2603.27365) on boxes: Hungarian matching on IoU over the whole matrix (no
+    masking), then at each threshold ``t`` the matches with ``IoU >= t`` are true positives and
+    ``F1_t = 2·TP / (#pred + #gt)``; the score is the mean over ``iou_thresholds`` (0.5:0.05:0.95 by
+    default; PBench's dense split uses ``(0.5,)``). Falcon drops the image-level cases from F1 and
+    reports them as presence counts; as a reward mmrl scores a correct empty answer to an empty ground
+    truth 1 and any other empty side 0. Their ``1e-8`` guards are omitted (identical to ~1e-8).
+    Returns ``{"f1", "f1@0.5"}`` (``f1@0.5``: the F1 at IoU 0.5 alone).
+    """
+    n_pred, n_gt = len(pred), len(gt)
+    empty = _presence(n_pred, n_gt)
+    if empty is not None:
+        return {"f1": empty, "f1@0.5": empty}
+    matched = [m[2] for m in match_boxes(pred, gt, 0.0, mask_below_threshold=False)]
+
+    def f1_at(t: float) -> float:
+        tp = sum(1 for v in matched if v >= t)
+        return 2 * tp / (n_pred + n_gt)
+
+    return {"f1": float(np.mean([f1_at(t) for t in iou_thresholds])), "f1@0.5": f1_at(0.5)}
+
+
+def salience_weighted_iou(pred, gt, weights: Sequence[float] | None = None) -> float:
+    """GRiP's salience-weighted IoU (closest documented rule, see below).
+
+    Wei et al., "Guiding the Inner Eye: A Framework for Hierarchical and Flexible Visual Grounded
+    Reasoning" (GRiP, arXiv:2511.22172) reward localisation with a Salience-Weighted IoU that favours
+    mission-critical objects over distractors; its exact formula was not available to us. mmrl
+    implements: each ground-truth box ``j`` carries a salience weight ``w_j >= 0`` (metadata
+    ``salience``; uniform when absent); predictions are matched one-to-one to maximise ``Σ_j w_j·IoU``
+    (Hungarian, no threshold) and ``score = Σ_j w_j·IoU_j / Σ_j w_j`` with ``IoU_j = 0`` for an
+    unmatched ground truth. Both empty: 1; exactly one empty: 0.
+    """
+    empty = _presence(len(pred), len(gt))
+    if empty is not None:
+        return empty
+    w = np.ones(len(gt)) if weights is None else np.asarray(weights, dtype=np.float64)
+    total = float(w.sum())
+    if total <= 0:
+        raise ValueError("salience weights sum to zero")
+    matches = match_boxes(pred, gt, 0.0, weights=w, mask_below_threshold=False)
+    return sum(w[j] * iou for _, j, iou in matches) / total
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing boxes
+# --------------------------------------------------------------------------------------------
+
+_NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+_BARE = re.compile(rf"\[\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*\]")
+_QWEN2 = re.compile(rf"\(\s*({_NUM})\s*,\s*({_NUM})\s*\)\s*,?\s*\(\s*({_NUM})\s*,\s*({_NUM})\s*\)")
+_FENCE = re.compile(r"```(?:json|JSON)?")
+_EMPTY = {"[]", "none", "null", "no object", "no objects", "nothing", "no box", "no boxes"}
+_BOX_KEYS = ("bbox_2d", "bbox", "box_2d", "box")
+
+
+def _boxes_from_json(obj: Any) -> list[list[float]] | None:
+    """Boxes found in a parsed JSON value, or None if it holds no box at all (``[]`` gives [])."""
+    box = _as_box(obj) if isinstance(obj, list) and len(obj) == 4 else None
+    if box is not None:
+        return [list(box)]
+    if isinstance(obj, Mapping):
+        for key in _BOX_KEYS:
+            if key in obj:
+                b = _as_box(obj[key])
+                return [list(b)] if b is not None else None
+        return None
+    if isinstance(obj, list):
+        if not obj:
+            return []
+        found: list[list[float]] = []
+        any_box = False
+        for item in obj:
+            sub = _boxes_from_json(item)
+            if sub is not None:
+                any_box = True
+                found.extend(sub)
+        return found if any_box else None
+    return None
+
+
+def _json_candidates(text: str) -> list[Any]:
+    out = []
+    for candidate in (text, text[_first(text, "[{"): _last(text, "]}") + 1]):
+        if not candidate:
+            continue
+        try:
+            out.append(json.loads(candidate))
+        except (ValueError, TypeError):
+            continue
+    return out
+
+
+def _first(text: str, chars: str) -> int:
+    idx = [text.find(c) for c in chars if c in text]
+    return min(idx) if idx else len(text)
+
+
+def _last(text: str, chars: str) -> int:
+    idx = [text.rfind(c) for c in chars if c in text]
+    return max(idx) if idx else -1
+
+
+def parse_boxes(answer: str) -> list[list[float]]:
+    """Boxes written in an answer, in the answer's own coordinates, in order.
+
+    See the module docstring for the accepted forms. An explicit empty answer (``[]``, ``none``...)
+    gives ``[]``; an answer with nothing box-like raises :class:`~mmrl.rewards._text.Unparseable`.
+    Reversed boxes are kept as written (they score 0 later), not repaired.
+    """
+    if not isinstance(answer, str):
+        raise Unparseable(f"answer is not text (got {type(answer).__name__})")
+    text = _FENCE.sub("", answer).strip()
+    if text.lower().rstrip(".") in _EMPTY:
+        return []
+    for obj in _json_candidates(text):
+        boxes = _boxes_from_json(obj)
+        if boxes is not None:
+            return boxes
+    qwen2 = [[float(v) for v in m.groups()] for m in _QWEN2.finditer(text)]
+    if qwen2:
+        return qwen2
+    bare = [[float(v) for v in m.groups()] for m in _BARE.finditer(text)]
+    if bare:
+        return bare
+    raise Unparseable("no box in the answer")
+
+
+def _size(value: Any, key: str) -> tuple[float, float]:
+    try:
+        w, h = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise Unjudgeable(f"metadata {key!r} must be [W, H], got {value!r}") from None
+    if not (w > 0 and h > 0 and math.isfinite(w) and math.isfinite(h)):
+        raise Unjudgeable(f"metadata {key!r} must be positive [W, H], got {value!r}")
+    return w, h
+
+
+def rescale_box(
+    box: Sequence[float],
+    coord_format: str,
+    image_size: Sequence[float] | None = None,
+    input_size: Sequence[float] | None = None,
+) -> list[float]:
+    """A box from the model's coordinates to ORIGINAL image pixels (see the module docstring).
+
+    ``qwen2`` needs ``image_size``; ``qwen25`` needs ``image_size`` and ``input_size``; ``absolute``
+    needs neither. Raises :class:`~mmrl.rewards._text.Unjudgeable` when a size is missing or wrong.
+    """
+    if coord_format == "absolute":
+        return [float(v) for v in box]
+    if coord_format not in COORD_FORMATS:
+        raise Unjudgeable(f"unknown coord_format {coord_format!r}; expected one of {COORD_FORMATS}")
+    if image_size is None:
+        raise Unjudgeable(f"metadata has no 'image_size' (needed to rescale {coord_format} boxes)")
+    w, h = _size(image_size, "image_size")
+    if coord_format == "qwen2":
+        sx, sy = w / 1000.0, h / 1000.0
+    else:
+        if input_size is None:
+            raise Unjudgeable("metadata has no 'input_size' (needed to rescale qwen25 boxes)")
+        win, hin = _size(input_size, "input_size")
+        sx, sy = w / win, h / hin
+    x1, y1, x2, y2 = (float(v) for v in box)
+    return [x1 * sx, y1 * sy, x2 * sx, y2 * sy]
+
+
+def _gt_boxes(meta: Mapping, reward: str) -> list[list[float]]:
+    raw = require(meta, "boxes", reward)
+    if isinstance(raw, (list, tuple)) and len(raw) == 4 and _as_box(raw) is not None:
+        raw = [raw]
+    if isinstance(raw, (str, bytes, Mapping)) or not isinstance(raw, Iterable):
+        raise Unjudgeable(f"metadata 'boxes' must be a list of [x1, y1, x2, y2], got {raw!r}")
+    boxes = []
+    for k, b in enumerate(raw):
+        box = _as_box(b)
+        if box is None or not valid_box(box):
+            raise Unjudgeable(f"metadata 'boxes'[{k}] = {b!r} is not a valid [x1, y1, x2, y2] box (x2 > x1, y2 > y1)")
+        boxes.append(list(box))
+    return boxes
+
+
+class _BoxReward(TextReward):
+    """Shared reading of ground truth and predicted boxes (original pixels)."""
+
+    def __init__(self, require_tags: bool = True, coord_format: str = "absolute") -> None:
+        super().__init__()
+        if coord_format not in COORD_FORMATS:
+            raise ValueError(f"unknown coord_format {coord_format!r}; expected one of {COORD_FORMATS}")
+        self.require_tags = bool(require_tags)
+        self.coord_format = coord_format
+
+    unparseable_extras: dict[str, float] = {}
+
+    def _boxes(self, text: str, meta: Mapping) -> tuple[list[list[float]], list[list[float]]]:
+        gt = _gt_boxes(meta, self.name)
+        fmt = meta.get("coord_format") or self.coord_format
+        if fmt not in COORD_FORMATS:
+            raise Unjudgeable(f"metadata 'coord_format' {fmt!r} is not one of {COORD_FORMATS}")
+        if fmt != "absolute":  # fail on missing sizes before reading the answer: NaN, not "unparseable"
+            rescale_box([0, 0, 1, 1], fmt, meta.get("image_size"), meta.get("input_size"))
+        try:
+            raw = parse_boxes(answer_or_text(text, self.require_tags))
+        except Unparseable as exc:
+            raise Unparseable(exc.reason, self.unparseable_extras) from None
+        pred = [rescale_box(b, fmt, meta.get("image_size"), meta.get("input_size")) for b in raw]
+        return pred, gt
+
+
+def _check_threshold(t: float) -> float:
+    t = float(t)
+    if not 0.0 < t <= 1.0:
+        raise ValueError(f"IoU thresholds must lie in (0, 1], got {t}")
+    return t
+
+
+@register_reward("iou")
+class BoxIoU(_BoxReward):
+    """Single-object grounding (REC): IoU of the first predicted box with the ground truth.
+
+    Reads ``boxes`` (with several ground-truth boxes, the best IoU over them counts: any annotated
+    referent is accepted) and the coordinate fields. The first box of the answer is scored (VLM-R1
+    reads the first ``[x1, y1, x2, y2]``). No box: unparseable (0). Extra key ``acc@0.5``: 1 when
+    ``IoU > 0.5`` strictly (REFERENCE.md section 7), so an IoU of exactly 0.5 does not count.
+    """
+
+    extra_keys = ("acc@0.5",)
+    unparseable_extras = {"acc@0.5": 0.0}
+
+    def __init__(self, require_tags: bool = True, coord_format: str = "absolute") -> None:
+        super().__init__(require_tags, coord_format)
+
+    def _score_one(self, text, prompt, meta):
+        pred, gt = self._boxes(text, meta)
+        if not gt:
+            raise Unjudgeable("metadata 'boxes' is empty (iou needs a ground-truth box)")
+        if not pred:
+            raise Unparseable("the answer has no box", self.unparseable_extras)
+        iou = max(box_iou(pred[0], g) for g in gt)
+        return {self.name: iou, "acc@0.5": float(iou > 0.5)}
+
+
+@register_reward("box_f1")
+class BoxF1(_BoxReward):
+    """Multi-object grounding: F1 of the one-to-one matching at ``IoU >= iou_threshold`` (:func:`box_f1`),
+    optionally times VLM-R1's :func:`spam_penalty`. Extra keys ``precision``, ``recall``."""
+
+    extra_keys = ("precision", "recall")
+    unparseable_extras = {"precision": 0.0, "recall": 0.0}
+
+    def __init__(self, require_tags: bool = True, coord_format: str = "absolute", iou_threshold: float = 0.5,
+                 spam_penalty: bool = False) -> None:
+        super().__init__(require_tags, coord_format)
+        self.iou_threshold = _check_threshold(iou_threshold)
+        self.spam_penalty = bool(spam_penalty)
+
+    def _score_one(self, text, prompt, meta):
+        pred, gt = self._boxes(text, meta)
+        f = box_f1(pred, gt, self.iou_threshold)
+        score = f["f1"] * (spam_penalty(len(pred), len(gt)) if self.spam_penalty else 1.0)
+        return {self.name: score, "precision": f["precision"], "recall": f["recall"]}
+
+
+@register_reward("box_matched_iou")
+class BoxMatchedIoU(_BoxReward):
+    """Multi-object grounding: ``iou_weight·mean matched IoU + (1 - iou_weight)·completeness``
+    (:func:`matched_iou_completeness`), times :func:`spam_penalty` unless ``spam_penalty=False``.
+    Extra keys ``mean_iou``, ``completeness``."""
+
+    extra_keys = ("mean_iou", "completeness")
+    unparseable_extras = {"mean_iou": 0.0, "completeness": 0.0}
+
+    def __init__(self, require_tags: bool = True, coord_format: str = "absolute", iou_threshold: float = 0.5,
+                 iou_weight: float = 0.5, spam_penalty: bool = True) -> None:
+        super().__init__(require_tags, coord_format)
+        self.iou_threshold = _check_threshold(iou_threshold)
+        if not 0.0 <= iou_weight <= 1.0:
+            raise ValueError(f"iou_weight must lie in [0, 1], got {iou_weight}")
+        self.iou_weight = float(iou_weight)
+        self.spam_penalty = bool(spam_penalty)
+
+    def _score_one(self, text, prompt, meta):
+        pred, gt = self._boxes(text, meta)
+        r = matched_iou_completeness(pred, gt, self.iou_threshold, self.iou_weight)
+        score = r["score"] * (spam_penalty(len(pred), len(gt)) if self.spam_penalty else 1.0)
+        return {self.name: score, "mean_iou": r["mean_iou"], "completeness": r["completeness"]}
+
+
+@register_reward("box_weighted_pr")
+class BoxWeightedPR(_BoxReward):
+    """DIP-R1's weighted precision-recall reward (:func:`weighted_precision_recall`):
+    ``precision_weight·P + (1 - precision_weight)·R``. Extra keys ``precision``, ``recall``."""
+
+    extra_keys = ("precision", "recall")
+    unparseable_extras = {"precision": 0.0, "recall": 0.0}
+
+    def __init__(self, require_tags: bool = True, coord_format: str = "absolute", iou_threshold: float = 0.5,
+                 precision_weight: float = 0.5, spam_penalty: bool = False) -> None:
+        super().__init__(require_tags, coord_format)
+        self.iou_threshold = _check_threshold(iou_threshold)
+        if not 0.0 <= precision_weight <= 1.0:
+            raise ValueError(f"precision_weight must lie in [0, 1], got {precision_weight}")
+        self.precision_weight = float(precision_weight)
+        self.spam_penalty = bool(spam_penalty)
+
+    def _score_one(self, text, prompt, meta):
+        pred, gt = self._boxes(text, meta)
+        r = weighted_precision_recall(pred, gt, self.iou_threshold, self.precision_weight)
+        score = r["score"] * (spam_penalty(len(pred), len(gt)) if self.spam_penalty else 1.0)
+        return {self.name: score, "precision": r["precision"], "recall": r["recall"]}
+
+
+@register_reward("box_set_f1")
+class BoxSetF1(_BoxReward):
+    """Falcon-Perception's set reward: F1 of the Hungarian matching averaged over IoU thresholds
+    (:func:`set_f1`). ``boxes: []`` is a valid negative sample. Extra key ``f1@0.5``."""
+
+    extra_keys = ("f1@0.5",)
+    unparseable_extras = {"f1@0.5": 0.0}
+
+    def __init__(self, require_tags: bool = True, coord_format: str = "absolute",
+                 iou_thresholds: Sequence[float] = FALCON_IOU_THRESHOLDS) -> None:
+        super().__init__(require_tags, coord_format)
+        self.iou_thresholds = tuple(_check_threshold(t) for t in iou_thresholds)
+        if not self.iou_thresholds:
+            raise ValueError("iou_thresholds must not be empty")
+
+    def _score_one(self, text, prompt, meta):
+        pred, gt = self._boxes(text, meta)
+        r = set_f1(pred, gt, self.iou_thresholds)
+        return {self.name: r["f1"], "f1@0.5": r["f1@0.5"]}
+
+
+@register_reward("box_salience_iou")
+class BoxSalienceIoU(_BoxReward):
+    """GRiP's salience-weighted IoU (:func:`salience_weighted_iou`), times :func:`spam_penalty` unless
+    ``spam_penalty=False``. Reads ``salience`` (one weight >= 0 per ground-truth box; uniform if absent)."""
+
+    def __init__(self, require_tags: bool = True, coord_format: str = "absolute", spam_penalty: bool = True) -> None:
+        super().__init__(require_tags, coord_format)
+        self.spam_penalty = bool(spam_penalty)
+
+    def _score_one(self, text, prompt, meta):
+        gt_probe = _gt_boxes(meta, self.name)
+        weights = meta.get("salience")
+        if weights is not None:
+            try:
+                weights = [float(w) for w in weights]
+            except (TypeError, ValueError):
+                raise Unjudgeable(f"metadata 'salience' must be a list of numbers, got {weights!r}") from None
+            if len(weights) != len(gt_probe) or any(not (w >= 0 and math.isfinite(w)) for w in weights):
+                raise Unjudgeable(
+                    f"metadata 'salience' must hold one finite weight >= 0 per ground-truth box "
+                    f"({len(gt_probe)}), got {weights!r}"
+                )
+            if gt_probe and sum(weights) <= 0:
+                raise Unjudgeable("metadata 'salience' weights sum to 0")
+        pred, gt = self._boxes(text, meta)
+        score = salience_weighted_iou(pred, gt, weights)
+        return score * (spam_penalty(len(pred), len(gt)) if self.spam_penalty else 1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Temporal spans
+# --------------------------------------------------------------------------------------------
+
+
+def temporal_iou(pred: Sequence[float], gt: Sequence[float]) -> float:
+    """Temporal IoU of two ``[start, end]`` spans in seconds:
+    ``max(0, min(e) - max(s)) / (max(e) - min(s))`` (REFERENCE.md section 7).
+
+    A reversed (``end < start``) or empty (``end == start``) span, or non-finite values, score 0.
+    """
+    try:
+        ps, pe = (float(v) for v in pred)
+        gs, ge = (float(v) for v in gt)
+    except (TypeError, ValueError):
+        return 0.0
+    if not all(math.isfinite(v) for v in (ps, pe, gs, ge)) or pe <= ps or ge <= gs:
+        return 0.0
+    inter = max(0.0, min(pe, ge) - max(ps, gs))
+    return inter / (max(pe, ge) - min(ps, gs))
+
+
+_CLOCK = r"\d+:\d{1,2}(?::\d{1,2})?(?:\.\d+)?"
+_SECONDS = r"\d+(?:\.\d+)?"
+_T = rf"(?<![\d.:])(?:{_CLOCK}|{_SECONDS})(?![\d:])"
+_UNIT = r"(?:\s*(?:s|secs?|seconds?)\b)?"
+_SPAN = re.compile(rf"({_T}){_UNIT}\s*(?:to|until|till|through|-|–|—|~|,|and)\s*({_T}){_UNIT}", re.IGNORECASE)
+_START_KEYS = ("start_time", "start", "begin")
+_END_KEYS = ("end_time", "end", "stop")
+
+
+def _time_value(token: Any) -> float:
+    if isinstance(token, (int, float)) and not isinstance(token, bool):
+        return float(token)
+    token = str(token).strip().rstrip("s").strip()
+    if ":" in token:
+        parts = [float(p) for p in token.split(":")]
+        value = 0.0
+        for p in parts:
+            value = value * 60.0 + p
+        return value
+    return float(token)
+
+
+def parse_timestamps(text: str) -> tuple[float, float]:
+    """The ``(start, end)`` span an answer names, in the answer's units; raises :class:`Unparseable`.
+
+    Accepts JSON ``{"start_time": 12.5, "end_time": 20.1}`` (Temporal-R1's answer format; also
+    ``start``/``end``), and otherwise the first pair of times joined by ``to``, ``-``, ``,``, ``and``,
+    ``~``...: ``12.5 to 20.1 seconds``, ``[12.5, 20.1]``, ``from 12.5s to 20.1s``, ``00:12-00:20``
+    (``mm:ss``, ``hh:mm:ss`` read as seconds). A reversed pair is returned as written (it scores 0).
+    """
+    if not isinstance(text, str):
+        raise Unparseable(f"answer is not text (got {type(text).__name__})")
+    body = _FENCE.sub("", text).strip()
+    for obj in _json_candidates(body):
+        if isinstance(obj, Mapping):
+            start = next((obj[k] for k in _START_KEYS if k in obj), None)
+            end = next((obj[k] for k in _END_KEYS if k in obj), None)
+            if start is not None and end is not None:
+                try:
+                    return _time_value(start), _time_value(end)
+                except (TypeError, ValueError):
+                    raise Unparseable(f"start/end values {start!r}, {end!r} are not times") from None
+    match = _SPAN.search(body)
+    if match is None:
+        raise Unparseable("no time span in the answer")
+    return _time_value(match.group(1)), _time_value(match.group(2))
+
+
+def _finite(values: Iterable[float]) -> list[float]:
+    if hasattr(values, "tolist"):
+        values = values.tolist()  # tensors and arrays
+    return [float(v) for v in values if v is not None and math.isfinite(float(v))]
+
+
+def recall_at(tious: Iterable[float], m: float) -> float:
+    """R1@m: the fraction of samples with ``tIoU > m`` (strict; REFERENCE.md section 7).
+
+    NaN entries (samples not judged) are left out; NaN when none is left.
+    """
+    vals = _finite(tious)
+    return sum(1 for v in vals if v > m) / len(vals) if vals else math.nan
+
+
+def mean_iou(tious: Iterable[float]) -> float:
+    """mIoU: the mean of the finite (t)IoU values; NaN when there are none."""
+    vals = _finite(tious)
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def _gt_span(meta: Mapping, reward: str) -> tuple[float, float]:
+    raw = require(meta, "timestamps", reward)
+    try:
+        s, e = (float(v) for v in raw)
+    except (TypeError, ValueError):
+        raise Unjudgeable(f"metadata 'timestamps' must be [start, end] in seconds, got {raw!r}") from None
+    if not (math.isfinite(s) and math.isfinite(e)) or e <= s:
+        raise Unjudgeable(f"metadata 'timestamps' {raw!r} is not a span with end > start")
+    return s, e
+
+
+_TIME_UNITS = ("seconds", "fraction")
+
+
+class _SpanReward(TextReward):
+    def __init__(self, require_tags: bool = True, time_unit: str = "seconds") -> None:
+        super().__init__()
+        if time_unit not in _TIME_UNITS:
+            raise ValueError(f"unknown time_unit {time_unit!r}; use one of {_TIME_UNITS}")
+        self.require_tags = bool(require_tags)
+        self.time_unit = time_unit
+
+    def _scale(self, meta: Mapping) -> float:
+        if self.time_unit == "seconds":
+            return 1.0
+        duration = require(meta, "duration", f"{self.name} with time_unit='fraction'")
+        try:
+            d = float(duration)
+        except (TypeError, ValueError):
+            d = math.nan
+        if not (d > 0 and math.isfinite(d)):
+            raise Unjudgeable(f"metadata 'duration' must be a positive number of seconds, got {duration!r}")
+        return d
+
+
+@register_reward("temporal_iou")
+class TemporalIoU(_SpanReward):
+    """Temporal grounding: :func:`temporal_iou` of the answer's span with ``timestamps`` (seconds).
+
+    ``time_unit="fraction"``: the answer gives fractions of the video, multiplied by ``duration``.
+    Extra keys ``r1@0.3``, ``r1@0.5``, ``r1@0.7``: 1 when ``tIoU > m`` (their batch means are R1@m).
+    """
+
+    extra_keys = ("r1@0.3", "r1@0.5", "r1@0.7")
+    unparseable_extras = {"r1@0.3": 0.0, "r1@0.5": 0.0, "r1@0.7": 0.0}
+
+    def __init__(self, require_tags: bool = True, time_unit: str = "seconds") -> None:
+        super().__init__(require_tags, time_unit)
+
+    def _score_one(self, text, prompt, meta):
+        gt = _gt_span(meta, self.name)
+        scale = self._scale(meta)
+        try:
+            s, e = parse_timestamps(answer_or_text(text, self.require_tags))
+        except Unparseable as exc:
+            raise Unparseable(exc.reason, self.unparseable_extras) from None
+        tiou = temporal_iou((s * scale, e * scale), gt)
+        return {self.name: tiou, **{f"r1@{m}": float(tiou > m) for m in (0.3, 0.5, 0.7)}}
+
+
+@register_reward("temporal_dual")
+class TemporalDual(_SpanReward):
+    """Temporal-R1's dual reward: a discrete semantic reward plus a continuous temporal reward.
+
+    Li et al., "Reinforcement Learning Tuning for VideoLLMs: Reward Design and Data Efficiency"
+    (Temporal-RLT, arXiv:2506.01908; code: Temporal-R1) supervise semantic reasoning with a discrete
+    multiple-choice correctness reward and temporal reasoning with a continuous temporal-IoU reward.
+    mmrl's rule: ``semantic`` = 1 if the answer's choice letter equals ``solution`` (when the sample has
+    a ``solution``), ``temporal`` = :func:`temporal_iou` with ``timestamps`` (when it has them), and the
+    score is their sum over the parts the sample has (MC-VQA: semantic only; grounding: temporal only;
+    grounded VideoQA: both, range [0, 2]). The sum for grounded QA is our reading of the paper (its
+    exact weighting was not available to us). Temporal-R1's released grounding code scores
+    ``0.9·tIoU + 0.1·format``: compose this reward with ``think_answer_format`` for that.
+    The letter is read from the answer with the time span removed. A part that cannot be read scores 0
+    and the sample is counted unparseable. A sample with neither field is NaN.
+    """
+
+    extra_keys = ("semantic", "temporal")
+
+    def __init__(self, require_tags: bool = True, time_unit: str = "seconds") -> None:
+        super().__init__(require_tags, time_unit)
+
+    def _score_one(self, text, prompt, meta):
+        has_sem, has_tmp = meta.get("solution") is not None, meta.get("timestamps") is not None
+        if not (has_sem or has_tmp):
+            raise Unjudgeable("metadata has neither 'solution' nor 'timestamps' (needed by temporal_dual)")
+        gt_letter = gt_span = None
+        if has_sem:
+            choices = _choices(meta)
+            sol = _solution_text(meta, self.name)
+            try:
+                gt_letter = parse_choice(str(sol), choices)
+            except Unparseable as exc:
+                raise Unjudgeable(f"metadata 'solution' {sol!r} is not a choice letter ({exc})") from None
+        if has_tmp:
+            gt_span = _gt_span(meta, self.name)
+            scale = self._scale(meta)
+        parts: dict[str, float] = {}
+        failures: list[str] = []
+        try:
+            answer = answer_or_text(text, self.require_tags)
+        except Unparseable as exc:
+            extras = {k: 0.0 for k, has in (("semantic", has_sem), ("temporal", has_tmp)) if has}
+            raise Unparseable(exc.reason, extras) from None
+        remainder = answer
+        if has_tmp:
+            try:
+                s, e = parse_timestamps(answer)
+                parts["temporal"] = temporal_iou((s * scale, e * scale), gt_span)
+                match = _SPAN.search(answer)
+                if match:
+                    remainder = (answer[: match.start()] + " " + answer[match.end():]).strip()
+            except Unparseable as exc:
+                parts["temporal"] = 0.0
+                failures.append(f"temporal: {exc.reason}")
+        if has_sem:
+            try:
+                parts["semantic"] = float(parse_choice(remainder, choices) == gt_letter)
+            except Unparseable as exc:
+                parts["semantic"] = 0.0
+                failures.append(f"semantic: {exc.reason}")
+        total = sum(parts.values())
+        if failures:
+            raise Unparseable("; ".join(failures), parts, score=total)
+        return {self.name: total, **parts}

@@ -1,0 +1,388 @@
+"""Grounding rewards (mmrl.rewards.grounding): boxes and temporal spans, on hand-worked cases."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import linear_sum_assignment
+
+from mmrl.rewards import build_reward
+from mmrl.rewards._text import Unparseable
+from mmrl.rewards.grounding import (
+    box_f1,
+    box_iou,
+    match_boxes,
+    matched_iou_completeness,
+    mean_iou,
+    parse_boxes,
+    parse_timestamps,
+    recall_at,
+    rescale_box,
+    salience_weighted_iou,
+    set_f1,
+    spam_penalty,
+    temporal_iou,
+    weighted_precision_recall,
+)
+
+NAN = float("nan")
+
+
+def same(a: torch.Tensor, b: list[float]) -> bool:
+    return torch.allclose(a, torch.tensor(b, dtype=torch.float32), equal_nan=True, atol=1e-6)
+
+
+def answer(body: str) -> str:
+    return f"<think>looking</think><answer>{body}</answer>"
+
+
+def strip(a: float, b: float) -> list[float]:
+    """A box covering x in [a, b] and y in [0, 1]: IoUs of such boxes are 1-D interval IoUs."""
+    return [a, 0.0, b, 1.0]
+
+
+# --------------------------------------------------------------------------------------------
+# box IoU
+# --------------------------------------------------------------------------------------------
+
+
+def test_box_iou_hand_worked():
+    assert box_iou([0, 0, 10, 10], [0, 0, 10, 10]) == 1.0
+    assert box_iou([0, 0, 10, 10], [5, 0, 15, 10]) == pytest.approx(50 / 150)  # inter 5x10, union 150
+    assert box_iou([0, 0, 10, 10], [0, 0, 5, 10]) == 0.5                     # half inside
+    assert box_iou([0.5, 0.5, 1.5, 1.5], [1, 1, 2, 2]) == pytest.approx(0.25 / 1.75)  # continuous, no +1
+    assert box_iou([0, 0, 10, 10], [20, 20, 30, 30]) == 0.0
+
+
+def test_box_iou_touching_boxes_score_zero():
+    assert box_iou([0, 0, 10, 10], [10, 0, 20, 10]) == 0.0   # shared edge
+    assert box_iou([0, 0, 10, 10], [10, 10, 20, 20]) == 0.0  # shared corner
+
+
+def test_box_iou_reversed_or_empty_boxes_score_zero():
+    gt = [0, 0, 10, 10]
+    assert box_iou([10, 10, 0, 0], gt) == 0.0   # fully reversed (abs-area IoU would give 1)
+    assert box_iou([10, 0, 0, 10], gt) == 0.0   # x reversed
+    assert box_iou([0, 10, 10, 0], gt) == 0.0   # y reversed
+    assert box_iou(gt, [10, 10, 0, 0]) == 0.0   # reversed ground truth
+    assert box_iou([5, 0, 5, 10], gt) == 0.0    # zero width
+    assert box_iou([0, 0, float("nan"), 10], gt) == 0.0
+    assert box_iou([0, 0, 10], gt) == 0.0
+
+
+def test_iou_reward_exactly_half_is_not_accuracy():
+    r = build_reward("iou")
+    gt = {"boxes": [[0, 0, 10, 10]]}
+    out = r([answer("[0, 0, 5, 10]"), answer("[0, 0, 6, 10]"), answer("[10, 10, 0, 0]")], None, [gt] * 3)
+    assert same(out["iou"], [0.5, 0.6, 0.0])
+    assert same(out["acc@0.5"], [0.0, 1.0, 0.0])  # 0.5 is not > 0.5
+    assert r.last_info["num_unparseable"] == 0    # a reversed box is read, and scores 0
+
+
+def test_iou_reward_first_box_and_best_ground_truth():
+    r = build_reward("iou")
+    out = r([answer("[0,0,10,10] and [50,50,60,60]"), answer("[50,50,60,60] and [0,0,10,10]")], None,
+            [{"boxes": [[100, 100, 110, 110], [0, 0, 10, 10]]}] * 2)
+    assert same(out["iou"], [1.0, 0.0])  # first predicted box; best over the ground-truth boxes
+
+
+def test_iou_reward_unparseable_counted_and_missing_metadata_nan():
+    r = build_reward("iou")
+    completions = [answer("the cat on the left"), "[0, 0, 10, 10]", answer("[0, 0, 10, 10]"), answer("[0, 0, 10, 10]"),
+                   answer("[0, 0, 10, 10]"), answer("[0, 0, 10, 10]")]
+    meta = [{"boxes": [[0, 0, 10, 10]]}, {"boxes": [[0, 0, 10, 10]]}, {}, {"boxes": [[10, 10, 0, 0]]},
+            {"boxes": [[0, 0, 10, 10]], "coord_format": "qwen2"}, {"boxes": []}]
+    out = r(completions, None, meta)
+    assert same(out["iou"], [0.0, 0.0, NAN, NAN, NAN, NAN])
+    assert same(out["acc@0.5"], [0.0, 0.0, NAN, NAN, NAN, NAN])
+    info = r.last_info
+    assert info["num_unparseable"] == 2 and info["unparseable_samples"] == {
+        0: "no box in the answer", 1: "no <answer>...</answer> block"}
+    assert info["num_nan"] == 4
+    assert "'boxes'" in info["nan_samples"][2]
+    assert "not a valid" in info["nan_samples"][3]
+    assert "image_size" in info["nan_samples"][4]
+    assert "empty" in info["nan_samples"][5]
+
+
+# --------------------------------------------------------------------------------------------
+# parsing and coordinates
+# --------------------------------------------------------------------------------------------
+
+
+def test_parse_boxes_forms():
+    qwen25 = '```json\n[{"bbox_2d": [10, 20, 30, 40], "label": "cat"}, {"bbox_2d": [1, 2, 3, 4], "label": "dog"}]\n```'
+    assert parse_boxes(qwen25) == [[10, 20, 30, 40], [1, 2, 3, 4]]
+    assert parse_boxes('{"bbox_2d": [10.5, 20, 30, 40]}') == [[10.5, 20, 30, 40]]
+    assert parse_boxes("[10, 20, 30, 40]") == [[10, 20, 30, 40]]
+    assert parse_boxes("[[1, 2, 3, 4], [5, 6, 7, 8]]") == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert parse_boxes("<|object_ref_start|>the cat<|object_ref_end|><|box_start|>(100,200),(300,400)<|box_end|>") == [
+        [100, 200, 300, 400]]
+    assert parse_boxes("The cat is at [1, 2, 3, 4], the dog at [5.5, 6, 7, 8].") == [[1, 2, 3, 4], [5.5, 6, 7, 8]]
+    assert parse_boxes("[30, 40, 10, 20]") == [[30, 40, 10, 20]]  # reversed kept as written
+    for empty in ("[]", "None", "no object", "Nothing."):
+        assert parse_boxes(empty) == []
+    for bad in ("a cat", "[1, 2, 3]", '{"label": "cat"}'):
+        with pytest.raises(Unparseable):
+            parse_boxes(bad)
+
+
+def test_qwen2_coordinates_rescale_by_hand():
+    # Qwen2-VL: [0, 1000) units. 640x480 image: x * 640/1000, y * 480/1000.
+    assert rescale_box([500, 250, 750, 500], "qwen2", image_size=[640, 480]) == pytest.approx([320, 120, 480, 240])
+
+
+def test_qwen25_coordinates_rescale_by_hand():
+    # Qwen2.5-VL: pixels of the resized input. 1000x500 original resized to 504x252 (grid 36x18 * 14):
+    # x * 1000/504, y * 500/252 -> 252 -> 500, 504 -> 1000, 63 -> 125, 126 -> 250.
+    assert rescale_box([252, 63, 504, 126], "qwen25", image_size=[1000, 500], input_size=[504, 252]) == pytest.approx(
+        [500, 125, 1000, 250])
+
+
+def test_coordinate_formats_in_the_reward():
+    r = build_reward("iou")
+    gt = [320, 120, 480, 240]
+    meta = [
+        {"boxes": [gt], "coord_format": "qwen2", "image_size": [640, 480]},
+        {"boxes": [[500, 125, 1000, 250]], "coord_format": "qwen25", "image_size": [1000, 500], "input_size": [504, 252]},
+        {"boxes": [gt]},  # absolute: the same numbers read as original pixels
+        {"boxes": [[500, 125, 1000, 250]], "coord_format": "qwen25", "image_size": [1000, 500]},  # no input_size
+    ]
+    out = r([answer("[500, 250, 750, 500]"), answer('[{"bbox_2d": [252, 63, 504, 126], "label": "car"}]'),
+             answer("[500, 250, 750, 500]"), answer("[252, 63, 504, 126]")], None, meta)
+    # absolute: [500,250,750,500] vs [320,120,480,240] do not overlap
+    assert same(out["iou"], [1.0, 1.0, 0.0, NAN])
+    assert "input_size" in r.last_info["nan_samples"][3]
+    # the reward's default format applies when the metadata has none
+    r2 = build_reward("iou", coord_format="qwen2")
+    assert r2([answer("[500, 250, 750, 500]")], None, [{"boxes": [gt], "image_size": [640, 480]}])["iou"].item() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="coord_format"):
+        build_reward("iou", coord_format="qwen3")
+
+
+# --------------------------------------------------------------------------------------------
+# multi-object matching
+# --------------------------------------------------------------------------------------------
+
+# p1 overlaps g1 most, but p2 can only reach g1: greedy highest-IoU-first takes (p1, g1) and leaves p2
+# without a match; the one-to-one optimum is (p1, g2) + (p2, g1).
+G1, G2 = strip(0, 10), strip(4, 14)
+P1, P2 = strip(1, 11), strip(-2, 8)
+# IoU(p1,g1) = 9/11, IoU(p1,g2) = 7/13, IoU(p2,g1) = 8/12, IoU(p2,g2) = 4/16
+
+
+def greedy_matches(pred, gt, thr):
+    pairs = sorted(((box_iou(p, g), i, j) for i, p in enumerate(pred) for j, g in enumerate(gt)), reverse=True)
+    used_p, used_g, out = set(), set(), []
+    for iou, i, j in pairs:
+        if iou >= thr and i not in used_p and j not in used_g:
+            used_p.add(i), used_g.add(j), out.append((i, j))
+    return out
+
+
+def test_hungarian_beats_greedy():
+    assert box_iou(P1, G1) == pytest.approx(9 / 11) and box_iou(P1, G2) == pytest.approx(7 / 13)
+    assert box_iou(P2, G1) == pytest.approx(8 / 12) and box_iou(P2, G2) == pytest.approx(4 / 16)
+    assert greedy_matches([P1, P2], [G1, G2], 0.5) == [(0, 0)]  # greedy: one match
+    matches = match_boxes([P1, P2], [G1, G2], 0.5)
+    assert sorted((i, j) for i, j, _ in matches) == [(0, 1), (1, 0)]
+    assert box_f1([P1, P2], [G1, G2])["f1"] == 1.0  # greedy would give 0.5
+
+
+def test_matching_ignores_sub_threshold_overlaps():
+    # Plain Hungarian on IoU prefers (p1,g2)+(p2,g1) = 6/17 + 0.3 over (p1,g1) = 10/17, and then
+    # finds nothing above 0.5; masking sub-threshold IoUs keeps the one match that counts.
+    g1, g2, p1, p2 = strip(0, 10), strip(9, 15), strip(-2, 15), strip(5, 8)
+    assert box_iou(p1, g1) == pytest.approx(10 / 17) and box_iou(p1, g2) == pytest.approx(6 / 17)
+    assert box_iou(p2, g1) == pytest.approx(0.3) and box_iou(p2, g2) == 0.0
+    assert [(i, j) for i, j, _ in match_boxes([p1, p2], [g1, g2], 0.5)] == [(0, 0)]
+    assert match_boxes([p1, p2], [g1, g2], 0.5, mask_below_threshold=False) == []
+    assert box_f1([p1, p2], [g1, g2])["f1"] == 0.5
+    assert set_f1([p1, p2], [g1, g2], (0.5,))["f1"] == 0.0  # Falcon's evaluation matches without masking
+
+
+def test_box_f1_and_presence_cases():
+    gt = [[0, 0, 10, 10], [20, 0, 30, 10]]
+    f = box_f1([[0, 0, 10, 10], [50, 50, 60, 60], [70, 70, 80, 80]], gt)
+    assert (f["precision"], f["recall"], f["f1"]) == pytest.approx((1 / 3, 1 / 2, 2 / 5))
+    assert box_f1([], [])["f1"] == 1.0
+    assert box_f1([[0, 0, 1, 1]], [])["f1"] == 0.0
+    assert box_f1([], gt)["f1"] == 0.0
+    # IoU exactly 0.5 matches at IoU >= 0.5
+    assert box_f1([[0, 0, 5, 10]], [[0, 0, 10, 10]])["f1"] == 1.0
+    assert box_f1([[0, 0, 5, 10]], [[0, 0, 10, 10]], iou_threshold=0.51)["f1"] == 0.0
+
+
+def test_spam_penalty_vlm_r1():
+    assert spam_penalty(4, 1) == 0.25 and spam_penalty(6, 3) == 0.5
+    assert spam_penalty(2, 3) == 1.0 and spam_penalty(0, 3) == 1.0
+    gt = {"boxes": [[0, 0, 10, 10]]}
+    spam = answer("[[0,0,10,10],[20,20,30,30],[40,40,50,50],[60,60,70,70]]")
+    plain, penalised = build_reward("box_f1"), build_reward("box_f1", spam_penalty=True)
+    assert plain([spam], None, [gt])["box_f1"].item() == pytest.approx(2 / 5)
+    assert penalised([spam], None, [gt])["box_f1"].item() == pytest.approx(2 / 5 * 1 / 4)
+    m = build_reward("box_matched_iou")  # spam penalty on by default: extra boxes cost nothing otherwise
+    assert m([spam], None, [gt])["box_matched_iou"].item() == pytest.approx(0.25)
+    assert build_reward("box_matched_iou", spam_penalty=False)([spam], None, [gt])["box_matched_iou"].item() == 1.0
+
+
+def test_matched_iou_and_completeness():
+    gt = [[0, 0, 10, 10], [20, 0, 30, 10]]
+    two = matched_iou_completeness([[0, 0, 10, 10], [20, 0, 26, 10]], gt)  # IoUs 1 and 0.6
+    assert (two["mean_iou"], two["completeness"], two["score"]) == pytest.approx((0.8, 1.0, 0.9))
+    one = matched_iou_completeness([[0, 0, 10, 10]], gt)
+    assert (one["mean_iou"], one["completeness"], one["score"]) == pytest.approx((1.0, 0.5, 0.75))
+    assert matched_iou_completeness([[0, 0, 10, 10]], gt, iou_weight=0.2)["score"] == pytest.approx(0.2 + 0.8 * 0.5)
+    r = build_reward("box_matched_iou")
+    out = r([answer("[[0,0,10,10],[20,0,26,10]]")], None, [{"boxes": gt}])
+    assert same(out["box_matched_iou"], [0.9]) and same(out["mean_iou"], [0.8]) and same(out["completeness"], [1.0])
+
+
+def test_dip_weighted_precision_recall():
+    gt = [[0, 0, 10, 10], [20, 0, 30, 10]]
+    pred = [[0, 0, 10, 10], [20, 0, 30, 10], [40, 0, 50, 10], [60, 0, 70, 10]]  # P = 2/4, R = 2/2
+    assert weighted_precision_recall(pred, gt)["score"] == pytest.approx(0.75)
+    assert weighted_precision_recall(pred, gt, precision_weight=0.8)["score"] == pytest.approx(0.8 * 0.5 + 0.2 * 1.0)
+    r = build_reward("box_weighted_pr", precision_weight=0.8)
+    out = r([answer(str(pred))], None, [{"boxes": gt}])
+    assert same(out["box_weighted_pr"], [0.6]) and same(out["precision"], [0.5]) and same(out["recall"], [1.0])
+
+
+def falcon_sample_f1(pred, gt, thresholds):
+    """Falcon-Perception eval/metrics.py sample_f1 on boxes, written out independently (with its 1e-8s)."""
+    ious = np.array([[box_iou(p, g) for g in gt] for p in pred])
+    ri, ci = linear_sum_assignment(-ious)
+    matched = ious[ri, ci]
+    f1s = []
+    for t in thresholds:
+        tp = int((matched >= t).sum())
+        fp, fn = len(pred) - tp, len(gt) - tp
+        prec, rec = tp / (tp + fp + 1e-8), tp / (tp + fn + 1e-8)
+        f1s.append(2.0 * prec * rec / (prec + rec + 1e-8))
+    return float(np.mean(f1s))
+
+
+def test_falcon_set_f1_hand_worked_and_against_the_reference():
+    thresholds = (0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
+    # IoU 0.72 counts at 0.5 .. 0.7 (5 of 10 thresholds): mean F1 = 0.5
+    assert set_f1([[0, 0, 72, 1]], [[0, 0, 100, 1]])["f1"] == pytest.approx(0.5)
+    assert set_f1([[0, 0, 72, 1]], [[0, 0, 100, 1]])["f1@0.5"] == 1.0
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        def boxes(k):
+            xy = rng.uniform(0, 50, size=(k, 2))
+            wh = rng.uniform(5, 30, size=(k, 2))
+            return np.concatenate([xy, xy + wh], axis=1).tolist()
+        pred, gt = boxes(int(rng.integers(1, 6))), boxes(int(rng.integers(1, 6)))
+        assert set_f1(pred, gt, thresholds)["f1"] == pytest.approx(falcon_sample_f1(pred, gt, thresholds), abs=1e-5)
+
+
+def test_falcon_set_reward_negatives():
+    r = build_reward("box_set_f1")
+    out = r([answer("[]"), answer("no object"), answer("[0,0,10,10]"), answer("nothing to see but [0, 0, 10")], None,
+            [{"boxes": []}, {"boxes": [[0, 0, 10, 10]]}, {"boxes": []}, {"boxes": []}])
+    assert same(out["box_set_f1"], [1.0, 0.0, 0.0, 0.0])  # correct rejection; miss; hallucination; unreadable
+    assert r.last_info["num_unparseable"] == 1 and r.last_info["num_nan"] == 0
+
+
+def test_grip_salience_weighted_iou():
+    gt = [[0, 0, 10, 10], [20, 0, 30, 10]]
+    pred = [[0, 0, 10, 10], [20, 0, 25, 10]]  # IoUs 1.0 and 0.5
+    assert salience_weighted_iou(pred, gt, [3, 1]) == pytest.approx((3 * 1.0 + 1 * 0.5) / 4)
+    assert salience_weighted_iou(pred, gt) == pytest.approx(0.75)
+    assert salience_weighted_iou([[20, 0, 30, 10]], gt, [3, 1]) == pytest.approx(1 / 4)  # only the minor object found
+    assert salience_weighted_iou([[0, 0, 10, 10]], gt, [3, 1]) == pytest.approx(3 / 4)   # only the salient one
+    r = build_reward("box_salience_iou")
+    out = r([answer(str(pred)), answer(str(pred)), answer("[[0,0,10,10],[0,0,10,10],[0,0,10,10],[0,0,10,10]]")], None,
+            [{"boxes": gt, "salience": [3, 1]}, {"boxes": gt, "salience": [1]}, {"boxes": gt, "salience": [3, 1]}])
+    # third: one box matched (IoU 1 on the salient object) = 3/4, times spam penalty 2/4
+    assert same(out["box_salience_iou"], [0.875, NAN, 0.375])
+    assert "salience" in r.last_info["nan_samples"][1]
+
+
+# --------------------------------------------------------------------------------------------
+# temporal grounding
+# --------------------------------------------------------------------------------------------
+
+
+def test_temporal_iou_hand_worked():
+    assert temporal_iou([2, 6], [4, 8]) == pytest.approx(2 / 6)
+    assert temporal_iou([10, 20], [10, 20]) == 1.0
+    assert temporal_iou([2, 4], [0, 10]) == pytest.approx(0.2)
+    assert temporal_iou([0, 5], [5, 10]) == 0.0    # touching
+    assert temporal_iou([0, 2], [5, 10]) == 0.0    # disjoint
+    assert temporal_iou([6, 2], [2, 6]) == 0.0     # reversed prediction
+    assert temporal_iou([2, 6], [6, 2]) == 0.0     # reversed ground truth
+    assert temporal_iou([5, 5], [0, 10]) == 0.0    # zero-length prediction
+    assert temporal_iou([5, 5], [5, 5]) == 0.0     # zero-length both: not 0/0
+
+
+@pytest.mark.parametrize("text,span", [
+    ("12.5 to 20.1 seconds", (12.5, 20.1)),
+    ("The event happens from 12.5s to 20.1s.", (12.5, 20.1)),
+    ("[12.5, 20.1]", (12.5, 20.1)),
+    ("00:12-00:20", (12.0, 20.0)),
+    ("between 1:02:03 and 1:02:10", (3723.0, 3730.0)),
+    ('{"start_time": "12.5", "end_time": "20.1"}', (12.5, 20.1)),  # Temporal-R1's answer format
+    ("20 - 10", (20.0, 10.0)),  # reversed: returned as written, scores 0 later
+])
+def test_parse_timestamps(text, span):
+    assert parse_timestamps(text) == pytest.approx(span)
+
+
+def test_parse_timestamps_unparseable():
+    for bad in ("at the end of the video", "around 12 seconds"):
+        with pytest.raises(Unparseable):
+            parse_timestamps(bad)
+
+
+def test_recall_at_is_strict_and_mean_iou():
+    tious = [0.5, 0.7, 0.3, float("nan")]
+    assert recall_at(tious, 0.5) == pytest.approx(1 / 3)  # 0.5 itself does not count; NaN left out
+    assert recall_at(tious, 0.3) == pytest.approx(2 / 3)
+    assert mean_iou(tious) == pytest.approx(0.5)
+    assert recall_at(torch.tensor([0.6, 0.4]), 0.5) == 0.5
+    assert math.isnan(mean_iou([float("nan")]))
+
+
+def test_temporal_iou_reward():
+    r = build_reward("temporal_iou")
+    completions = [answer("15 to 25 seconds"), answer("10 - 20"), answer("25 to 15"), answer("soon"), answer("10 to 20")]
+    meta = [{"timestamps": [10, 20]}] * 4 + [{"timestamps": [20, 20]}]
+    out = r(completions, None, meta)
+    assert same(out["temporal_iou"], [1 / 3, 1.0, 0.0, 0.0, NAN])
+    assert same(out["r1@0.3"], [1, 1, 0, 0, NAN]) and same(out["r1@0.5"], [0, 1, 0, 0, NAN])
+    assert r.last_info["num_unparseable"] == 1 and "end > start" in r.last_info["nan_samples"][4]
+    assert recall_at(out["temporal_iou"], 0.3) == pytest.approx(2 / 4)
+    frac = build_reward("temporal_iou", time_unit="fraction")
+    out = frac([answer("0.25 to 0.5"), answer("0.25 to 0.5")], None,
+               [{"timestamps": [10, 20], "duration": 40}, {"timestamps": [10, 20]}])
+    assert same(out["temporal_iou"], [1.0, NAN])
+
+
+def test_temporal_dual_reward():
+    r = build_reward("temporal_dual")
+    completions = [
+        answer("B, from 10 to 20 seconds"),   # grounded QA: right letter, exact span -> 1 + 1
+        answer("(C) 15 to 25 s"),             # wrong letter, tIoU 1/3
+        answer("B"),                          # grounded QA without span: 1 + 0, counted unparseable
+        answer("C"),                          # multiple choice only
+        answer("12 to 18"),                   # temporal grounding only: tIoU 0.6
+        answer("B"),                          # neither field: NaN
+    ]
+    meta = [
+        {"solution": "B", "timestamps": [10, 20]},
+        {"solution": "B", "timestamps": [10, 20]},
+        {"solution": "B", "timestamps": [10, 20]},
+        {"solution": "C"},
+        {"timestamps": [10, 20]},
+        {},
+    ]
+    out = r(completions, None, meta)
+    assert same(out["temporal_dual"], [2.0, 1 / 3, 1.0, 1.0, 0.6, NAN])
+    assert same(out["semantic"], [1.0, 0.0, 1.0, 1.0, NAN, NAN])
+    assert same(out["temporal"], [1.0, 1 / 3, 0.0, NAN, 0.6, NAN])
+    assert r.last_info["num_unparseable"] == 1 and "temporal" in r.last_info["unparseable_samples"][2]
+    assert r.last_info["num_nan"] == 1

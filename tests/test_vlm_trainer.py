@@ -1,0 +1,106 @@
+"""The shared trainer on Qwen-VL policies: tiny image-grounding and video temporal-grounding runs end to end."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mmrl.cli import main
+from mmrl.config import load_config
+from mmrl.rewards import register_reward
+
+REPO = Path(__file__).parents[1]
+FAST = ["train.steps=2", "logging.progress_bar=false", "logging.tensorboard=false", "generation.max_new_tokens=12"]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("MMRL_CACHE", str(tmp_path_factory.getbasetemp() / "mmrl-cache"))
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("config,reward", [("vlm_grounding", "iou"), ("vlm_video_tg", "temporal_iou")])
+def test_tiny_vlm_recipes_run_end_to_end(tmp_path, config, reward):
+    run = tmp_path / "run"
+    assert main(["train", str(REPO / f"configs/tiny/{config}.yaml"), f"output_dir={run}", *FAST,
+                 "logging.eval_every=2", "logging.save_every=2"]) == 0
+    metrics = _metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2]
+    first = metrics[0]
+    for key in (f"reward/{reward}", "reward/think_answer_format", "loss", "kl", "completions/mean_length",
+                "time/rollout", "time/train"):
+        assert key in first and math.isfinite(first[key]), key
+    # a random tiny model writes no parseable answer: counted, scored 0, never an exception
+    assert first[f"reward_info/{reward}/num_unparseable"] == 8.0
+    assert metrics[1]["eval/reward/total"] == 0.0  # greedy answers on the evaluation items, scored
+    rows = [json.loads(line) for line in (run / "samples" / "step_2.jsonl").read_text().splitlines()]
+    assert rows and {"prompt", "completion", reward} <= set(rows[0])
+    export = run / "checkpoints" / "step_2" / "export"
+    assert (export / "adapter_config.json").is_file() and (export / "adapter_model.safetensors").is_file()
+
+
+@register_reward("test_short_answer")
+class ShortAnswer:
+    """Test reward with signal for a random policy: shorter completions score higher."""
+
+    name = "test_short_answer"
+    needs_prompts = False
+
+    def __init__(self):
+        self.last_info = {}
+
+    def __call__(self, completions, prompts=None, metadata=None):
+        return {self.name: torch.tensor([-float(len(c)) for c in completions])}
+
+
+def test_vlm_training_moves_lora_only_and_resumes_exactly(tmp_path):
+    common = [str(REPO / "configs/tiny/vlm_grounding.yaml"), *FAST, "rewards={test_short_answer: 1.0}",
+              "logging.eval_every=0", "logging.save_every=2", "algorithm.beta=0.0"]
+    assert main(["train", *common, f"output_dir={tmp_path / 'a'}", "train.steps=4"]) == 0
+    assert main(["train", *common, f"output_dir={tmp_path / 'b'}", "train.steps=2"]) == 0
+    assert main(["train", *common, f"output_dir={tmp_path / 'b'}", "train.steps=4"]) == 0  # resume: auto
+    a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    assert a[0]["samples/trained"] > 0 and a[0]["grad_norm"] > 0
+    wa = load_file(str(tmp_path / "a" / "checkpoints" / "step_4" / "trainable.safetensors"))
+    wb = load_file(str(tmp_path / "b" / "checkpoints" / "step_4" / "trainable.safetensors"))
+    w2 = load_file(str(tmp_path / "b" / "checkpoints" / "step_2" / "trainable.safetensors"))
+    assert wa.keys() == wb.keys() and all("lora" in k for k in wa)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(not torch.equal(wa[k], w2[k]) for k in wa)
+
+
+def test_first_inner_step_ratio_is_exactly_one(tmp_path, monkeypatch):
+    from mmrl import trainer as trainer_module
+
+    seen = []
+    original = trainer_module.policy_loss
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        seen.append((out.metrics["ratio/min"].item(), out.metrics["ratio/max"].item()))
+        return out
+
+    monkeypatch.setattr(trainer_module, "policy_loss", spy)
+    assert main(["train", str(REPO / "configs/tiny/vlm_grounding.yaml"), *FAST, "train.steps=1",
+                 "rewards={test_short_answer: 1.0}", "logging.eval_every=0", f"output_dir={tmp_path}"]) == 0
+    assert seen[0] == (1.0, 1.0)
+
+
+def test_vlm_config_errors(tmp_path):
+    path = REPO / "configs/tiny/vlm_grounding.yaml"
+    with pytest.raises(Exception, match="data.dataset"):
+        load_config(path, ["data.dataset=null"])
+    with pytest.raises(Exception, match="file not found"):
+        load_config(path, [f"data.dataset={tmp_path}/missing.jsonl"])
+    with pytest.raises(Exception, match="question_template"):
+        load_config(path, ["generation.question_template=no placeholder"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "solution": "a", "image": "nope.png"}\n')
+    assert main(["train", str(path), f"data.dataset={bad}", f"output_dir={tmp_path / 'run'}", *FAST]) == 2
