@@ -163,6 +163,23 @@ class AlgorithmConfig:
     ratio_level: str = opt("token", "Importance ratio per action ('token') or per sample ('sequence', GSPO).",
                            choices=("token", "sequence"))
     beta: float = opt(0.0, "KL coefficient to the reference policy (Flow-GRPO: 0.04 for GenEval, 0 for PickScore).")
+    advantage_transform: str = opt("none", "Reshape advantages after normalisation: 'evidence_weighted' (GA-GRPO: "
+                                   "scaled by the grounding quality in rewards.<evidence_reward>) or "
+                                   "'token_variance' (TW-GRPO: per-token weights from the group's spread).",
+                                   choices=("none", "evidence_weighted", "token_variance"))
+    evidence_reward: str | None = opt(None, "GA-GRPO: the reward component in [0, 1] that measures grounding quality "
+                                      "(e.g. 'iou').")
+    evidence_floor: float = opt(0.0, "GA-GRPO: the weight of a response whose evidence quality is 0.")
+    token_weight_max: float = opt(1.4, "TW-GRPO: the largest token weight alpha (the paper's trainer: 1.4).")
+    dynamic_sampling: bool = opt(False, "DAPO dynamic sampling (text policies): groups whose rewards are all equal "
+                                 "are dropped and replaced by freshly sampled ones, up to max_sampling_rounds.")
+    max_sampling_rounds: int = opt(3, "Dynamic sampling: rollout rounds per update before training on what there is.")
+    temporal_contrast: bool = opt(False, "T-GRPO (Video-R1): also sample group_size/2 answers on shuffled frames; "
+                                  "correct answers on ordered frames get temporal_contrast_alpha when the group does "
+                                  "better on ordered than mu x shuffled.")
+    temporal_contrast_reward: str | None = opt(None, "T-GRPO: the accuracy component that decides correctness.")
+    temporal_contrast_alpha: float = opt(0.3, "T-GRPO bonus alpha (Video-R1: 0.3).")
+    temporal_contrast_mu: float = opt(0.8, "T-GRPO threshold mu (Video-R1: 0.8).")
 
 
 @dataclass
@@ -374,6 +391,15 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         if s.window_size > trainable:
             raise ConfigError(f"sampling.window_size={s.window_size} is longer than the {trainable} trainable steps "
                               f"of a {s.num_steps}-step schedule (the last step is never trained)")
+    if a.advantage_transform == "evidence_weighted" and not a.evidence_reward:
+        raise ConfigError("algorithm.evidence_reward: name the reward component that scores grounding quality "
+                          "(evidence_weighted advantages, GA-GRPO)")
+    if a.temporal_contrast and not a.temporal_contrast_reward:
+        raise ConfigError("algorithm.temporal_contrast_reward: name the accuracy component that judges answers (T-GRPO)")
+    if config.model.family != "qwen_vl" and (a.dynamic_sampling or a.temporal_contrast):
+        raise ConfigError("algorithm.dynamic_sampling / temporal_contrast apply to text policies (model.family: qwen_vl)")
+    if a.max_sampling_rounds < 1:
+        raise ConfigError("algorithm.max_sampling_rounds must be >= 1")
     if config.model.family == "qwen_vl":
         if d.dataset is None:
             raise ConfigError("data.dataset: a VLM run needs a JSONL dataset (see mmrl.data.vlm)")

@@ -30,6 +30,12 @@ from mmrl.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_
 from mmrl.config import Config, ConfigError, config_to_dict, dump_config
 from mmrl.core.advantages import PerPromptStatTracker, combine_rewards
 from mmrl.core.losses import policy_loss
+from mmrl.core.variants import (
+    evidence_weighted_advantages,
+    select_informative_groups,
+    temporal_contrast_rewards,
+    token_weighted_advantages,
+)
 from mmrl.data.prompts import PromptSource
 from mmrl.tracking import MetricsLogger, make_grid_image
 
@@ -155,7 +161,6 @@ class Trainer:
     def _score(self, rollout) -> dict[str, torch.Tensor]:
         batch = self.config.train.reward_batch_size
         parts: list[dict[str, torch.Tensor]] = []
-        self.reward_counts: dict[str, float] = {}
         for start in range(0, len(rollout), batch):
             end = start + batch
             parts.append(self.reward_fn(rollout.outputs[start:end], rollout.prompts[start:end],
@@ -171,7 +176,7 @@ class Trainer:
     def _advantages(self, rollout, scores: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         """Gather rewards from every process, compute group-relative advantages globally, keep this process's rows."""
         acc, a = self.accelerator, self.config.algorithm
-        weights = self.reward_fn.weights
+        weights = self._weights()
         local = {k: scores[k].to(acc.device) for k in weights}
         gathered = {k: acc.gather(v).cpu() for k, v in local.items()}
         n_local = len(rollout)
@@ -214,6 +219,9 @@ class Trainer:
         perms = [torch.randperm(n, generator=generator) for _ in range(t.inner_epochs)]
         if rollout.old_logps is None:
             rollout.old_logps = self._old_logps(rollout, perms[0], step_chunks)
+        if a.advantage_transform == "token_variance":  # TW-GRPO: needs the sampling policy's per-token log-probs
+            advantages = token_weighted_advantages(advantages, rollout.old_logps, rollout.mask, rollout.group_ids,
+                                                   max_weight=a.token_weight_max)
         ga_micro = t.gradient_accumulation_steps * len(step_chunks)
         params = policy.trainable_parameters()
         sums: dict[str, float] = {}
@@ -373,18 +381,105 @@ class Trainer:
             self.logger.close()
         return history
 
-    def step(self) -> dict[str, float]:
-        """One update: sample, score, advantages, optimise."""
-        c, acc = self.config, self.accelerator
-        generator = torch.Generator().manual_seed(_update_seed(c.seed, self.update, acc.process_index))
+    def _weights(self) -> dict[str, float]:
+        """Reward components entering the advantage (the reward's own, plus T-GRPO's bonus when on)."""
+        weights = dict(self.reward_fn.weights)
+        if self.config.algorithm.temporal_contrast:
+            weights["temporal_bonus"] = 1.0
+        return weights
+
+    def _sample(self, items: list, generator: torch.Generator, timer: dict[str, float]):
+        """Rollout and scores for ``items``; with T-GRPO also the shuffled-frame contrast bonus."""
+        c, a, acc = self.config, self.config.algorithm, self.accelerator
         t0 = time.perf_counter()
-        items = self.prompts.next_batch(c.data.prompts_per_step, rank=acc.process_index, world=acc.num_processes)
         rollout = self.policy.rollout(items, c.data.group_size, generator=generator, update=self.update,
                                       group_offset=acc.process_index * len(items))
         t1 = time.perf_counter()
         scores = self._score(rollout)
+        timer["rollout"] += t1 - t0
+        timer["reward"] += time.perf_counter() - t1
+        if a.temporal_contrast:
+            scores["temporal_bonus"] = self._temporal_bonus(items, rollout, scores, generator, timer)
+        return rollout, scores
+
+    def _temporal_bonus(self, items, rollout, scores, generator, timer) -> torch.Tensor:
+        """T-GRPO (Video-R1): group_size/2 answers per video on shuffled frames, then
+        :func:`mmrl.core.variants.temporal_contrast_rewards` on the accuracy component."""
+        a = self.config.algorithm
+        videos = [item for item in items if getattr(item, "video_path", None)]
+        if not videos:
+            return torch.zeros(len(rollout))
+        t0 = time.perf_counter()
+        shuffled = self.policy.rollout(videos, max(1, self.config.data.group_size // 2), generator=generator,
+                                       update=self.update, shuffle_frames=True)
+        t1 = time.perf_counter()
+        shuffled_scores = self._score(shuffled)
+        timer["rollout"] += t1 - t0
+        timer["reward"] += time.perf_counter() - t1
+
+        def keys(r):
+            return [f"{m.get('id')}|{p}" for m, p in zip(r.metadata, r.prompts)]
+
+        key = a.temporal_contrast_reward
+        return temporal_contrast_rewards(
+            torch.nan_to_num(scores[key]), torch.nan_to_num(shuffled_scores[key]), keys(rollout),
+            shuffled_group_ids=keys(shuffled), alpha=a.temporal_contrast_alpha, mu=a.temporal_contrast_mu)
+
+    def _dynamic_sampling(self, rollout, scores, generator, timer):
+        """DAPO dynamic sampling: drop groups whose rewards are all equal, sample replacements (same number of rounds
+        on every process), keep ``prompts_per_step`` groups, informative ones first."""
+        c, acc = self.config, self.accelerator
+        need = c.data.prompts_per_step
+        weights = self._weights()
+        parts = [(rollout, scores)]
+
+        def informative(r, sc):
+            total = sum(w * sc[k] for k, w in weights.items())
+            return select_informative_groups(total, r.group_ids)
+
+        def count(r, mask):
+            return len(torch.unique(r.group_ids[mask]))
+
+        have = count(rollout, informative(rollout, scores))
+        rounds = 1
+        while rounds < c.algorithm.max_sampling_rounds:
+            short = torch.tensor(float(have < need), device=acc.device)
+            if float(acc.reduce(short, reduction="sum") if acc.num_processes > 1 else short) == 0:
+                break
+            items = self.prompts.next_batch(need, rank=acc.process_index, world=acc.num_processes)
+            parts.append(self._sample(items, generator, timer))
+            have += count(parts[-1][0], informative(*parts[-1]))
+            rounds += 1
+        chosen, dropped = [], 0
+        for want_informative in (True, False):  # informative groups first, then fill up with the rest
+            for r, sc in parts:
+                mask = informative(r, sc)
+                for g in torch.unique(r.group_ids).tolist():
+                    rows = (r.group_ids == g).nonzero().flatten()
+                    if bool(mask[rows[0]]) == want_informative and len(chosen) < need:
+                        chosen.append((r, sc, rows))
+        dropped = sum(len(torch.unique(r.group_ids)) for r, _ in parts) - len(chosen)
+        merged = self.policy.concat_rollouts([r.select(rows) for r, _, rows in chosen])
+        merged.group_ids = merged.group_ids + acc.process_index * need
+        merged_scores = {k: torch.cat([sc[k][rows] for _, sc, rows in chosen]) for k in scores}
+        return merged, merged_scores, {"samples/sampling_rounds": float(rounds), "samples/dropped_groups": float(dropped)}
+
+    def step(self) -> dict[str, float]:
+        """One update: sample, score, advantages, optimise."""
+        c, acc = self.config, self.accelerator
+        generator = torch.Generator().manual_seed(_update_seed(c.seed, self.update, acc.process_index))
+        timer = {"rollout": 0.0, "reward": 0.0}
+        self.reward_counts: dict[str, float] = {}
+        items = self.prompts.next_batch(c.data.prompts_per_step, rank=acc.process_index, world=acc.num_processes)
+        rollout, scores = self._sample(items, generator, timer)
+        sampling_stats = {}
+        if c.algorithm.dynamic_sampling:
+            rollout, scores, sampling_stats = self._dynamic_sampling(rollout, scores, generator, timer)
         t2 = time.perf_counter()
         advantages, adv_stats = self._advantages(rollout, scores)
+        if c.algorithm.advantage_transform == "evidence_weighted":
+            advantages = evidence_weighted_advantages(advantages, scores[c.algorithm.evidence_reward],
+                                                      floor=c.algorithm.evidence_floor)
         train_metrics = self._train_on(rollout, advantages, generator)
         t3 = time.perf_counter()
         self.update += 1
@@ -395,16 +490,17 @@ class Trainer:
             metrics[f"reward/{key}"] = float(finite.mean()) if finite.numel() else float("nan")
         metrics["reward/mean"] = metrics["reward/total"]
         metrics.update(adv_stats)
+        metrics.update(sampling_stats)
         metrics["samples/trained"] = float(len(advantages) * acc.num_processes - adv_stats["samples/zero_advantage"])
         metrics.update(train_metrics)
         metrics["kl"] = train_metrics.get("kl", 0.0)
         if "completion_length" in rollout.extras:
-            metrics["completions/mean_length"] = float(rollout.extras["completion_length"].mean())
+            metrics["completions/mean_length"] = float(rollout.extras["completion_length"].float().mean())
         for reason, count in getattr(self.policy, "skipped", {}).items():
             metrics[f"samples/skipped_{reason}"] = float(count)
         metrics.update(self.reward_counts)
         metrics["optimizer_steps"] = float(self.optimizer_steps)
-        metrics["time/rollout"] = t1 - t0
-        metrics["time/reward"] = t2 - t1
+        metrics["time/rollout"] = timer["rollout"]
+        metrics["time/reward"] = timer["reward"]
         metrics["time/train"] = t3 - t2
         return metrics

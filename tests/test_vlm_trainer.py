@@ -104,3 +104,45 @@ def test_vlm_config_errors(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "q", "solution": "a", "image": "nope.png"}\n')
     assert main(["train", str(path), f"data.dataset={bad}", f"output_dir={tmp_path / 'run'}", *FAST]) == 2
+
+
+@register_reward("test_first_group_only")
+class FirstGroupOnly:
+    """Test reward: signal only for the red-box prompts (other groups all score 0, zero variance)."""
+
+    name = "test_first_group_only"
+    needs_prompts = True
+
+    def __init__(self):
+        self.last_info = {}
+
+    def __call__(self, completions, prompts=None, metadata=None):
+        return {self.name: torch.tensor([-float(len(c)) if "red" in p else 0.0 for c, p in zip(completions, prompts)])}
+
+
+def test_dynamic_sampling_replaces_zero_variance_groups(tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", str(REPO / "configs/tiny/vlm_grounding.yaml"), *FAST, "train.steps=1",
+                 "rewards={test_first_group_only: 1.0}", "algorithm.dynamic_sampling=true",
+                 "algorithm.max_sampling_rounds=4", "logging.eval_every=0", f"output_dir={run}"]) == 0
+    m = _metrics(run)[0]
+    # red prompts are 1 in 4 of the synthetic set: groups without them are dropped and replaced
+    assert m["samples/sampling_rounds"] > 1 and m["samples/dropped_groups"] >= 1
+    assert m["samples/zero_advantage"] < 8  # the batch it trained on carries signal
+
+
+def test_evidence_and_token_weighting_and_temporal_contrast_run(tmp_path):
+    assert main(["train", str(REPO / "configs/tiny/vlm_grounding.yaml"), *FAST, "train.steps=1",
+                 "rewards={test_short_answer: 1.0, iou: 0.0}", "algorithm.advantage_transform=evidence_weighted",
+                 "algorithm.evidence_reward=iou", "logging.eval_every=0", f"output_dir={tmp_path / 'ga'}"]) == 0
+    assert main(["train", str(REPO / "configs/tiny/vlm_grounding.yaml"), *FAST, "train.steps=1",
+                 "rewards={test_short_answer: 1.0}", "algorithm.advantage_transform=token_variance",
+                 "logging.eval_every=0", f"output_dir={tmp_path / 'tw'}"]) == 0
+    assert main(["train", str(REPO / "configs/tiny/vlm_video_tg.yaml"), *FAST, "train.steps=1",
+                 "rewards={test_short_answer: 1.0, temporal_iou: 0.0}", "algorithm.temporal_contrast=true",
+                 "algorithm.temporal_contrast_reward=temporal_iou", "logging.eval_every=0",
+                 f"output_dir={tmp_path / 'tg'}"]) == 0
+    for name in ("ga", "tw", "tg"):
+        m = _metrics(tmp_path / name)[0]
+        assert math.isfinite(m["loss"]) and m["grad_norm"] > 0, name
+    assert "reward/temporal_bonus" in _metrics(tmp_path / "tg")[0]

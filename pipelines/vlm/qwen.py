@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -81,6 +82,54 @@ class VLMRollout:
     @property
     def outputs(self) -> list[str]:
         return self.completions
+
+    def select(self, index: Tensor) -> "VLMRollout":
+        """The samples ``index`` (whole groups, in order), with the prompts they use."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        used = torch.unique(self.prompt_index[index])  # sorted
+        remap = torch.full((len(self.vision),), -1, dtype=torch.long)
+        remap[used] = torch.arange(len(used))
+        return VLMRollout(
+            prompts=[self.prompts[i] for i in index.tolist()], metadata=[self.metadata[i] for i in index.tolist()],
+            group_ids=self.group_ids[index], completions=[self.completions[i] for i in index.tolist()],
+            prompt_ids=self.prompt_ids[used], prompt_mask=self.prompt_mask[used],
+            mm_token_type_ids=None if self.mm_token_type_ids is None else self.mm_token_type_ids[used],
+            completion_ids=self.completion_ids[index], mask=self.mask[index], prompt_index=remap[self.prompt_index[index]],
+            vision=[self.vision[i] for i in used.tolist()],
+            extras={"completion_length": self.mask[index].sum(-1)},
+        )
+
+    @staticmethod
+    def concat(parts: list["VLMRollout"], pad_id: int) -> "VLMRollout":
+        """One rollout from several (prompts re-padded on the left, completions on the right); group ids renumbered."""
+        width_p = max(p.prompt_ids.shape[1] for p in parts)
+        width_c = max(p.completion_ids.shape[1] for p in parts)
+
+        def left(x: Tensor, value) -> Tensor:
+            return torch.nn.functional.pad(x, (width_p - x.shape[1], 0), value=value)
+
+        def right(x: Tensor, value) -> Tensor:
+            return torch.nn.functional.pad(x, (0, width_c - x.shape[1]), value=value)
+
+        offsets, groups, total = [], [], 0
+        for p in parts:
+            offsets.append(sum(len(q.vision) for q in parts[:len(offsets)]))
+            _, g = torch.unique(p.group_ids, return_inverse=True)
+            groups.append(g + total)
+            total += int(g.max()) + 1 if len(g) else 0
+        types = [p.mm_token_type_ids for p in parts]
+        return VLMRollout(
+            prompts=[x for p in parts for x in p.prompts], metadata=[x for p in parts for x in p.metadata],
+            group_ids=torch.cat(groups), completions=[x for p in parts for x in p.completions],
+            prompt_ids=torch.cat([left(p.prompt_ids, pad_id) for p in parts]),
+            prompt_mask=torch.cat([left(p.prompt_mask, 0) for p in parts]),
+            mm_token_type_ids=None if any(t is None for t in types) else torch.cat([left(t, 0) for t in types]),
+            completion_ids=torch.cat([right(p.completion_ids, pad_id) for p in parts]),
+            mask=torch.cat([right(p.mask, 0) for p in parts]),
+            prompt_index=torch.cat([p.prompt_index + o for p, o in zip(parts, offsets)]),
+            vision=[v for p in parts for v in p.vision],
+            extras={"completion_length": torch.cat([p.mask.sum(-1) for p in parts])},
+        )
 
 
 @dataclass
@@ -250,13 +299,18 @@ class QwenVLPolicy:
             messages.insert(0, {"role": "system", "content": [{"type": "text", "text": self.system_prompt}]})
         return messages
 
-    def encode_prompts(self, items: list) -> tuple[dict[str, Any], list[Vision], list[int]]:
+    def encode_prompts(self, items: list, *, shuffle_frames: torch.Generator | None = None
+                       ) -> tuple[dict[str, Any], list[Vision], list[int]]:
         """Processor inputs for one batch of prompts (left-padded), their per-prompt vision inputs, and the indices
         of the items kept (items with bad media or over-long prompts are skipped when skip_bad_samples)."""
         texts, images, videos, kept = [], [], [], []
         for i, item in enumerate(items):
             try:
                 item_images, video = self.media(item) if self.media is not None else ([], None)
+                if shuffle_frames is not None and video is not None:  # T-GRPO: the same frames, out of order
+                    order = torch.randperm(len(video.frames), generator=shuffle_frames)
+                    video = dataclasses.replace(video, frames=video.frames[order],
+                                                indices=[video.indices[i] for i in order.tolist()])
             except Exception as exc:
                 if not self.skip_bad_samples:
                     raise
@@ -293,7 +347,7 @@ class QwenVLPolicy:
             keep = [kept[j] for j in range(len(kept)) if not too_long[j]]
             if not keep:
                 return {}, [], []
-            inputs, vision, sub_kept = self.encode_prompts([items[i] for i in keep])
+            inputs, vision, sub_kept = self.encode_prompts([items[i] for i in keep], shuffle_frames=shuffle_frames)
             return inputs, vision, [keep[j] for j in sub_kept]
         vision = self._split_vision(inputs, [len(ims) for ims in images], [v is not None for v in videos])
         return inputs, vision, kept
@@ -369,9 +423,10 @@ class QwenVLPolicy:
 
     @torch.no_grad()
     def rollout(self, items: list, group_size: int, *, generator: torch.Generator, update: int = 0,
-                group_offset: int = 0, greedy: bool = False) -> VLMRollout:
-        """``group_size`` sampled completions per item (``N = len(items) * group_size``)."""
-        inputs, vision, kept = self.encode_prompts(items)
+                group_offset: int = 0, greedy: bool = False, shuffle_frames: bool = False) -> VLMRollout:
+        """``group_size`` sampled completions per item (``N = len(items) * group_size``). ``shuffle_frames``
+        permutes each video's frames (T-GRPO's contrast rollouts)."""
+        inputs, vision, kept = self.encode_prompts(items, shuffle_frames=generator if shuffle_frames else None)
         if not kept:
             raise ValueError("no usable sample in this batch (all skipped: see the skip counts)")
         items = [items[i] for i in kept]
@@ -446,6 +501,9 @@ class QwenVLPolicy:
             logps = logps[:, steps]
             kl = kl[:, steps] if kl is not None else None
         return LogProbOutput(logps=logps, kl=kl)
+
+    def concat_rollouts(self, parts: list[VLMRollout]) -> VLMRollout:
+        return VLMRollout.concat(parts, self.pad_id)
 
     @torch.no_grad()
     def sample_eval(self, items: list, seeds: list[int] | None = None) -> list[str]:
