@@ -55,14 +55,15 @@ class Counters:
     """Vision-encoder and language-model work, counted by wrapping the model (no change to what it computes)."""
 
     def __init__(self):
-        self.v = dict(vision_calls=0, vision_images=0, vision_patches=0, lm_calls=0, lm_tokens=0,
-                      lm_grad_calls=0, lm_grad_tokens=0)
+        self.v = dict(vision_calls=0, vision_images=0, vision_patches=0, vision_s=0.0, lm_calls=0, lm_tokens=0,
+                      lm_grad_calls=0, lm_grad_tokens=0, lm_forward_s=0.0)
+        self._lm_start: list[float] = []
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.v)
 
     @staticmethod
-    def diff(after: dict, before: dict) -> dict[str, int]:
+    def diff(after: dict, before: dict) -> dict[str, float]:
         return {k: after[k] - before[k] for k in after}
 
     def attach(self, vlm) -> None:
@@ -76,7 +77,10 @@ class Counters:
             if image_grid_thw is not None:
                 self.v["vision_images"] += int(image_grid_thw.shape[0])
                 self.v["vision_patches"] += int(image_grid_thw.prod(-1).sum())
-            return original(pixel_values, image_grid_thw, *args, **kwargs)
+            t0 = time.perf_counter()
+            out = original(pixel_values, image_grid_thw, *args, **kwargs)
+            self.v["vision_s"] += time.perf_counter() - t0
+            return out
 
         vlm.get_image_features = counted_get_image_features  # instance attribute: forward's self.get_image_features
 
@@ -90,8 +94,13 @@ class Counters:
             if torch.is_grad_enabled():
                 self.v["lm_grad_calls"] += 1
                 self.v["lm_grad_tokens"] += tokens
+            self._lm_start.append(time.perf_counter())
+
+        def lm_post_hook(module, args, output):
+            self.v["lm_forward_s"] += time.perf_counter() - self._lm_start.pop()
 
         vlm.language_model.register_forward_pre_hook(lm_pre_hook, with_kwargs=True)
+        vlm.language_model.register_forward_hook(lm_post_hook)
 
 
 # ---------------------------------------------------------------------------------------------- shared
@@ -125,6 +134,7 @@ def mmrl_config(args, output_dir: str):
         "algorithm.advantage_clamp=null", "algorithm.reward_combination=sum_then_normalize",
         "algorithm.per_prompt_stat_tracking=false", "algorithm.clip_low=0.2", "algorithm.clip_high=0.28",
         "algorithm.aggregation=dapo", "algorithm.ratio_level=token", f"algorithm.beta={args.beta}",
+        "algorithm.advantage_transform=none", "algorithm.dynamic_sampling=false", "algorithm.temporal_contrast=false",
         f"optim.lr={args.lr}", "optim.weight_decay=0.0", "optim.adam_eps=1.0e-8", "optim.max_grad_norm=1.0",
         "optim.lr_scheduler=constant", "optim.warmup_steps=0", "optim.ema=false",
         f"train.inner_epochs={args.inner_epochs}", f"train.batch_size={args.batch_size}",
@@ -513,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in runs["mmrl"] + runs["trl"]:
         r.pop("prompt_ids")  # checked above; too long to keep
     ratio = m["steps_per_s"] / t["steps_per_s"]
+    ratio_median = t["median_step_s"] / m["median_step_s"]  # less sensitive to a busy machine's outliers
     cm, ct = m["counts_per_step"], t["counts_per_step"]
     rows = [
         ("per GRPO step", "mmrl", "TRL", "mmrl/TRL"),
@@ -520,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         ("completions/s", f"{m['completions_per_s']:.1f}", f"{t['completions_per_s']:.1f}",
          f"{m['completions_per_s'] / t['completions_per_s']:.2f}x"),
         ("mean step (s)", f"{m['mean_step_s']:.3f}", f"{t['mean_step_s']:.3f}", ""),
-        ("median step (s)", f"{m['median_step_s']:.3f}", f"{t['median_step_s']:.3f}", ""),
+        ("median step (s)", f"{m['median_step_s']:.3f}", f"{t['median_step_s']:.3f}", f"{ratio_median:.2f}x"),
         ("generation (s, share)", f"{m['split_s']['rollout_s']:.3f} ({m['split_share']['rollout']:.0%})",
          f"{t['split_s']['generate_s']:.3f} ({t['split_share']['generate']:.0%})", ""),
         ("reward (s)", f"{m['split_s']['reward_s']:.4f}", f"{t['split_s']['reward_s']:.4f}", ""),
@@ -539,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
          f"{ct['lm_calls']:g} ({ct['lm_grad_calls']:g})", ""),
         ("LM token positions (with grad)", f"{cm['lm_tokens']:g} ({cm['lm_grad_tokens']:g})",
          f"{ct['lm_tokens']:g} ({ct['lm_grad_tokens']:g})", ""),
+        ("vision encoder time (s)", f"{cm['vision_s']:.4f}", f"{ct['vision_s']:.4f}", ""),
+        ("LM forward time, no backward (s)", f"{cm['lm_forward_s']:.3f}", f"{ct['lm_forward_s']:.3f}", ""),
     ]
     print()
     print(table(rows))
@@ -559,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
             "processes": 1},
         "versions": versions(),
         "ratio_steps_per_s_mmrl_over_trl": ratio,
+        "ratio_median_step_trl_over_mmrl": ratio_median,
         "mmrl": m, "trl": t,
         "workload_problems": problems,
         "workload_checks": {

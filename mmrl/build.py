@@ -97,8 +97,10 @@ def build_policy(config: Config, device: torch.device | str = "cpu"):
         noise_level=s.noise_level, guidance_scale=s.guidance_scale, negative_prompt=s.negative_prompt,
         train_steps=s.train_steps, timestep_fraction=s.timestep_fraction, window_size=s.window_size,
         window_shift_every=s.window_shift_every, share_group_noise=s.share_group_noise, lora=lora,
-        gradient_checkpointing=m.gradient_checkpointing, time_shift=s.time_shift, sample_batch_size=config.train.sample_batch_size,
-        device=device,
+        gradient_checkpointing=m.gradient_checkpointing, time_shift=s.time_shift,
+        noise_schedule=list(s.noise_schedule) or None,
+        keep_x0=config.algorithm.credit != "outcome" and s.intermediate == "x0",
+        sample_batch_size=config.train.sample_batch_size, device=device,
     )
 
 

@@ -7,6 +7,9 @@
     mmrl tiny KIND OUTDIR                    tiny random model (sd3, flux, qwen2_5_vl, qwen2_vl) or synthetic
                                              data set (grounding, temporal_grounding) for CPU smoke runs
     mmrl rewards                             list registered rewards
+    mmrl serve-rewards CONFIG [--host H --port P]   serve CONFIG's rewards over HTTP (mmrl.rewards.remote)
+    mmrl score (--config CONFIG | --rewards MAP) --images DIR [--prompts F.csv|F.jsonl] --out F.csv|F.json
+                                             score a folder of images with mmrl's rewards (mmrl.score)
 
 Multi-GPU: ``accelerate launch --num_processes 8 -m mmrl.cli train CONFIG`` (or ``torchrun``).
 """
@@ -113,6 +116,36 @@ def _cmd_rewards(args) -> int:
     return 0
 
 
+def _cmd_serve_rewards(args) -> int:
+    from mmrl.rewards import build_rewards
+    from mmrl.rewards.remote import load_reward_spec, serve
+
+    try:
+        reward = build_rewards(load_reward_spec(args.config, args.rewards))
+    except (ValueError, TypeError) as exc:
+        print(f"mmrl: error: {exc}", file=sys.stderr)
+        return 2
+    serve(reward, args.host, args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+          max_queue=args.max_queue, max_request_mb=args.max_request_mb, log_level=args.log_level)
+    return 0
+
+
+def _cmd_score(args) -> int:
+    from mmrl.rewards.remote import RewardServerError
+    from mmrl.score import ScoreError, run_score
+
+    if (args.config is None) == (args.rewards is None):
+        print("mmrl score: give exactly one of --config CONFIG or --rewards MAPPING", file=sys.stderr)
+        return 2
+    try:
+        run_score(args.config, args.rewards, args.images, args.prompts, args.out, batch_size=args.batch_size,
+                  workers=args.workers, recursive=args.recursive, quiet=args.quiet)
+    except (ScoreError, RewardServerError) as exc:
+        print(f"mmrl: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmrl", description="Group-relative RL alignment of multimodal models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -149,6 +182,33 @@ def make_parser() -> argparse.ArgumentParser:
 
     rewards = sub.add_parser("rewards", help="list registered rewards")
     rewards.set_defaults(func=_cmd_rewards)
+
+    serve_rw = sub.add_parser("serve-rewards", help="serve a config's rewards over HTTP (batched; POST /score)")
+    serve_rw.add_argument("config", nargs="?", default=None, help="YAML config whose `rewards:` mapping is served")
+    serve_rw.add_argument("--rewards", default=None, help="inline rewards mapping instead of a config, "
+                                                         "e.g. '{pickscore: {kwargs: {device: cuda}}}'")
+    serve_rw.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    serve_rw.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed at start)")
+    serve_rw.add_argument("--max-batch", type=int, default=64, help="most samples merged into one reward call")
+    serve_rw.add_argument("--max-wait-ms", type=float, default=5.0,
+                          help="how long the first request waits for others to merge with")
+    serve_rw.add_argument("--max-queue", type=int, default=1024, help="queued requests before 503 answers")
+    serve_rw.add_argument("--max-request-mb", type=float, default=512.0, help="largest request body (MiB)")
+    serve_rw.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    serve_rw.set_defaults(func=_cmd_serve_rewards)
+
+    score = sub.add_parser("score", help="score a folder of images with mmrl's rewards (no training)")
+    score.add_argument("--config", default=None, help="YAML config whose `rewards:` mapping is used")
+    score.add_argument("--rewards", default=None, help="inline rewards mapping, e.g. '{jpeg_compressibility: 1}'")
+    score.add_argument("--images", required=True, help="folder of images (prompts-file paths are relative to it)")
+    score.add_argument("--prompts", default=None, help=".csv (columns image,prompt) or .jsonl (image, prompt, "
+                                                      "metadata fields); default: every image, no prompt")
+    score.add_argument("--out", required=True, help="output .csv, .json or .jsonl")
+    score.add_argument("--batch-size", type=int, default=32, help="images per reward call")
+    score.add_argument("--workers", type=int, default=4, help="image-decoding threads")
+    score.add_argument("--recursive", action="store_true", help="without --prompts: include sub-folders")
+    score.add_argument("--quiet", action="store_true", help="no progress or summary on the terminal")
+    score.set_defaults(func=_cmd_score)
     return parser
 
 

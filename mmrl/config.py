@@ -93,6 +93,15 @@ class SamplingConfig:
     window_size: int = opt(2, "SDE window length W for the window modes (Flow-GRPO-Fast 2-3, MixGRPO 4).")
     window_shift_every: int = opt(1, "MixGRPO: the window moves forward one step every this many updates.")
     share_group_noise: bool = opt(False, "DanceGRPO: all samples of a group start from the same initial noise.")
+    noise_schedule: list = opt([], "Timestep-specific SDE noise: one level per sampling step (empty = noise_level "
+                               "on every step).")
+    adaptive_noise: bool = opt(False, "Reward-aware noise calibration (DenseGRPO's idea; rule in "
+                               "mmrl.core.noise.adapt_noise_levels): each trained step's noise level "
+                               "moves towards equal reward-gain spread across steps. Needs a dense credit.")
+    adaptive_noise_rate: float = opt(0.1, "Exponent of the per-update noise correction (0 = frozen).")
+    intermediate: str = opt("ode", "How dense credit gets the image a step leads to: 'ode' (ODE completion to "
+                            "sigma = 0, as TP-GRPO / DenseGRPO / TempFlow-GRPO) or 'x0' (one-step prediction "
+                            "x - sigma v, no extra model evaluations).", choices=("ode", "x0"))
 
 
 @dataclass
@@ -163,6 +172,14 @@ class AlgorithmConfig:
     ratio_level: str = opt("token", "Importance ratio per action ('token') or per sample ('sequence', GSPO).",
                            choices=("token", "sequence"))
     beta: float = opt(0.0, "KL coefficient to the reference policy (Flow-GRPO: 0.04 for GenEval, 0 for PickScore).")
+    credit: str = opt("outcome", "Credit assignment over denoising steps (flow policies): 'outcome' (every step "
+                      "gets the final reward), 'step_gain' (DenseGRPO: d_t = R_{t+1} - R_t), 'turning_point' "
+                      "(TP-GRPO), 'cosine' (cosine-similarity credit); dense rewards are normalised per step "
+                      "column within each group.", choices=("outcome", "step_gain", "turning_point", "cosine"))
+    credit_balance: bool = opt(False, "TP-GRPO: balance turning points between trajectories that end better and "
+                               "worse than their ODE baseline, within the sampling batch.")
+    credit_consistency_filter: bool = opt(True, "TP-GRPO: require sign(d_t) sign(R_n - R_{t+1}) > 0 at a turning "
+                                          "point.")
     advantage_transform: str = opt("none", "Reshape advantages after normalisation: 'evidence_weighted' (GA-GRPO: "
                                    "scaled by the grounding quality in rewards.<evidence_reward>) or "
                                    "'token_variance' (TW-GRPO: per-token weights from the group's spread).",
@@ -391,6 +408,21 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         if s.window_size > trainable:
             raise ConfigError(f"sampling.window_size={s.window_size} is longer than the {trainable} trainable steps "
                               f"of a {s.num_steps}-step schedule (the last step is never trained)")
+    if a.credit != "outcome" or s.adaptive_noise:
+        if config.model.family == "qwen_vl":
+            raise ConfigError("algorithm.credit / sampling.adaptive_noise apply to flow policies, not qwen_vl")
+        if s.adaptive_noise and a.credit == "outcome":
+            raise ConfigError("sampling.adaptive_noise calibrates from per-step reward gains: set algorithm.credit "
+                              "to a dense method (step_gain, turning_point, cosine)")
+        from mmrl.rewards import reward_scores_images
+
+        for key, spec in config.rewards.items():
+            name = spec.get("reward", key) if isinstance(spec, dict) else key
+            if not reward_scores_images(name):
+                raise ConfigError(f"algorithm.credit={a.credit!r} scores intermediate images, but reward {key!r} "
+                                  f"cannot score images (it judges text); use an image reward")
+    if s.noise_schedule and len(s.noise_schedule) != s.num_steps:
+        raise ConfigError(f"sampling.noise_schedule has {len(s.noise_schedule)} levels for {s.num_steps} steps")
     if a.advantage_transform == "evidence_weighted" and not a.evidence_reward:
         raise ConfigError("algorithm.evidence_reward: name the reward component that scores grounding quality "
                           "(evidence_weighted advantages, GA-GRPO)")

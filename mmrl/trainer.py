@@ -29,7 +29,9 @@ from accelerate.utils import gather_object
 from mmrl.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from mmrl.config import Config, ConfigError, config_to_dict, dump_config
 from mmrl.core.advantages import PerPromptStatTracker, combine_rewards
+from mmrl.core.credit import cosine_similarity_credit, step_gain_credit, turning_point_credit
 from mmrl.core.losses import policy_loss
+from mmrl.core.noise import adapt_noise_levels
 from mmrl.core.variants import (
     evidence_weighted_advantages,
     select_informative_groups,
@@ -102,6 +104,7 @@ class Trainer:
         policy.prepare(accelerator)
         self.optimizer = accelerator.prepare(self.optimizer)
         self.ema = EMA(policy.named_trainable_parameters(), o.ema_decay) if o.ema else None
+        self.base_noise_levels = getattr(policy, "step_noise_levels", torch.zeros(0)).clone()
         self.update = 0  # completed updates
         self.optimizer_steps = 0
 
@@ -126,6 +129,8 @@ class Trainer:
                 objects["ema"] = self.ema.state_dict()
             state = {"update": self.update, "optimizer_steps": self.optimizer_steps,
                      "data": self.prompts.state_dict(), "tracker": self.tracker.state_dict()}
+            if hasattr(self.policy, "step_noise_levels"):
+                state["noise_levels"] = self.policy.step_noise_levels.tolist()
             save_checkpoint(self.output_dir / "checkpoints", self.update,
                             trainable=self.policy.named_trainable_parameters(), state=state, objects=objects,
                             export=self._export, keep_last=self.config.logging.keep_last)
@@ -154,6 +159,8 @@ class Trainer:
         self.optimizer_steps = state["optimizer_steps"]
         self.prompts.load_state_dict(state["data"])
         self.tracker.load_state_dict(state["tracker"])
+        if "noise_levels" in state:
+            self.policy.step_noise_levels = torch.tensor(state["noise_levels"])
         return self.update
 
     # ------------------------------------------------------------------------------------------- steps
@@ -382,7 +389,10 @@ class Trainer:
         return history
 
     def _weights(self) -> dict[str, float]:
-        """Reward components entering the advantage (the reward's own, plus T-GRPO's bonus when on)."""
+        """Reward components entering the advantage (the reward's own, plus T-GRPO's bonus when on); with a dense
+        credit method, the per-step rewards ``[N, T]`` it produced (normalised per step column within groups)."""
+        if self.config.algorithm.credit != "outcome":
+            return {"step_reward": 1.0}
         weights = dict(self.reward_fn.weights)
         if self.config.algorithm.temporal_contrast:
             weights["temporal_bonus"] = 1.0
@@ -400,7 +410,46 @@ class Trainer:
         timer["reward"] += time.perf_counter() - t1
         if a.temporal_contrast:
             scores["temporal_bonus"] = self._temporal_bonus(items, rollout, scores, generator, timer)
+        if a.credit != "outcome":
+            t2 = time.perf_counter()
+            scores["step_reward"] = self._dense_credit(rollout)
+            timer["credit"] = timer.get("credit", 0.0) + time.perf_counter() - t2
         return rollout, scores
+
+    def _dense_credit(self, rollout) -> torch.Tensor:
+        """Per-step rewards ``[N, T]`` from the rewards of the images each trained step leads to
+        (:mod:`mmrl.core.credit`); also adapts per-step noise levels when ``sampling.adaptive_noise`` is on."""
+        c, a = self.config, self.config.algorithm
+        images, nfe = self.policy.intermediate_images(rollout, mode=c.sampling.intermediate)
+        n, k = images.shape[:2]
+        weights = self.reward_fn.weights
+        totals = []
+        for j in range(k):
+            parts = [self.reward_fn(images[i:i + c.train.reward_batch_size, j], rollout.prompts[i:i + c.train.reward_batch_size],
+                                    rollout.metadata[i:i + c.train.reward_batch_size])
+                     for i in range(0, n, c.train.reward_batch_size)]
+            scores = {key: torch.cat([p[key].float().cpu() for p in parts]) for key in weights}
+            totals.append(sum(w * scores[key] for key, w in weights.items()))
+        step_rewards = torch.stack(totals, dim=1)  # [N, T+1]: R_0 .. R_T
+        if a.credit == "step_gain":
+            dense = step_gain_credit(step_rewards)
+        elif a.credit == "turning_point":
+            result = turning_point_credit(step_rewards, balance=a.credit_balance,
+                                          consistency_filter=a.credit_consistency_filter)  # balance over the batch
+            dense = result.step_rewards
+            self.credit_stats["credit/turning_points"] = float(result.turning_points.sum())
+        else:
+            flat = images.reshape(n, k, -1)
+            dense = cosine_similarity_credit(flat, flat[:, -1], step_rewards[:, -1])
+        self.credit_stats["cost/extra_nfe"] = self.credit_stats.get("cost/extra_nfe", 0.0) + float(nfe)
+        self.credit_stats["cost/reward_calls"] = self.credit_stats.get("cost/reward_calls", 0.0) + float(n * k)
+        self.credit_stats["reward/ode_baseline"] = float(step_rewards[:, 0].nanmean())
+        if c.sampling.adaptive_noise:
+            gains = step_gain_credit(step_rewards)
+            self.policy.step_noise_levels = adapt_noise_levels(
+                self.policy.step_noise_levels, rollout.plan.train, gains.std(dim=0), rate=c.sampling.adaptive_noise_rate,
+                base=self.base_noise_levels, max_level=1.0 if c.sampling.sde == "cps" else None)
+        return dense
 
     def _temporal_bonus(self, items, rollout, scores, generator, timer) -> torch.Tensor:
         """T-GRPO (Video-R1): group_size/2 answers per video on shuffled frames, then
@@ -470,6 +519,7 @@ class Trainer:
         generator = torch.Generator().manual_seed(_update_seed(c.seed, self.update, acc.process_index))
         timer = {"rollout": 0.0, "reward": 0.0}
         self.reward_counts: dict[str, float] = {}
+        self.credit_stats: dict[str, float] = {}
         items = self.prompts.next_batch(c.data.prompts_per_step, rank=acc.process_index, world=acc.num_processes)
         rollout, scores = self._sample(items, generator, timer)
         sampling_stats = {}
@@ -499,6 +549,12 @@ class Trainer:
         for reason, count in getattr(self.policy, "skipped", {}).items():
             metrics[f"samples/skipped_{reason}"] = float(count)
         metrics.update(self.reward_counts)
+        metrics.update(self.credit_stats)
+        if "credit" in timer:
+            metrics["time/credit"] = timer["credit"]
+        if c.sampling.adaptive_noise:
+            for s, level in zip(rollout.plan.train.tolist(), self.policy.step_noise_levels[rollout.plan.train].tolist()):
+                metrics[f"noise_level/step_{s}"] = level
         metrics["optimizer_steps"] = float(self.optimizer_steps)
         metrics["time/rollout"] = timer["rollout"]
         metrics["time/reward"] = timer["reward"]

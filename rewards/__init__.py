@@ -40,12 +40,13 @@ from ._base import (
     build_reward,
     check_reward_arguments,
     list_rewards,
+    reward_scores_images,
     prepare_batch,
     register_reward,
 )
 
 # Importing the modules registers their rewards; none imports a model library at import time.
-from . import answer, grounding, hps, jpeg, pickscore, pixel, routing  # noqa: E402,F401  (registration side effect)
+from . import aesthetic, answer, clipscore, diversity, geneval, grounding, hps, imagereward, jpeg, ocr, pickscore, pixel, reference, routing, video, vlm_judge  # noqa: E402,F401  (registration side effect)
 from ._text import TextReward  # noqa: E402
 from .answer import (  # noqa: E402
     ChoiceAccuracy,
@@ -75,6 +76,15 @@ from .jpeg import JpegCompressibility, JpegIncompressibility  # noqa: E402
 from .pickscore import PickScore  # noqa: E402
 from .pixel import Brightness, Colorfulness, Saturation  # noqa: E402
 from .routing import TaskRoutedReward  # noqa: E402
+from .aesthetic import LaionAesthetic  # noqa: E402
+from .clipscore import CLIPScore  # noqa: E402
+from .imagereward import ImageReward  # noqa: E402
+from .ocr import OCRReward  # noqa: E402
+from .diversity import SetDiversity  # noqa: E402
+from .geneval import GenEval, GenEvalPartial, geneval_summary  # noqa: E402
+from .reference import DinoEmbedder, DinoReference  # noqa: E402
+from .video import SegmentalVideoReward  # noqa: E402
+from .vlm_judge import PromptEcho, VLMJudge  # noqa: E402
 
 __all__ = [
     "RewardFn",
@@ -86,6 +96,7 @@ __all__ = [
     "build_reward",
     "check_reward_arguments",
     "list_rewards",
+    "reward_scores_images",
     "ComposedReward",
     "build_rewards",
     "Brightness",
@@ -116,4 +127,17 @@ __all__ = [
     "TemporalIoU",
     "TemporalDual",
     "TaskRoutedReward",
+    "CLIPScore",
+    "LaionAesthetic",
+    "ImageReward",
+    "OCRReward",
+    "GenEval",
+    "GenEvalPartial",
+    "geneval_summary",
+    "VLMJudge",
+    "PromptEcho",
+    "DinoEmbedder",
+    "DinoReference",
+    "SetDiversity",
+    "SegmentalVideoReward",
 ]

@@ -36,6 +36,7 @@ __all__ = [
     "build_reward",
     "list_rewards",
     "check_reward_arguments",
+    "reward_scores_images",
     "nearest",
 ]
 
@@ -350,6 +351,13 @@ def check_reward_arguments(name: str, kwargs: Mapping[str, Any]) -> None:
                 raise ValueError(
                     f"reward {name!r} has no argument {key!r}; {hint}valid arguments: {', '.join(valid) or '(none)'}"
                 )
+
+
+def reward_scores_images(name: str) -> bool:
+    """Whether the registered reward ``name`` judges images (``scores_images`` on its class; default True).
+    Text rewards say False, so image-only uses (intermediate-step credit) can refuse them at config time."""
+    check_reward_arguments(name, {})
+    return bool(getattr(_REGISTRY[name], "scores_images", True))
 
 
 def build_reward(name: str, **kwargs) -> RewardFn:

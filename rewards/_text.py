@@ -143,6 +143,7 @@ class TextReward:
 
     name: str = ""
     needs_prompts: bool = False
+    scores_images: bool = False  # judges completions (text), never images
     extra_keys: tuple[str, ...] = ()  # always present in the output (NaN where not scored), for stable logs
 
     def __init__(self) -> None:

@@ -66,6 +66,8 @@ def _length(x: Any, what: str) -> int:
 class TaskRoutedReward:
     """Rewards and weights chosen per sample by ``metadata[i]["task"]`` (see the module docstring)."""
 
+    scores_images = False  # routes text rewards by task
+
     name = "total"
 
     def __init__(self, routes: Mapping[str, Mapping[str, Any]], default: Mapping[str, Any] | str | None = None):

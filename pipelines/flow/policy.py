@@ -92,7 +92,8 @@ class FlowPolicy:
                  negative_prompt: str = "", train_steps: str = "fraction", timestep_fraction: float = 0.99,
                  window_size: int = 2, window_shift_every: int = 1, share_group_noise: bool = False,
                  lora: dict | None = None, gradient_checkpointing: bool = False, sample_batch_size: int = 16,
-                 time_shift: float | None = None, device: torch.device | str = "cpu"):
+                 time_shift: float | None = None, noise_schedule: list[float] | None = None,
+                 keep_x0: bool = False, device: torch.device | str = "cpu"):
         self.family = family
         self.num_steps = num_steps
         self.eval_num_steps = eval_num_steps
@@ -104,6 +105,16 @@ class FlowPolicy:
                                 shift_every=window_shift_every)
         self.share_group_noise = share_group_noise
         self.time_shift = time_shift
+        #: per-step SDE noise levels [S] (timestep-specific noise; adapted during training by the trainer's
+        #: reward-aware rule when sampling.adaptive_noise is on); a constant noise_level by default
+        if noise_schedule:
+            if len(noise_schedule) != num_steps:
+                raise ValueError(f"sampling.noise_schedule has {len(noise_schedule)} levels for {num_steps} steps")
+            self.step_noise_levels = torch.tensor([float(v) for v in noise_schedule])
+        else:
+            self.step_noise_levels = torch.full((num_steps,), float(noise_level))
+        #: keep the one-step predictions x0 = x - sigma v of every step (intermediate rewards in x0 mode)
+        self.keep_x0 = keep_x0
         self.sample_batch_size = sample_batch_size
         self.device = torch.device(device)
 
@@ -195,7 +206,7 @@ class FlowPolicy:
         return sigmas, sigmas[:-1] * 1000.0
 
     def _noise_levels(self, plan: StepPlan) -> Tensor:
-        levels = torch.full((self.num_steps,), float(self.noise_level))
+        levels = self.step_noise_levels.clone()
         return torch.where(plan.sde, levels, torch.zeros_like(levels))
 
     def _initial_noise(self, n: int, group_size: int, generator: torch.Generator) -> Tensor:
@@ -228,6 +239,7 @@ class FlowPolicy:
         latents[:, 0] = x
         train_pos = {int(s): j for j, s in enumerate(plan.train)}
         old_logps = torch.zeros(n, len(plan.train))
+        x0_pred = torch.empty((n, self.num_steps, *x.shape[1:])) if self.keep_x0 else None
         self.transformer.eval()
         for start in range(0, n, self.sample_batch_size):
             rows = slice(start, min(n, start + self.sample_batch_size))
@@ -236,6 +248,8 @@ class FlowPolicy:
             for s in range(self.num_steps):
                 b = xb.shape[0]
                 v = self._velocity(self.transformer, xb, torch.full((b,), s), timesteps.to(self.device), batch_cond)
+                if x0_pred is not None:  # x0_hat = x - sigma v (REFERENCE.md section 1), free: v is computed anyway
+                    x0_pred[rows, s] = (xb.float() - sigmas[s].item() * v).cpu()
                 out = sde_step(xb, v, sigmas[s].item(), sigmas[s + 1].item(),
                                kind=self.sde if plan.sde[s] else "ode",
                                noise_level=noise_levels[s].item() if plan.sde[s] else None,
@@ -255,6 +269,7 @@ class FlowPolicy:
             group_ids=group_ids, images=images, latents=latents, sigmas=sigmas, timesteps=timesteps, plan=plan,
             noise_levels=noise_levels, old_logps=old_logps, mask=torch.ones_like(old_logps),
             cond={k: v.cpu() for k, v in cond.items()}, prompt_index=prompt_index,
+            extras={"x0_pred": x0_pred} if x0_pred is not None else {},
         )
 
     def logprobs(self, rollout: FlowRollout, index: Tensor, steps: Tensor | None = None, *,
@@ -290,6 +305,45 @@ class FlowPolicy:
                 ref = step(ref_model)
             kl = flow_kl(out.mean, ref.mean, out.noise_scale).view(t, n).T
         return LogProbOutput(logps=logps, kl=kl)
+
+    def intermediate_starts(self, rollout: FlowRollout) -> list[int]:
+        """Latent indices whose completions give ``R_0 .. R_T``: before the first trained step, then after each."""
+        train = rollout.plan.train.tolist()
+        return [train[0]] + [s + 1 for s in train]
+
+    @torch.no_grad()
+    def intermediate_images(self, rollout: FlowRollout, mode: str = "ode") -> tuple[Tensor, int]:
+        """Images ``[N, T+1, 3, H, W]`` the trajectories would reach from the latent before the first trained step
+        and after each trained step, and the extra transformer evaluations (NFE, CFG counted twice) this cost.
+
+        ``mode="ode"``: deterministic ODE completion to sigma = 0 (TP-GRPO, DenseGRPO, TempFlow-GRPO); from the
+        initial noise this is the pure-ODE baseline sample ``R_0``. ``mode="x0"``: the one-step prediction
+        ``x0 = x - sigma v`` stored during the rollout (no extra NFE; needs ``keep_x0``); the fully denoised latent
+        is used as is."""
+        starts = self.intermediate_starts(rollout)
+        n, steps = len(rollout), self.num_steps
+        out = torch.empty((n, len(starts), 3, self.resolution, self.resolution))
+        nfe = 0
+        passes = 2 if self._use_cfg else 1
+        for k, start in enumerate(starts):
+            for i in range(0, n, self.sample_batch_size):
+                rows = torch.arange(i, min(n, i + self.sample_batch_size))
+                if start == steps:
+                    z = rollout.latents[rows, steps].to(self.device)
+                elif mode == "x0":
+                    if "x0_pred" not in rollout.extras:
+                        raise ValueError("x0 intermediate rewards need the policy built with keep_x0=True")
+                    z = rollout.extras["x0_pred"][rows, start].to(self.device)
+                else:
+                    z = rollout.latents[rows, start].to(self.device)
+                    cond = {key: v[rollout.prompt_index[rows]].to(self.device) for key, v in rollout.cond.items()}
+                    timesteps = rollout.timesteps.to(self.device)
+                    for s in range(start, steps):
+                        v = self._velocity(self.transformer, z, torch.full((len(rows),), s), timesteps, cond)
+                        z = sde_step(z, v, rollout.sigmas[s].item(), rollout.sigmas[s + 1].item(), kind="ode").prev_sample
+                        nfe += passes * len(rows)
+                out[rows, k] = self.family.decode(z).cpu()
+        return out, nfe
 
     @torch.no_grad()
     def sample_eval(self, prompts: list[str], seeds: list[int], *, num_steps: int | None = None) -> Tensor:

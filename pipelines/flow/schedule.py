@@ -69,3 +69,4 @@ def plan_steps(
     sde = torch.zeros(s, dtype=torch.bool)
     sde[train] = True
     return StepPlan(sde=sde, train=train)
+
