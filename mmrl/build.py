@@ -5,6 +5,7 @@ This is the one place that knows the core, the pipelines and the rewards togethe
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -120,7 +121,12 @@ def build_trainer(config: Config):
     policy = build_policy(config, device=accelerator.device)
     if config.algorithm.beta > 0:
         policy.init_reference()
-    return Trainer(config, policy, reward_fn, prompts, accelerator)
+    scorer = None
+    if config.train.overlap_scoring and "on_chunk" in inspect.signature(policy.rollout).parameters:
+        from mmrl.rewards.async_scoring import AsyncScorer
+
+        scorer = AsyncScorer(reward_fn)
+    return Trainer(config, policy, reward_fn, prompts, accelerator, scorer=scorer)
 
 
 def cpu_threads_default() -> None:

@@ -227,6 +227,8 @@ class TrainConfig:
     mixed_precision: str = opt("bf16", "accelerate mixed precision.", choices=("no", "bf16", "fp16"))
     reward_batch_size: int = opt(32, "Images per reward call.")
     sample_batch_size: int = opt(16, "Trajectories per sampling forward pass on each process.")
+    overlap_scoring: bool = opt(True, "Flow policies: score each decoded chunk of sample_batch_size images on a "
+                                "worker thread (its own CUDA stream) while the next chunk is sampled.")
 
 
 @dataclass

@@ -81,7 +81,10 @@ class EMA:
 
 
 class Trainer:
-    def __init__(self, config: Config, policy, reward_fn, prompts: PromptSource, accelerator: Accelerator):
+    def __init__(self, config: Config, policy, reward_fn, prompts: PromptSource, accelerator: Accelerator,
+                 scorer=None):
+        """``scorer``: optional background scorer (``submit(images, prompts, metadata) -> Future``) that the loop
+        feeds chunk by chunk during flow rollouts, overlapping scoring with sampling."""
         self.config = config
         self.policy = policy
         self.reward_fn = reward_fn
@@ -105,6 +108,7 @@ class Trainer:
         self.optimizer = accelerator.prepare(self.optimizer)
         self.ema = EMA(policy.named_trainable_parameters(), o.ema_decay) if o.ema else None
         self.base_noise_levels = getattr(policy, "step_noise_levels", torch.zeros(0)).clone()
+        self.scorer = scorer
         self.update = 0  # completed updates
         self.optimizer_steps = 0
 
@@ -172,13 +176,16 @@ class Trainer:
             end = start + batch
             parts.append(self.reward_fn(rollout.outputs[start:end], rollout.prompts[start:end],
                                         rollout.metadata[start:end]))
-            # unparseable outputs (scored 0) and unjudgeable samples (NaN) are counted, per component
-            for name, info in getattr(self.reward_fn, "last_info", {}).get("components", {}).items():
-                for key in ("num_unparseable", "num_nan"):
-                    if info.get(key):
-                        tag = f"reward_info/{name}/{key}"
-                        self.reward_counts[tag] = self.reward_counts.get(tag, 0.0) + float(info[key])
+            self._count_reward_info(getattr(self.reward_fn, "last_info", {}))
         return {k: torch.cat([p[k].float().cpu() for p in parts]) for k in parts[0]}
+
+    def _count_reward_info(self, info: dict) -> None:
+        """Unparseable outputs (scored 0) and unjudgeable samples (NaN), counted per reward component."""
+        for name, component in (info or {}).get("components", {}).items():
+            for key in ("num_unparseable", "num_nan"):
+                if component.get(key):
+                    tag = f"reward_info/{name}/{key}"
+                    self.reward_counts[tag] = self.reward_counts.get(tag, 0.0) + float(component[key])
 
     def _advantages(self, rollout, scores: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         """Gather rewards from every process, compute group-relative advantages globally, keep this process's rows."""
@@ -402,10 +409,20 @@ class Trainer:
         """Rollout and scores for ``items``; with T-GRPO also the shuffled-frame contrast bonus."""
         c, a, acc = self.config, self.config.algorithm, self.accelerator
         t0 = time.perf_counter()
-        rollout = self.policy.rollout(items, c.data.group_size, generator=generator, update=self.update,
-                                      group_offset=acc.process_index * len(items))
-        t1 = time.perf_counter()
-        scores = self._score(rollout)
+        kwargs = {"generator": generator, "update": self.update, "group_offset": acc.process_index * len(items)}
+        if self.scorer is not None:  # score chunk k on a worker thread while chunk k+1 is sampled
+            futures = []
+            rollout = self.policy.rollout(items, c.data.group_size, **kwargs, on_chunk=lambda *chunk: futures.append(
+                self.scorer.submit(*chunk)))
+            t1 = time.perf_counter()
+            results = [f.result() for f in futures]
+            for result in results:
+                self._count_reward_info(result.info)
+            scores = {k: torch.cat([r[k].float().cpu() for r in results]) for k in results[0]}
+        else:
+            rollout = self.policy.rollout(items, c.data.group_size, **kwargs)
+            t1 = time.perf_counter()
+            scores = self._score(rollout)
         timer["rollout"] += t1 - t0
         timer["reward"] += time.perf_counter() - t1
         if a.temporal_contrast:

@@ -221,9 +221,11 @@ class FlowPolicy:
 
     @torch.no_grad()
     def rollout(self, prompts: list, group_size: int, *, generator: torch.Generator, update: int = 0,
-                metadata: list[dict] | None = None, group_offset: int = 0) -> FlowRollout:
+                metadata: list[dict] | None = None, group_offset: int = 0, on_chunk=None) -> FlowRollout:
         """Sample ``group_size`` trajectories for each prompt (``N = len(prompts) * group_size``). ``prompts`` are
-        strings, or prompt items with ``.prompt`` and ``.metadata`` (what the trainer passes)."""
+        strings, or prompt items with ``.prompt`` and ``.metadata`` (what the trainer passes). ``on_chunk(images,
+        prompts, metadata)`` is called with each decoded chunk of ``sample_batch_size`` images as soon as it is
+        ready, so scoring can overlap with sampling the next chunk."""
         if prompts and not isinstance(prompts[0], str):
             metadata = [item.metadata for item in prompts]
             prompts = [item.prompt for item in prompts]
@@ -240,6 +242,8 @@ class FlowPolicy:
         train_pos = {int(s): j for j, s in enumerate(plan.train)}
         old_logps = torch.zeros(n, len(plan.train))
         x0_pred = torch.empty((n, self.num_steps, *x.shape[1:])) if self.keep_x0 else None
+        meta = metadata if metadata is not None else [{} for _ in prompts]
+        images_list: list[Tensor] = []
         self.transformer.eval()
         for start in range(0, n, self.sample_batch_size):
             rows = slice(start, min(n, start + self.sample_batch_size))
@@ -259,10 +263,13 @@ class FlowPolicy:
                 latents[rows, s + 1] = xb.cpu()
                 if s in train_pos:
                     old_logps[rows, train_pos[s]] = out.log_prob.cpu()
-        images = torch.cat([self.family.decode(latents[i:i + self.sample_batch_size, -1].to(self.device)).cpu()
-                            for i in range(0, n, self.sample_batch_size)])
+            chunk = self.family.decode(xb).cpu()
+            images_list.append(chunk)
+            if on_chunk is not None:
+                on_chunk(chunk, [prompts[i] for i in prompt_index[rows].tolist()],
+                         [meta[i] for i in prompt_index[rows].tolist()])
+        images = torch.cat(images_list)
         group_ids = torch.arange(len(prompts)).repeat_interleave(group_size) + group_offset
-        meta = metadata if metadata is not None else [{} for _ in prompts]
         return FlowRollout(
             prompts=[p for p in prompts for _ in range(group_size)],
             metadata=[m for m in meta for _ in range(group_size)],
