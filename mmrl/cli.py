@@ -118,15 +118,15 @@ def _cmd_rewards(args) -> int:
 
 def _cmd_serve_rewards(args) -> int:
     from mmrl.rewards import build_rewards
-    from mmrl.rewards.remote import load_reward_spec, serve
+    from mmrl.rewards.remote import RewardServerError, load_reward_spec, serve
 
     try:
         reward = build_rewards(load_reward_spec(args.config, args.rewards))
-    except (ValueError, TypeError) as exc:
+        serve(reward, args.host, args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+              max_queue=args.max_queue, max_request_mb=args.max_request_mb, log_level=args.log_level)
+    except (ValueError, TypeError, RewardServerError) as exc:
         print(f"mmrl: error: {exc}", file=sys.stderr)
         return 2
-    serve(reward, args.host, args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
-          max_queue=args.max_queue, max_request_mb=args.max_request_mb, log_level=args.log_level)
     return 0
 
 

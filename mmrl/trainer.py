@@ -456,7 +456,9 @@ class Trainer:
             dense = result.step_rewards
             self.credit_stats["credit/turning_points"] = float(result.turning_points.sum())
         else:
-            flat = images.reshape(n, k, -1)
+            # centred pixels ([-1, 1], minus each image's mean): raw [0, 1] images all have cosine ~1 to each other
+            flat = images.reshape(n, k, -1) * 2 - 1
+            flat = flat - flat.mean(dim=-1, keepdim=True)
             dense = cosine_similarity_credit(flat, flat[:, -1], step_rewards[:, -1])
         self.credit_stats["cost/extra_nfe"] = self.credit_stats.get("cost/extra_nfe", 0.0) + float(nfe)
         self.credit_stats["cost/reward_calls"] = self.credit_stats.get("cost/reward_calls", 0.0) + float(n * k)

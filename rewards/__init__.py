@@ -12,11 +12,14 @@ It returns ``[N]`` float32 CPU tensors, the main score under ``reward.name``. A 
 judge gets NaN and ``reward.last_info`` says why (``{"num_nan", "reasons", "nan_samples", ...}``);
 a wrong-shaped batch raises ``ValueError``.
 
-Registered rewards (``list_rewards()``): ``brightness``, ``saturation``, ``colorfulness``
-(pixel statistics), ``jpeg_compressibility``, ``jpeg_incompressibility`` (DDPO), ``pickscore``
-(transformers CLIP), ``hpsv2`` (open_clip). Build one with ``build_reward(name, **kwargs)`` and
-several, weighted, with :func:`build_rewards`. Model backbones (transformers, open_clip) are
-imported only when such a reward is built.
+Registered rewards (``list_rewards()``; the README has the table): image rewards ``pickscore``,
+``hpsv2``, ``clipscore``, ``aesthetic``, ``imagereward``, ``ocr``, ``geneval`` / ``geneval_partial``,
+``vlm_judge``, ``prompt_echo``, ``dino_reference``, ``set_diversity``, the weightless ``brightness``,
+``saturation``, ``colorfulness``, ``jpeg_compressibility``, ``jpeg_incompressibility``; video
+``video_segmental``; text (VLM) rewards ``think_answer_format``, the answer-accuracy and grounding
+families and ``task_routed``; and ``remote`` (a reward server, :mod:`mmrl.rewards.remote`). Build one
+with ``build_reward(name, **kwargs)`` and several, weighted, with :func:`build_rewards`. Model
+backbones (transformers, open_clip, rapidocr) are imported only when such a reward is built.
 
 Text rewards for vision-language policies take completions instead of images::
 
@@ -46,7 +49,7 @@ from ._base import (
 )
 
 # Importing the modules registers their rewards; none imports a model library at import time.
-from . import aesthetic, answer, clipscore, diversity, geneval, grounding, hps, imagereward, jpeg, ocr, pickscore, pixel, reference, routing, video, vlm_judge  # noqa: E402,F401  (registration side effect)
+from . import aesthetic, answer, clipscore, diversity, geneval, grounding, hps, imagereward, jpeg, ocr, pickscore, pixel, reference, remote, routing, video, vlm_judge  # noqa: E402,F401  (registration side effect)
 from ._text import TextReward  # noqa: E402
 from .answer import (  # noqa: E402
     ChoiceAccuracy,
@@ -58,7 +61,9 @@ from .answer import (  # noqa: E402
     extract_answer,
     think_answer_format,
 )
+from .async_scoring import AsyncScorer  # noqa: E402
 from .compose import ComposedReward, build_rewards  # noqa: E402
+from .remote import RemoteReward, RewardServerError  # noqa: E402
 from .grounding import (  # noqa: E402
     BoxF1,
     BoxIoU,
@@ -98,6 +103,9 @@ __all__ = [
     "list_rewards",
     "reward_scores_images",
     "ComposedReward",
+    "RemoteReward",
+    "RewardServerError",
+    "AsyncScorer",
     "build_rewards",
     "Brightness",
     "Saturation",

@@ -63,7 +63,7 @@ import urllib.request
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
@@ -449,7 +449,8 @@ class ScoringQueue:
 
 def create_app(reward, *, max_batch: int = 64, max_wait_ms: float = 5.0, max_queue: int = 1024,
                max_request_mb: float = 512.0):
-    """The Starlette app serving ``reward`` (a ComposedReward or any reward object); see the module doc.
+    """The Starlette app serving ``reward`` (a ComposedReward, or one reward, served as a composition of
+    one so that ``total`` is always there); see the module doc.
 
     ``app.state.scoring`` is the :class:`ScoringQueue` (started and stopped with the app's lifespan).
     """
@@ -462,10 +463,14 @@ def create_app(reward, *, max_batch: int = 64, max_wait_ms: float = 5.0, max_que
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
+    from .compose import ComposedReward
+
+    if not isinstance(reward, ComposedReward):  # one bare reward: served as a composition of one (has "total")
+        reward = ComposedReward({getattr(reward, "name", "reward"): (reward, 1.0)})
     scoring = ScoringQueue(reward, max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue)
     needs_prompts = bool(getattr(reward, "needs_prompts", True))
     max_bytes = int(max_request_mb * 1024 * 1024)
-    weights = getattr(reward, "all_weights", None) or {getattr(reward, "name", "reward"): 1.0}
+    weights = reward.all_weights
 
     def error(message: str, status: int) -> JSONResponse:
         return JSONResponse({"error": message}, status_code=status)
@@ -577,8 +582,11 @@ def load_reward_spec(config: str | None = None, rewards: str | Mapping | None = 
     if (config is None) == (rewards is None):
         raise ValueError("give either a config file (its `rewards:` mapping) or an inline --rewards mapping")
     if rewards is not None:
-        spec = yaml.safe_load(rewards) if isinstance(rewards, str) else rewards
         where = "--rewards"
+        try:
+            spec = yaml.safe_load(rewards) if isinstance(rewards, str) else rewards
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{where}: not a valid YAML/JSON mapping: {exc}") from None
     else:
         from pathlib import Path
 
@@ -606,8 +614,11 @@ def serve(reward, host: str = "127.0.0.1", port: int = 8000, *, max_batch: int =
     """
     import asyncio
 
-    server = RewardServer(reward, host, port, log_level=log_level, max_batch=max_batch, max_wait_ms=max_wait_ms,
-                          max_queue=max_queue, max_request_mb=max_request_mb)
+    try:
+        server = RewardServer(reward, host, port, log_level=log_level, max_batch=max_batch, max_wait_ms=max_wait_ms,
+                              max_queue=max_queue, max_request_mb=max_request_mb)
+    except OSError as exc:  # port taken, address not on this machine
+        raise RewardServerError(f"cannot listen on {host}:{port}: {exc}") from None
     names = list(getattr(reward, "all_weights", None) or [getattr(reward, "name", "reward")])
 
     async def announce_and_serve():

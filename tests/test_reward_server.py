@@ -159,6 +159,14 @@ def test_remote_in_a_training_style_config(server, pixel_reward):
     torch.testing.assert_close(out["total"], local["total"])  # brightness has weight 0
 
 
+def test_a_bare_reward_is_served_with_a_total(pixel_reward):
+    x = u8_images(2)
+    with RewardServer(build_reward("brightness"), LOOPBACK, 0) as srv:
+        out = RemoteReward(srv.url, timeout=10)(x, None)
+    torch.testing.assert_close(out["remote"], pixel_reward(x, None)["brightness"].float())
+    torch.testing.assert_close(out["brightness"], out["remote"])
+
+
 def test_text_completions_are_served():
     local = build_rewards({"think_answer_format": 1.0})
     completions = ["<think>x</think><answer>A</answer>", "no tags", "<think>y</think><answer>B</answer>"]
