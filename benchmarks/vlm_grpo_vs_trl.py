@@ -26,7 +26,7 @@ the "encode each image once per prompt" difference is visible, and checks that b
     python benchmarks/vlm_grpo_vs_trl.py [--steps 5] [--prompts 2] [--group 4] [--max-new-tokens 24]
 
 Writes ``benchmarks/results/vlm_grpo_vs_trl.json`` (figures, versions, settings) and prints a table.
-Needs TRL (``pip install "trl>=1.16,<2"``, the ``bench`` extra); see benchmarks/README.md.
+Needs TRL (``pip install "trl>=1.16,<1.17"``, the ``bench`` extra); see benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -174,9 +174,20 @@ def run_mmrl(args) -> dict:
         counters.attach(policy.base_model.model)
         if policy._reference_model is not None:
             counters.attach(policy._reference_model.model)
+        sampled: list[int] = []  # completions of each rollout, as the policy returned them
+        rollout = policy.rollout
+
+        def counted_rollout(*a, **kw):
+            out = rollout(*a, **kw)
+            sampled.append(len(out))
+            return out
+
+        policy.rollout = counted_rollout
         steps = []
-        for i in range(args.steps + 1):
+        optimizer_steps = 0.0
+        for _ in range(args.steps + 1):
             before = counters.snapshot()
+            sampled.clear()
             t0 = time.perf_counter()
             metrics = trainer.step()
             elapsed = time.perf_counter() - t0
@@ -184,17 +195,19 @@ def run_mmrl(args) -> dict:
                 "time_s": elapsed,
                 "rollout_s": metrics["time/rollout"], "reward_s": metrics["time/reward"],
                 "train_s": metrics["time/train"],
-                "completions": int(args.prompts * args.group),
+                "completions": sum(sampled),
+                "optimizer_steps": metrics["optimizer_steps"] - optimizer_steps,
                 "mean_completion_tokens": metrics["completions/mean_length"],
                 "reward_mean": metrics["reward/total"],
                 "counts": Counters.diff(counters.snapshot(), before),
             })
+            optimizer_steps = metrics["optimizer_steps"]
         steps[0]["warmup"] = True
         timed = steps[1:]
         result = summarise([s["time_s"] for s in timed], [s["completions"] for s in timed])
         result.update(
             framework="mmrl",
-            optimizer_steps_per_step=config.train.inner_epochs * (args.prompts * args.group) // args.batch_size,
+            optimizer_steps_per_step=statistics.mean(s["optimizer_steps"] for s in timed),
             split_s={k: statistics.mean(s[k] for s in timed) for k in ("rollout_s", "reward_s", "train_s")},
             mean_completion_tokens=statistics.mean(s["mean_completion_tokens"] for s in timed),
             counts_per_step={k: statistics.mean(s["counts"][k] for s in timed) for k in timed[0]["counts"]},
@@ -203,7 +216,8 @@ def run_mmrl(args) -> dict:
             steps=steps,
             threads=torch.get_num_threads(),
         )
-        result["split_share"] = {k.replace("_s", ""): v / result["mean_step_s"] for k, v in result["split_s"].items()}
+        mean_step = result["mean_step_s"]
+        result["split_share"] = {k.replace("_s", ""): v / mean_step for k, v in result["split_s"].items()}
         return result
 
 
@@ -237,7 +251,8 @@ def build_trl_dataset(config, processor):
         question = config.generation.question_template.format(question=sample.question)
         prompt = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
         rows.append({
-            "id": str(sample.id), "prompt": prompt, "image": images[0], "solution": meta["solution"], "task": meta["task"],
+            "id": str(sample.id), "prompt": prompt, "image": images[0],
+            "solution": meta["solution"], "task": meta["task"],
             "boxes": meta["boxes"], "coord_format": meta["coord_format"],
             "image_size": meta["image_size"], "input_size": meta["input_size"],
         })
@@ -455,14 +470,16 @@ def table(rows: list[tuple]) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for k, r in enumerate(rows):
-        lines.append("  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        cells = [str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        lines.append("  ".join(cells))
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=5, help="timed GRPO steps per framework (after 1 warm-up step)")
     p.add_argument("--prompts", type=int, default=2, help="prompts per step")
     p.add_argument("--group", type=int, default=4, help="completions per prompt (num_generations)")
@@ -493,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import trl  # noqa: F401
     except ImportError:
-        raise SystemExit('TRL is not installed: pip install "trl>=1.16,<2" (or pip install -e ".[bench]")')
+        raise SystemExit('TRL is not installed: pip install "trl>=1.16,<1.17" (or pip install -e ".[bench]")')
     model_dir, data = tiny_paths()  # build once, before the timed children
     runs: dict[str, list[dict]] = {"mmrl": [], "trl": []}
     for r in range(args.repeats):
@@ -513,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         out["counts_per_step"] = {k: statistics.mean(r["counts_per_step"][k] for r in rs)
                                   for k in rs[0]["counts_per_step"]}
         out["optimizer_steps_per_step"] = rs[0]["optimizer_steps_per_step"]
+        out["completions_per_step"] = statistics.mean(comps)
         out["prompt_lengths"] = sorted({len(ids) for ids in rs[0]["prompt_ids"].values()})
         out["trainable_params"] = rs[0]["trainable_params"]
         return out
@@ -537,12 +555,12 @@ def main(argv: list[str] | None = None) -> int:
         ("reward (s)", f"{m['split_s']['reward_s']:.4f}", f"{t['split_s']['reward_s']:.4f}", ""),
         ("old/ref logps, re-encode, adv (s)", "in train", f"{t['split_s']['score_other_s']:.3f}", ""),
         ("train incl. advantages (s)", f"{m['split_s']['train_s']:.3f}", f"{t['split_s']['train_s']:.3f}", ""),
-        ("completions", f"{n}", f"{n}", ""),
+        ("completions", f"{m['completions_per_step']:g}", f"{t['completions_per_step']:g}", ""),
         ("mean completion tokens", f"{m['mean_completion_tokens']:.1f}", f"{t['mean_completion_tokens']:.1f}", ""),
         ("prompt tokens (dataset)", "/".join(map(str, m["prompt_lengths"])), "/".join(map(str, t["prompt_lengths"])),
          ""),
         ("trainable parameters", f"{m['trainable_params']}", f"{t['trainable_params']}", ""),
-        ("optimizer steps", f"{m['optimizer_steps_per_step']}", f"{t['optimizer_steps_per_step']}", ""),
+        ("optimizer steps", f"{m['optimizer_steps_per_step']:g}", f"{t['optimizer_steps_per_step']:g}", ""),
         ("vision-encoder calls", f"{cm['vision_calls']:g}", f"{ct['vision_calls']:g}", ""),
         ("images encoded", f"{cm['vision_images']:g}", f"{ct['vision_images']:g}", ""),
         ("patches encoded", f"{cm['vision_patches']:g}", f"{ct['vision_patches']:g}", ""),

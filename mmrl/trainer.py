@@ -231,8 +231,15 @@ class Trainer:
         chunk = t.timestep_chunk or num_steps
         step_chunks = [torch.arange(s, min(num_steps, s + chunk)) for s in range(0, num_steps, chunk)]
         perms = [torch.randperm(n, generator=generator) for _ in range(t.inner_epochs)]
-        if rollout.old_logps is None:
+        # one optimizer step per update: the sampling policy is the current one for every minibatch, so its
+        # log-probs are the current ones, detached (TRL's shortcut), and need no extra pass
+        single_step = t.inner_epochs == 1 and -(-n // t.batch_size) <= t.gradient_accumulation_steps
+        on_policy = rollout.old_logps is None and single_step
+        if rollout.old_logps is None and not on_policy:
             rollout.old_logps = self._old_logps(rollout, perms[0], step_chunks)
+        if a.advantage_transform == "token_variance" and rollout.old_logps is None:
+            rollout.old_logps = self._old_logps(rollout, perms[0], step_chunks)
+            on_policy = False
         if a.advantage_transform == "token_variance":  # TW-GRPO: needs the sampling policy's per-token log-probs
             advantages = token_weighted_advantages(advantages, rollout.old_logps, rollout.mask, rollout.group_ids,
                                                    max_weight=a.token_weight_max)
@@ -262,8 +269,9 @@ class Trainer:
                         out = policy.logprobs(rollout, idx, steps, with_kl=a.beta > 0)
                         adv = advantages[idx]
                         adv = adv[:, steps] if adv.dim() == 2 else adv
+                        old = out.logps.detach() if on_policy else rollout.old_logps[idx][:, steps]
                         result = policy_loss(
-                            out.logps, rollout.old_logps[idx][:, steps].to(out.logps.device),
+                            out.logps, old.to(out.logps.device),
                             adv.to(out.logps.device), rollout.mask[idx][:, steps].to(out.logps.device),
                             clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.aggregation,
                             kl=out.kl, beta=a.beta, ratio_level=a.ratio_level,

@@ -146,3 +146,22 @@ def test_evidence_and_token_weighting_and_temporal_contrast_run(tmp_path):
         m = _metrics(tmp_path / name)[0]
         assert math.isfinite(m["loss"]) and m["grad_norm"] > 0, name
     assert "reward/temporal_bonus" in _metrics(tmp_path / "tg")[0]
+
+
+def test_single_optimizer_step_skips_the_old_logprob_pass(tmp_path, monkeypatch):
+    from mmrl import trainer as trainer_module
+
+    calls = {"old": 0}
+    original = trainer_module.Trainer._old_logps
+
+    def counting(self, *args, **kwargs):
+        calls["old"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.Trainer, "_old_logps", counting)
+    run = tmp_path / "run"
+    assert main(["train", str(REPO / "configs/tiny/vlm_grounding.yaml"), *FAST, "train.steps=1", "train.inner_epochs=1",
+                 "train.batch_size=8", "rewards={test_short_answer: 1.0}", "logging.eval_every=0",
+                 f"output_dir={run}"]) == 0
+    m = _metrics(run)[0]
+    assert calls["old"] == 0 and m["ratio/min"] == 1.0 and m["ratio/max"] == 1.0 and m["grad_norm"] > 0

@@ -494,8 +494,17 @@ class QwenVLPolicy:
         logps = token_logps(self.train_model)
         kl = None
         if with_kl:
-            with torch.no_grad(), self.reference() as ref_model:
-                kl = k3_kl(logps.detach(), token_logps(ref_model))
+            # the reference never changes within an update: its log-probs are computed once per sample and reused
+            # by every later minibatch and inner epoch
+            cache = rollout.extras.setdefault("ref_logps", {})
+            rows_list = index.tolist()
+            if any(i not in cache for i in rows_list):
+                with torch.no_grad(), self.reference() as ref_model:
+                    ref = token_logps(ref_model)
+                for j, i in enumerate(rows_list):
+                    cache[i] = ref[j]
+            ref = torch.stack([cache[i] for i in rows_list])
+            kl = k3_kl(logps.detach(), ref)
         if steps is not None:
             steps = torch.as_tensor(steps, device=logps.device)
             logps = logps[:, steps]
