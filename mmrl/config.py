@@ -180,6 +180,11 @@ class AlgorithmConfig:
                                "worse than their ODE baseline, within the sampling batch.")
     credit_consistency_filter: bool = opt(True, "TP-GRPO: require sign(d_t) sign(R_n - R_{t+1}) > 0 at a turning "
                                           "point.")
+    value_anchor_weight: float = opt(0.0, "VGPO-style value-anchored advantages (mmrl.core.credit."
+                                      "value_anchored_advantages): adds weight * (R - V) / value_anchor_scale to the "
+                                      "group term, V a running mean (decay 0.9) of each prompt's past rewards, so "
+                                      "advantages do not vanish when a group's rewards are all equal; 0 = off.")
+    value_anchor_scale: float = opt(1.0, "VGPO: the reward's natural scale dividing the absolute term.")
     advantage_transform: str = opt("none", "Reshape advantages after normalisation: 'evidence_weighted' (GA-GRPO: "
                                    "scaled by the grounding quality in rewards.<evidence_reward>) or "
                                    "'token_variance' (TW-GRPO: per-token weights from the group's spread).",
@@ -425,6 +430,12 @@ def validate(config: Config, *, check_files: bool = True) -> None:
                                   f"cannot score images (it judges text); use an image reward")
     if s.noise_schedule and len(s.noise_schedule) != s.num_steps:
         raise ConfigError(f"sampling.noise_schedule has {len(s.noise_schedule)} levels for {s.num_steps} steps")
+    if a.value_anchor_weight and (a.advantage != "grpo" or a.scale != "group" or a.credit != "outcome"
+                                  or a.reward_combination != "sum_then_normalize"):
+        raise ConfigError("algorithm.value_anchor_weight works with advantage=grpo, scale=group, credit=outcome and "
+                          "reward_combination=sum_then_normalize")
+    if a.value_anchor_scale <= 0:
+        raise ConfigError("algorithm.value_anchor_scale must be > 0")
     if a.advantage_transform == "evidence_weighted" and not a.evidence_reward:
         raise ConfigError("algorithm.evidence_reward: name the reward component that scores grounding quality "
                           "(evidence_weighted advantages, GA-GRPO)")

@@ -29,7 +29,12 @@ from accelerate.utils import gather_object
 from mmrl.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from mmrl.config import Config, ConfigError, config_to_dict, dump_config
 from mmrl.core.advantages import PerPromptStatTracker, combine_rewards
-from mmrl.core.credit import cosine_similarity_credit, step_gain_credit, turning_point_credit
+from mmrl.core.credit import (
+    cosine_similarity_credit,
+    step_gain_credit,
+    turning_point_credit,
+    value_anchored_advantages,
+)
 from mmrl.core.losses import policy_loss
 from mmrl.core.noise import adapt_noise_levels
 from mmrl.core.variants import (
@@ -108,6 +113,7 @@ class Trainer:
         self.optimizer = accelerator.prepare(self.optimizer)
         self.ema = EMA(policy.named_trainable_parameters(), o.ema_decay) if o.ema else None
         self.base_noise_levels = getattr(policy, "step_noise_levels", torch.zeros(0)).clone()
+        self.value_anchor: dict[str, float] = {}  # VGPO anchors: running mean reward per prompt
         self.scorer = scorer
         self.update = 0  # completed updates
         self.optimizer_steps = 0
@@ -133,6 +139,8 @@ class Trainer:
                 objects["ema"] = self.ema.state_dict()
             state = {"update": self.update, "optimizer_steps": self.optimizer_steps,
                      "data": self.prompts.state_dict(), "tracker": self.tracker.state_dict()}
+            if self.value_anchor:
+                state["value_anchor"] = self.value_anchor
             if hasattr(self.policy, "step_noise_levels"):
                 state["noise_levels"] = self.policy.step_noise_levels.tolist()
             save_checkpoint(self.output_dir / "checkpoints", self.update,
@@ -163,6 +171,7 @@ class Trainer:
         self.optimizer_steps = state["optimizer_steps"]
         self.prompts.load_state_dict(state["data"])
         self.tracker.load_state_dict(state["tracker"])
+        self.value_anchor = dict(state.get("value_anchor", {}))
         if "noise_levels" in state:
             self.policy.step_noise_levels = torch.tensor(state["noise_levels"])
         return self.update
@@ -202,6 +211,8 @@ class Trainer:
             labels = acc.gather(rollout.group_ids.to(acc.device)).cpu()
             adv = combine_rewards(gathered, labels, weights=weights, mode=a.reward_combination,
                                   **self.estimator_kwargs)
+        if a.value_anchor_weight:
+            adv = self._value_anchored(gathered, weights, rollout, adv)
         nan_rows = torch.zeros(len(adv), dtype=torch.bool)
         for v in gathered.values():
             nan_rows |= ~torch.isfinite(v if v.dim() == 1 else v.sum(-1))
@@ -211,6 +222,23 @@ class Trainer:
             "advantages/abs_mean": float(adv.abs().mean()),
         }
         return adv[start:start + n_local], stats
+
+    def _value_anchored(self, gathered, weights, rollout, adv) -> torch.Tensor:
+        """VGPO-style advantages: group term + weight (R - V) / scale, with V each prompt's running mean reward."""
+        a, acc = self.config.algorithm, self.accelerator
+        total = sum(w * gathered[k] for k, w in weights.items())
+        prompts = gather_object(list(rollout.prompts)) if acc.num_processes > 1 else list(rollout.prompts)
+        labels = acc.gather(rollout.group_ids.to(acc.device)).cpu()
+        finite = total[torch.isfinite(total)]
+        fallback = float(finite.mean()) if finite.numel() else 0.0
+        value = torch.tensor([self.value_anchor.get(p, fallback) for p in prompts])
+        adv = value_anchored_advantages(total, labels, value=value, weight=a.value_anchor_weight,
+                                        scale=a.value_anchor_scale, eps=a.eps, std_ddof=a.std_ddof,
+                                        clamp=a.advantage_clamp)
+        for prompt, r in zip(prompts, total.tolist()):  # update the anchors after using them
+            if r == r:
+                self.value_anchor[prompt] = 0.9 * self.value_anchor.get(prompt, r) + 0.1 * r
+        return adv
 
     @torch.no_grad()
     def _old_logps(self, rollout, perm: torch.Tensor, step_chunks: list[torch.Tensor]) -> torch.Tensor:

@@ -62,3 +62,39 @@ def test_dense_credit_config_errors(tmp_path):
         load_config(tp, ["algorithm.credit=outcome", "sampling.adaptive_noise=true"])
     with pytest.raises(ConfigError, match="noise_schedule has 3 levels"):
         load_config(tp, ["sampling.noise_schedule=[0.1, 0.2, 0.3]"])
+
+
+def test_value_anchored_advantages_do_not_vanish_for_uniform_groups(tmp_path, tiny_path):
+    """VGPO switch: a reward that is constant within every group still gives advantages once anchors exist."""
+    from mmrl.rewards import register_reward
+
+    @register_reward("test_constant_per_update")
+    class ConstantPerUpdate:
+        name = "test_constant_per_update"
+        needs_prompts = False
+        calls = 0
+
+        def __init__(self):
+            self.last_info = {}
+
+        def __call__(self, images, prompts=None, metadata=None):
+            ConstantPerUpdate.calls += 1
+            import torch
+
+            return {self.name: torch.full((len(images),), float(ConstantPerUpdate.calls))}
+
+    args = ["train", str(REPO / "configs/tiny/flow_grpo.yaml"), f"output_dir={tmp_path}",
+            f"model.pretrained={tiny_path}", "rewards={test_constant_per_update: 1.0}", "train.steps=2",
+            "data.prompts_per_step=1", "data.group_size=4", "train.batch_size=4", "logging.eval_every=0",
+            "logging.progress_bar=false", "logging.tensorboard=false", "sampling.num_steps=4",
+            "sampling.max_sequence_length=16", "algorithm.value_anchor_weight=1.0", "train.overlap_scoring=false",
+            "data.prompt_list=[a cat]"]
+    assert main(args) == 0
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["samples/zero_advantage"] == 4.0  # first update: V = the batch mean, nothing to anchor
+    # second update: every sample scores 2, the prompt's anchor is 1 -> advantage (2 - 1) / 1 for all, not 0
+    assert metrics[1]["samples/zero_advantage"] == 0.0 and metrics[1]["advantages/abs_mean"] == pytest.approx(1.0)
+    state = json.loads((tmp_path / "checkpoints" / "step_2" / "state.json").read_text())
+    assert state["value_anchor"]  # anchors saved for resume
+    with pytest.raises(ConfigError, match="value_anchor_weight"):
+        load_config(REPO / "configs/tiny/tp_grpo.yaml", ["algorithm.value_anchor_weight=1.0"])
