@@ -101,6 +101,7 @@ def build_policy(config: Config, device: torch.device | str = "cpu"):
         gradient_checkpointing=m.gradient_checkpointing, time_shift=s.time_shift,
         noise_schedule=list(s.noise_schedule) or None,
         keep_x0=config.algorithm.credit != "outcome" and s.intermediate == "x0",
+        merge_threshold=s.merge_threshold, merge_groups=s.merge_groups,
         sample_batch_size=config.train.sample_batch_size, device=device,
     )
 

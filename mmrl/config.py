@@ -86,12 +86,19 @@ class SamplingConfig:
                            "int(T*timestep_fraction)), 'random_fraction' (DanceGRPO: a random subset of that size), "
                            "'random_window' (Flow-GRPO-Fast: a random window in the first half, ODE elsewhere), "
                            "'sliding_window' (MixGRPO: a window that moves one step every window_shift_every "
-                           "updates, ODE elsewhere).",
-                           choices=("fraction", "random_fraction", "random_window", "sliding_window"))
+                           "updates, ODE elsewhere), 'entropy_merge' (E-GRPO: consecutive low-entropy SDE steps merged "
+                           "into one SDE step each, every merged step trained, ODE on the last step; set "
+                           "merge_threshold or merge_groups).",
+                           choices=("fraction", "random_fraction", "random_window", "sliding_window", "entropy_merge"))
     timestep_fraction: float = opt(0.99, "Fraction of the T steps trained for 'fraction' / 'random_fraction' "
                                    "(0.99 -> steps 0..T-2; DanceGRPO uses 0.6 of the steps).")
     window_size: int = opt(2, "SDE window length W for the window modes (Flow-GRPO-Fast 2-3, MixGRPO 4).")
     window_shift_every: int = opt(1, "MixGRPO: the window moves forward one step every this many updates.")
+    merge_threshold: float | None = opt(None, "entropy_merge: entropy per dimension (nats) a merged step must reach; "
+                                        "consecutive steps below it are merged (mmrl.core.credit."
+                                        "merge_low_entropy_steps).")
+    merge_groups: int | None = opt(None, "entropy_merge: instead of merge_threshold, the number of merged SDE steps "
+                                   "(contiguous groups of near-equal noise variance over the trainable steps).")
     share_group_noise: bool = opt(False, "DanceGRPO: all samples of a group start from the same initial noise.")
     noise_schedule: list = opt([], "Timestep-specific SDE noise: one level per sampling step (empty = noise_level "
                                "on every step).")
@@ -415,6 +422,16 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         if s.window_size > trainable:
             raise ConfigError(f"sampling.window_size={s.window_size} is longer than the {trainable} trainable steps "
                               f"of a {s.num_steps}-step schedule (the last step is never trained)")
+    if s.train_steps == "entropy_merge":
+        if (s.merge_threshold is None) == (s.merge_groups is None):
+            raise ConfigError("sampling.train_steps=entropy_merge needs exactly one of sampling.merge_threshold "
+                              "(nats) or sampling.merge_groups")
+        if s.merge_groups is not None and not 1 <= s.merge_groups <= s.num_steps - 1:
+            raise ConfigError(f"sampling.merge_groups={s.merge_groups} must be in 1..{s.num_steps - 1} (the "
+                              f"trainable steps of a {s.num_steps}-step schedule)")
+        if a.credit != "outcome" or s.adaptive_noise:
+            raise ConfigError("sampling.train_steps=entropy_merge samples on a merged sigma grid: it supports "
+                              "algorithm.credit=outcome only (no intermediate rewards, no adaptive_noise)")
     if a.credit != "outcome" or s.adaptive_noise:
         if config.model.family == "qwen_vl":
             raise ConfigError("algorithm.credit / sampling.adaptive_noise apply to flow policies, not qwen_vl")

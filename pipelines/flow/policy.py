@@ -44,7 +44,11 @@ def build_family(family: str, pretrained: str, *, dtype: str = "float32", revisi
 
 @dataclass
 class FlowRollout:
-    """Everything one update needs from a batch of trajectories (``N`` samples, ``S`` steps, ``T`` trained)."""
+    """Everything one update needs from a batch of trajectories (``N`` samples, ``S`` steps, ``T`` trained).
+
+    With an E-GRPO plan (``plan.sigma_index`` set) ``S`` is the merged step count ``S'``: ``latents``, ``sigmas``,
+    ``timesteps`` and ``noise_levels`` are those of the merged grid, so ``logprobs`` replays the merged
+    ``(sigma, sigma_next)`` pairs unchanged."""
 
     prompts: list[str]
     metadata: list[dict]
@@ -93,7 +97,8 @@ class FlowPolicy:
                  window_size: int = 2, window_shift_every: int = 1, share_group_noise: bool = False,
                  lora: dict | None = None, gradient_checkpointing: bool = False, sample_batch_size: int = 16,
                  time_shift: float | None = None, noise_schedule: list[float] | None = None,
-                 keep_x0: bool = False, device: torch.device | str = "cpu"):
+                 keep_x0: bool = False, merge_threshold: float | None = None, merge_groups: int | None = None,
+                 device: torch.device | str = "cpu"):
         self.family = family
         self.num_steps = num_steps
         self.eval_num_steps = eval_num_steps
@@ -103,6 +108,8 @@ class FlowPolicy:
         self.guidance_scale = guidance_scale
         self.plan_kwargs = dict(mode=train_steps, timestep_fraction=timestep_fraction, window_size=window_size,
                                 shift_every=window_shift_every)
+        if train_steps == "entropy_merge":  # E-GRPO: merge consecutive low-entropy steps (schedule.plan_steps)
+            self.plan_kwargs.update(merge_threshold=merge_threshold, merge_groups=merge_groups)
         self.share_group_noise = share_group_noise
         self.time_shift = time_shift
         #: per-step SDE noise levels [S] (timestep-specific noise; adapted during training by the trainer's
@@ -207,7 +214,24 @@ class FlowPolicy:
 
     def _noise_levels(self, plan: StepPlan) -> Tensor:
         levels = self.step_noise_levels.clone()
+        if plan.sigma_index is not None:  # a merged step takes its first fine step's noise level
+            levels = levels[plan.sigma_index[:-1]]
         return torch.where(plan.sde, levels, torch.zeros_like(levels))
+
+    def step_noise_std(self, sigmas: Tensor) -> Tensor:
+        """``[S]``: the std of each fine step's Gaussian transition if it were an SDE step at its noise level (the
+        step entropy E-GRPO merges on is ``gaussian_step_entropy`` of it)."""
+        zero = torch.zeros(1, 1)
+        return torch.stack([
+            sde_step(zero, zero, sigmas[s].item(), sigmas[s + 1].item(), kind=self.sde,
+                     noise_level=self.step_noise_levels[s].item(), noise=zero,
+                     sigma_one_substitute=sigmas[1].item()).std.reshape(())
+            for s in range(len(sigmas) - 1)])
+
+    def _plan(self, update: int, generator: torch.Generator, sigmas: Tensor) -> StepPlan:
+        merging = self.plan_kwargs["mode"] == "entropy_merge"
+        extra = {"step_noise_std": self.step_noise_std(sigmas)} if merging else {}
+        return plan_steps(num_steps=self.num_steps, update=update, generator=generator, **self.plan_kwargs, **extra)
 
     def _initial_noise(self, n: int, group_size: int, generator: torch.Generator) -> Tensor:
         shape = self.family.latent_shape(self.resolution)
@@ -230,18 +254,21 @@ class FlowPolicy:
             metadata = [item.metadata for item in prompts]
             prompts = [item.prompt for item in prompts]
         n = len(prompts) * group_size
-        plan = plan_steps(num_steps=self.num_steps, update=update, generator=generator, **self.plan_kwargs)
-        noise_levels = self._noise_levels(plan)
         sigmas, timesteps = self.schedule(self.num_steps)
+        plan = self._plan(update, generator, sigmas)
+        noise_levels = self._noise_levels(plan)
+        if plan.sigma_index is not None:  # E-GRPO: sample on the merged grid (S' steps, S'+1 latents)
+            sigmas, timesteps = sigmas[plan.sigma_index], timesteps[plan.sigma_index[:-1]]
+        num_steps = len(timesteps)
         cond = self.family.encode(list(prompts))  # once per prompt, not per sample
         prompt_index = torch.arange(len(prompts)).repeat_interleave(group_size)
         x = self._initial_noise(n, group_size, generator)
-        step_noise = torch.randn((self.num_steps, *x.shape), generator=generator)
-        latents = torch.empty((n, self.num_steps + 1, *x.shape[1:]))
+        step_noise = torch.randn((num_steps, *x.shape), generator=generator)
+        latents = torch.empty((n, num_steps + 1, *x.shape[1:]))
         latents[:, 0] = x
         train_pos = {int(s): j for j, s in enumerate(plan.train)}
         old_logps = torch.zeros(n, len(plan.train))
-        x0_pred = torch.empty((n, self.num_steps, *x.shape[1:])) if self.keep_x0 else None
+        x0_pred = torch.empty((n, num_steps, *x.shape[1:])) if self.keep_x0 else None
         meta = metadata if metadata is not None else [{} for _ in prompts]
         images_list: list[Tensor] = []
         self.transformer.eval()
@@ -249,7 +276,7 @@ class FlowPolicy:
             rows = slice(start, min(n, start + self.sample_batch_size))
             batch_cond = {k: v[prompt_index[rows].to(v.device)] for k, v in cond.items()}
             xb = x[rows].to(self.device)
-            for s in range(self.num_steps):
+            for s in range(num_steps):
                 b = xb.shape[0]
                 v = self._velocity(self.transformer, xb, torch.full((b,), s), timesteps.to(self.device), batch_cond)
                 if x0_pred is not None:  # x0_hat = x - sigma v (REFERENCE.md section 1), free: v is computed anyway

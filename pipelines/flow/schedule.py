@@ -16,6 +16,21 @@ Modes:
 * ``sliding_window`` -- MixGRPO (Li et al. 2025, arXiv 2507.21802): a window of ``W`` SDE steps starting at
   ``(update // shift_every) % (S - W)``, i.e. moving forward one step every ``shift_every`` updates and
   wrapping; ODE elsewhere; only the window is trained.
+* ``entropy_merge`` -- E-GRPO (Zhang, Zhang, Dai, Duan 2026, arXiv 2601.00423): the trainable steps
+  ``0..S-2`` are partitioned into contiguous groups by :func:`mmrl.core.credit.merge_low_entropy_steps` from
+  each step's SDE noise std (``step_noise_std``; entropy per dimension ``log std + log(2 pi e) / 2``, see
+  :func:`mmrl.core.credit.gaussian_step_entropy`), with ``merge_threshold`` (nats) or ``merge_groups``. Each
+  group becomes ONE SDE step from its first step's sigma to its last step's next sigma (one transformer
+  evaluation, a larger ``dt``, the SDE noise of that merged step at the first step's noise level); the last step
+  (to sigma = 0) stays a plain ODE step. The plan then carries ``sigma_index`` (long ``[S'+1]``, indices into the
+  ``S+1`` sigmas of the fine schedule): the rollout samples on the coarser grid ``sigmas[sigma_index]`` with
+  ``S' = groups + 1`` steps, and ``sde`` / ``train`` index that grid (every merged step is SDE and trained, one
+  action each). Advantages: E-GRPO's multi-step group-normalised advantage
+  (:func:`mmrl.core.credit.multi_step_group_advantages`) normalises each merged step's reward within its prompt
+  group; with the trainer's outcome reward every merged step of a trajectory has the same reward (its final
+  image's), so it reduces to the ordinary group-normalised outcome advantage broadcast over the merged steps,
+  which is what the trainer applies (``[N]`` advantages over ``old_logps [N, T]``, ``T`` = merged steps). The
+  paper's per-branch rewards (one ODE completion per merged step) are not sampled by this mode.
 """
 
 from __future__ import annotations
@@ -24,13 +39,15 @@ from dataclasses import dataclass
 
 import torch
 
-STEP_MODES = ("fraction", "random_fraction", "random_window", "sliding_window")
+STEP_MODES = ("fraction", "random_fraction", "random_window", "sliding_window", "entropy_merge")
 
 
 @dataclass
 class StepPlan:
-    sde: torch.Tensor  # bool [S]
+    sde: torch.Tensor  # bool [S] (or [S'] on the merged grid)
     train: torch.Tensor  # long [T], sorted, subset of the SDE steps, never S-1
+    #: long [S'+1] or None: the sampling grid is ``sigmas[sigma_index]`` (entropy_merge); None = the full schedule
+    sigma_index: torch.Tensor | None = None
 
 
 def plan_steps(
@@ -42,14 +59,37 @@ def plan_steps(
     shift_every: int = 1,
     update: int = 0,
     generator: torch.Generator | None = None,
+    step_noise_std: torch.Tensor | None = None,
+    merge_threshold: float | None = None,
+    merge_groups: int | None = None,
 ) -> StepPlan:
-    """The SDE/train plan of one update. ``generator`` drives the random modes (seed it per update)."""
+    """The SDE/train plan of one update. ``generator`` drives the random modes (seed it per update).
+    ``entropy_merge`` needs ``step_noise_std`` (``[S]`` or ``[S-1]``, the SDE noise std of each fine step; only
+    steps ``0..S-2`` are used) and exactly one of ``merge_threshold`` / ``merge_groups``."""
     s = num_steps
     trainable = s - 1
     if mode not in STEP_MODES:
         raise ValueError(f"unknown train_steps mode {mode!r}; expected one of {STEP_MODES}")
     if trainable < 1:
         raise ValueError(f"a schedule of {s} steps has no trainable step (the last one is never trained)")
+    if mode == "entropy_merge":
+        from mmrl.core.credit import merge_low_entropy_steps
+
+        if step_noise_std is None:
+            raise ValueError("train_steps='entropy_merge' needs the noise std of each step (step_noise_std)")
+        std = torch.as_tensor(step_noise_std, dtype=torch.float64).reshape(-1)
+        if len(std) < trainable:
+            raise ValueError(f"step_noise_std has {len(std)} values for the {trainable} trainable steps")
+        if merge_groups is not None and not 1 <= merge_groups <= trainable:
+            raise ValueError(f"merge_groups={merge_groups} must be in 1..{trainable} (trainable steps of a "
+                             f"{s}-step schedule)")
+        groups = merge_low_entropy_steps(noise_std=std[:trainable], threshold=merge_threshold,
+                                         num_groups=merge_groups)
+        k = len(groups)
+        sigma_index = torch.tensor([g[0] for g in groups] + [s - 1, s], dtype=torch.long)
+        sde = torch.ones(k + 1, dtype=torch.bool)
+        sde[k] = False  # the last step (to sigma = 0): ODE, never trained
+        return StepPlan(sde=sde, train=torch.arange(k), sigma_index=sigma_index)
     if mode in ("fraction", "random_fraction"):
         count = min(trainable, max(1, int(s * timestep_fraction)))
         if mode == "fraction":
