@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 import torch
 from PIL import Image
 
-from ._images import pil_to_float, tensor_to_pil, uint8_to_float
+from ._images import float_to_uint8, pil_to_float, uint8_batch_to_pil, uint8_to_float
 
 __all__ = [
     "RewardFn",
@@ -91,11 +91,15 @@ class ImageBatch:
         tensor: torch.Tensor | None,
         pils: list | None,
         invalid: dict[int, str],
+        uint8: torch.Tensor | None = None,
     ):
         self.n = n
         self.prompts = prompts
         self.metadata = metadata
-        self._tensor = tensor  # float [N, 3, H, W] in [0, 1] (clipped), or None for PIL input
+        # float [N, 3, H, W] in [0, 1] (clipped), or None for PIL input. It may be the caller's own
+        # tensor (not a copy) when every value was already finite and in range: never write to it.
+        self._tensor = tensor
+        self._uint8_input = uint8  # the caller's uint8 [N, 3, H, W] tensor, when that was the input
         self._pils = pils  # list of N entries (PIL or garbage), or None for tensor input
         self.invalid = invalid
         self.valid_indices = [i for i in range(n) if i not in invalid]
@@ -105,14 +109,42 @@ class ImageBatch:
 
     @property
     def is_tensor(self) -> bool:
-        return self._tensor is not None
+        return self._tensor is not None or self._uint8_input is not None
+
+    @property
+    def all_valid(self) -> bool:
+        return len(self.valid_indices) == self.n
+
+    def _valid_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` restricted to the valid samples (the tensor itself, no copy, when all are valid)."""
+        if self.all_valid:
+            return tensor
+        idx = torch.tensor(self.valid_indices, dtype=torch.long, device=tensor.device)
+        return tensor.index_select(0, idx)
+
+    def _float_tensor(self) -> torch.Tensor:
+        if self._tensor is None:  # uint8 input: the float view is made on first use only
+            self._tensor = uint8_to_float(self._uint8_input)
+        return self._tensor
+
+    def uint8(self) -> torch.Tensor:
+        """Valid samples of a tensor batch as contiguous uint8 ``[k, 3, H, W]`` on the input's device
+        (the ``round(x * 255)`` quantisation; a uint8 input as given), computed once: :meth:`pil`
+        and the rewards that preprocess tensors share it. Read-only."""
+        if not self.is_tensor:
+            raise ValueError("uint8() is for tensor batches; this batch holds PIL images")
+        if self._uint8_cache is None:
+            if self._uint8_input is not None:
+                self._uint8_cache = self._valid_rows(self._uint8_input).contiguous()
+            else:
+                self._uint8_cache = float_to_uint8(self._valid_rows(self._tensor)).contiguous()
+        return self._uint8_cache
 
     def pil(self) -> list[Image.Image]:
         """RGB PIL images of the valid samples, in ``valid_indices`` order."""
         if self._pil_cache is None:
-            if self._tensor is not None:
-                idx = torch.tensor(self.valid_indices, dtype=torch.long, device=self._tensor.device)
-                self._pil_cache = tensor_to_pil(self._tensor.index_select(0, idx))
+            if self.is_tensor:
+                self._pil_cache = uint8_batch_to_pil(self.uint8())
             else:
                 self._pil_cache = [
                     img if img.mode == "RGB" else img.convert("RGB")
@@ -124,13 +156,13 @@ class ImageBatch:
         """Valid samples as float ``[k, 3, H, W]`` tensors in [0, 1], one per image size.
 
         Returns ``[(positions, tensor), ...]`` where ``positions`` index into ``valid_indices``.
-        A tensor batch is one group (no copy); PIL images are grouped by size.
+        A tensor batch is one group (no copy when every sample is valid: treat it as read-only);
+        PIL images are grouped by size.
         """
         if self._groups_cache is None:
-            if self._tensor is not None:
-                idx = torch.tensor(self.valid_indices, dtype=torch.long, device=self._tensor.device)
+            if self.is_tensor:
                 self._groups_cache = [
-                    (list(range(len(self.valid_indices))), self._tensor.index_select(0, idx))
+                    (list(range(len(self.valid_indices))), self._valid_rows(self._float_tensor()))
                 ]
             else:
                 by_size: dict[tuple[int, int], list[int]] = {}
@@ -149,20 +181,53 @@ class ImageBatch:
         return [self.prompts[i] for i in self.valid_indices]
 
 
-def prompt_image_cosine(batch: "ImageBatch", text_embeddings: Callable, image_embeddings: Callable) -> torch.Tensor:
+def prompt_image_cosine(
+    batch: "ImageBatch", text_embeddings: Callable, image_embeddings: Callable, *, pass_batch: bool = False
+) -> torch.Tensor:
     """Cosine of each valid sample's L2-normalised image embedding with its prompt's; the text tower runs once
-    per unique prompt, the image tower once per batch (shared by the CLIP-family rewards)."""
+    per unique prompt, the image tower once per batch (shared by the CLIP-family rewards).
+
+    ``image_embeddings`` gets ``batch.pil()``, or with ``pass_batch=True`` the :class:`ImageBatch` itself
+    (so a reward can preprocess a tensor batch without the PIL round trip, e.g. from ``batch.uint8()``)."""
     prompts = batch.valid_prompts()
     slot = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
     text = text_embeddings(list(slot))
     where = torch.tensor([slot[p] for p in prompts], device=text.device)
-    return (image_embeddings(batch.pil()) * text[where]).sum(dim=-1)
+    return (image_embeddings(batch if pass_batch else batch.pil()) * text[where]).sum(dim=-1)
 
 
 def _seq_len(x: Any, what: str) -> int:
     if isinstance(x, (str, bytes)) or not hasattr(x, "__len__"):
         raise ValueError(f"{what} must be a list with one entry per image, got {type(x).__name__}")
     return len(x)
+
+
+def _checked_float(images: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """A float batch as float32 in [0, 1], and the indices of samples with non-finite values.
+
+    One per-sample min/max pass finds the non-finite and out-of-range samples; the values are
+    copied (``nan_to_num``, then clipped like the float -> uint8 conversion) only when some are,
+    so a clean float32 batch is returned as is, without a copy.
+    """
+    n = images.shape[0]
+    if n == 0:
+        return images.float(), []
+    if images.device.type == "cuda":
+        lo, hi = torch.aminmax(images.reshape(n, -1), dim=1)
+    else:  # on CPU aminmax over a dim is ~10x slower than these two vectorised reductions
+        lo, hi = images.amin(dim=(1, 2, 3)), images.amax(dim=(1, 2, 3))
+    # One transfer; NaN propagates through min/max. Checked in the input's dtype (as before: a
+    # float64 value too large for float32 is finite here and is clipped to 1, not marked).
+    lo, hi = torch.stack((lo, hi)).cpu()
+    bad = (~(torch.isfinite(lo) & torch.isfinite(hi))).nonzero().flatten().tolist()
+    tensor = images.float()  # no copy for float32
+    if bad or bool((lo < 0).any()) or bool((hi > 1).any()):
+        if tensor is images:
+            tensor = torch.nan_to_num(tensor, nan=0.0, posinf=1.0, neginf=0.0)
+        else:
+            torch.nan_to_num(tensor, nan=0.0, posinf=1.0, neginf=0.0, out=tensor)
+        tensor.clamp_(0, 1)
+    return tensor, bad
 
 
 def prepare_batch(
@@ -181,7 +246,7 @@ def prepare_batch(
         return images
 
     invalid: dict[int, str] = {}
-    tensor = pils = None
+    tensor = pils = uint8 = None
     if isinstance(images, torch.Tensor):
         if images.dim() != 4 or images.shape[1] != 3:
             raise ValueError(
@@ -192,18 +257,17 @@ def prepare_batch(
             raise ValueError(f"images have an empty spatial size: shape {tuple(images.shape)}")
         images = images.detach()
         if images.dtype == torch.uint8:
-            tensor = uint8_to_float(images)
+            uint8 = images
+            n = images.shape[0]
         elif images.is_floating_point():
-            finite = torch.isfinite(images).flatten(1).all(dim=1).cpu()
-            for i in (~finite).nonzero().flatten().tolist():
+            tensor, bad = _checked_float(images)
+            for i in bad:
                 invalid[i] = "non-finite pixel values (NaN or inf)"
-            # Clip like the float -> uint8 conversion does; keep the float values otherwise.
-            tensor = torch.nan_to_num(images.float(), nan=0.0, posinf=1.0, neginf=0.0).clamp(0, 1)
+            n = tensor.shape[0]
         else:
             raise TypeError(
                 f"images tensor must be float in [0, 1] or uint8, got dtype {images.dtype}"
             )
-        n = tensor.shape[0]
     elif isinstance(images, (list, tuple)):
         n = len(images)
         pils = list(images)
@@ -233,7 +297,7 @@ def prepare_batch(
         if _seq_len(metadata, "metadata") != n:
             raise ValueError(f"got {n} images but {len(metadata)} metadata entries; they must match")
         metadata = list(metadata)
-    return ImageBatch(n, prompts, metadata, tensor, pils, invalid)
+    return ImageBatch(n, prompts, metadata, tensor, pils, invalid, uint8=uint8)
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,14 +16,20 @@ the CLIP weights). Conventions checked against the original (tgxs002/HPSv2, ``hp
 * the original runs under CUDA fp16 autocast; mmrl runs in ``dtype`` (default float32) and
   computes the cosine in float32, so values differ from the original by fp16 rounding only.
 
-Tensor images are first quantised to uint8 PIL (``round(x * 255)``), as the original works on
-PIL images. The text tower runs once per unique prompt; images are batched.
+Tensor images are first quantised to uint8 (``round(x * 255)``) and resized as PIL images, as the
+original works on PIL images (``resize="pil"``, the default); ``resize="tensor"`` resizes the uint8
+tensor batch with torchvision's antialiased bicubic instead, on the tensor's device (no PIL round
+trip; it differs from PIL's by at most 1-2 uint8 steps on about 1% of pixels). Images whose longest
+side is already the input size need no resize and take the tensor path either way (exact). After
+the resize, padding, scaling and normalisation run batched on the stacked uint8 images, exactly
+:func:`hps_preprocess`'s arithmetic. The text tower runs once per unique prompt; images are batched.
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -38,7 +44,7 @@ from ._base import (
     resolve_dtype,
 )
 
-__all__ = ["HPSv2", "hps_preprocess", "HPS_REPO", "HPS_FILES", "OPENAI_MEAN", "OPENAI_STD"]
+__all__ = ["HPSv2", "hps_preprocess", "hps_preprocess_batch", "HPS_REPO", "HPS_FILES", "OPENAI_MEAN", "OPENAI_STD"]
 
 HPS_REPO = "xswu/HPSv2"
 HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
@@ -73,6 +79,73 @@ def hps_preprocess(
     if pad_h or pad_w:
         image = TF.pad(image, [pad_w // 2, pad_h // 2, pad_w - pad_w // 2, pad_h - pad_h // 2], fill=fill)
     return TF.normalize(TF.to_tensor(image), list(mean), list(std))
+
+
+def _hps_geometry(height: int, width: int, size: int) -> tuple[int, int, int, int]:
+    """``(new_h, new_w, top, left)`` of :func:`hps_preprocess`: longest side to ``size`` (``round``
+    for the other), then the pad's top/left offsets (the extra pixel goes right/bottom)."""
+    scale = size / float(max(height, width))
+    new_h, new_w = (round(height * scale), round(width * scale)) if scale != 1.0 else (height, width)
+    return new_h, new_w, (size - new_h) // 2, (size - new_w) // 2
+
+
+def _normalise_uint8(canvas: torch.Tensor, mean, std) -> torch.Tensor:
+    """uint8 ``[N, 3, S, S]`` -> float32, ``x / 255`` then ``(x - mean) / std`` per channel: the same
+    float32 operations as torchvision's ``to_tensor`` + ``normalize`` on each image."""
+    x = canvas.to(torch.float32).div_(255)
+    mean_t = torch.as_tensor(mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    std_t = torch.as_tensor(std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    return x.sub_(mean_t).div_(std_t)
+
+
+def hps_preprocess_batch(
+    images: Sequence[Image.Image],
+    size: int = 224,
+    mean: tuple[float, ...] = OPENAI_MEAN,
+    std: tuple[float, ...] = OPENAI_STD,
+    fill: int = 0,
+) -> torch.Tensor:
+    """:func:`hps_preprocess` for a list of PIL images -> float32 ``[N, 3, size, size]``, bit-identical.
+
+    Each image is resized with PIL (bicubic) as there; the padded uint8 images are stacked and
+    scaled/normalised in one batched step instead of one tensor conversion per image.
+    """
+    import torchvision.transforms.functional as TF
+    from torchvision.transforms import InterpolationMode
+
+    canvas = torch.full((len(images), 3, size, size), int(fill), dtype=torch.uint8)
+    planes = canvas.numpy()  # shares memory with canvas
+    for i, image in enumerate(images):
+        image = image if image.mode == "RGB" else image.convert("RGB")
+        width, height = image.size
+        new_h, new_w, top, left = _hps_geometry(height, width, size)
+        if (new_h, new_w) != (height, width):
+            image = TF.resize(image, [new_h, new_w], interpolation=InterpolationMode.BICUBIC)
+        for c, band in enumerate(image.split()):  # pillow's planes: no H x W x 3 transpose
+            planes[i, c, top : top + new_h, left : left + new_w] = np.asarray(band)
+    return _normalise_uint8(canvas, mean, std)
+
+
+def hps_preprocess_uint8(
+    images: torch.Tensor,
+    size: int = 224,
+    mean: tuple[float, ...] = OPENAI_MEAN,
+    std: tuple[float, ...] = OPENAI_STD,
+    fill: int = 0,
+) -> torch.Tensor:
+    """HPSv2's transform for a uint8 ``[N, 3, H, W]`` tensor batch, on its device. Without a resize
+    (longest side already ``size``) it equals :func:`hps_preprocess` exactly; otherwise the resize is
+    torchvision's antialiased bicubic on uint8, not PIL's (at most a step or two apart)."""
+    n, _, height, width = images.shape
+    new_h, new_w, top, left = _hps_geometry(height, width, size)
+    if (new_h, new_w) != (height, width):
+        from torchvision.transforms import InterpolationMode
+        from torchvision.transforms.v2 import functional as F2
+
+        images = F2.resize(images, [new_h, new_w], interpolation=InterpolationMode.BICUBIC, antialias=True)
+    canvas = torch.full((n, 3, size, size), int(fill), dtype=torch.uint8, device=images.device)
+    canvas[:, :, top : top + new_h, left : left + new_w] = images
+    return _normalise_uint8(canvas, mean, std)
 
 
 def resolve_hps_checkpoint(checkpoint: str | os.PathLike | None, version: str = "v2.1") -> str:
@@ -144,6 +217,7 @@ class HPSv2(Reward):
         batch_size: int = 32,
         image_size: int | None = None,
         weights_only: bool = True,
+        resize: str = "pil",
     ):
         """Args:
         checkpoint: path to ``HPS_v2.1_compressed.pt`` (or a directory holding it); default: the
@@ -159,6 +233,8 @@ class HPSv2(Reward):
         batch_size: images per vision forward.
         image_size: square input size; default the model's ``visual.image_size`` (224).
         weights_only: ``torch.load(weights_only=...)``; only disable for a checkpoint you trust.
+        resize: ``"pil"`` (default): tensor images are resized as PIL images, as the original does;
+            ``"tensor"``: with torchvision on the uint8 tensor, on its device (see the module doc).
         """
         super().__init__()
         import open_clip  # heavy: imported only when used
@@ -181,6 +257,9 @@ class HPSv2(Reward):
             image_size = size[0] if isinstance(size, (tuple, list)) else size
         self.image_size = int(image_size)
         self.batch_size = int(batch_size)
+        if resize not in ("pil", "tensor"):
+            raise ValueError(f"resize must be 'pil' or 'tensor', got {resize!r}")
+        self.resize = resize
 
     @property
     def device(self) -> torch.device:
@@ -190,9 +269,12 @@ class HPSv2(Reward):
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
-    def preprocess(self, images: list[Image.Image]) -> torch.Tensor:
-        """PIL images -> ``[N, 3, S, S]`` float32 via :func:`hps_preprocess`."""
-        return torch.stack([hps_preprocess(img, self.image_size) for img in images])
+    def preprocess(self, images) -> torch.Tensor:
+        """PIL images (as :func:`hps_preprocess`, batched) or a uint8 ``[N, 3, H, W]`` tensor (as
+        :func:`hps_preprocess_uint8`) -> ``[N, 3, S, S]`` float32."""
+        if isinstance(images, torch.Tensor):
+            return hps_preprocess_uint8(images, self.image_size)
+        return hps_preprocess_batch(images, self.image_size)
 
     @torch.inference_mode()
     def text_embeddings(self, prompts: list[str]) -> torch.Tensor:
@@ -201,7 +283,14 @@ class HPSv2(Reward):
         return emb / emb.norm(dim=-1, keepdim=True)
 
     @torch.inference_mode()
-    def image_embeddings(self, images: list[Image.Image]) -> torch.Tensor:
+    def image_embeddings(self, images) -> torch.Tensor:
+        """L2-normalised float32 image embeddings for a list of PIL images or an :class:`ImageBatch`
+        (a tensor batch skips PIL when no resize is needed, or with ``resize="tensor"``)."""
+        if isinstance(images, ImageBatch):
+            tensor_path = images.is_tensor and (
+                self.resize == "tensor" or max(images.uint8().shape[-2:]) == self.image_size
+            )
+            images = images.uint8() if tensor_path else images.pil()
         chunks = []
         for start in range(0, len(images), self.batch_size):
             pixels = self.preprocess(images[start : start + self.batch_size]).to(self.device, self.dtype)
@@ -211,5 +300,5 @@ class HPSv2(Reward):
 
     @torch.inference_mode()
     def _score(self, batch: ImageBatch, reasons: dict[int, str]) -> dict[str, torch.Tensor]:
-        cos = prompt_image_cosine(batch, self.text_embeddings, self.image_embeddings)
+        cos = prompt_image_cosine(batch, self.text_embeddings, self.image_embeddings, pass_batch=True)
         return {self.name: cos.cpu()}

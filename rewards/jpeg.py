@@ -5,6 +5,11 @@ with ``(x * 255).round().clamp(0, 255)``, encoded with pillow as ``JPEG`` at ``q
 scored by its encoded size in **kilobytes, decimal: bytes / 1000** (not KiB). Incompressibility is
 the size; compressibility is its negation. Flow-GRPO's ``jpeg_compressibility`` further divides
 by 500 (``-size_kb / 500``); set ``scale_divisor=500`` to reproduce that, the default 1.0 is DDPO.
+
+Images are encoded one after another: pillow (13.0) holds the GIL while encoding a JPEG, to a
+``BytesIO`` or to a file descriptor alike, so a thread pool measured no faster (0.95-0.98x on 2
+cores for 256-1024 px images). The batch's PIL images come from one batched quantisation
+(:meth:`ImageBatch.pil`), shared with the other rewards of a composition.
 """
 from __future__ import annotations
 

@@ -646,6 +646,176 @@ def test_composed_model_rewards_share_one_conversion(tiny_clip, tiny_open_clip):
 
 
 # --------------------------------------------------------------------------------------------
+# batch-handling fast paths: no copies, no PIL round trips, same values
+# --------------------------------------------------------------------------------------------
+
+
+def test_clean_float32_batch_is_not_copied():
+    x = grid_images(3)
+    batch = R.prepare_batch(x, None)
+    (_, group), = batch.float_groups()
+    assert group.data_ptr() == x.data_ptr() and group.dtype == torch.float32 and batch.invalid == {}
+    # a bad sample: the others are scored from a cleaned copy; the caller's tensor is untouched
+    y = grid_images(3)
+    y[1, 0, 0, 0] = float("nan")
+    y[2, 0, 0, 0] = 1.5
+    before = y.clone()
+    batch = R.prepare_batch(y, None)
+    (_, group), = batch.float_groups()
+    assert list(batch.invalid) == [1] and group.shape[0] == 2
+    assert float(group.max()) <= 1.0 and torch.isfinite(group).all()
+    assert torch.equal(y.isnan(), before.isnan()) and torch.equal(y.nan_to_num(), before.nan_to_num())
+    # float64: checked in float64 (a finite value too large for float32 is clipped, not marked)
+    z = grid_images(2).double()
+    z[0, 0, 0, 0] = 1e300
+    batch = R.prepare_batch(z, None)
+    assert batch.invalid == {} and batch.float_groups()[0][1].dtype == torch.float32
+    assert float(batch.float_groups()[0][1][0, 0, 0, 0]) == 1.0
+
+
+def test_uint8_batch_conversions_match_numpy():
+    x = grid_images(9, 130, 150)  # 9 * 3 * 130 * 150 > one conversion chunk
+    u8 = torch.from_numpy(quantise(x)).permute(0, 3, 1, 2).contiguous()
+    for images in (x, x.double(), x[:, :, ::2, 1:], u8):
+        batch = R.prepare_batch(images, None)
+        expected = quantise(images.float() / 255.0 if images.dtype == torch.uint8 else images.float())
+        assert torch.equal(batch.uint8(), torch.from_numpy(expected).permute(0, 3, 1, 2))
+        pils = batch.pil()
+        assert all(p.mode == "RGB" and np.array_equal(np.asarray(p), e) for p, e in zip(pils, expected))
+    assert R.prepare_batch(u8, None).uint8().data_ptr() == u8.data_ptr()  # a uint8 input is used as given
+
+
+@pytest.mark.parametrize("name", ["brightness", "saturation", "colorfulness"])
+def test_pixel_rewards_chunked_equal_whole_batch_float64(name):
+    from mmrl.rewards import pixel
+
+    x = torch.rand(7, 3, 200, 190, generator=torch.Generator().manual_seed(1))  # several chunks
+    x[0, :, :5, :5] = 0.0  # black pixels (saturation's max = 0 branch)
+    x[1] = x[1, :1]  # grey image
+    got = build_reward(name)(x, None)[name]
+    expected = getattr(pixel, name)(x.double()).float()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_jpeg_sizes_of_a_batch_match_pillow_per_image():
+    x = grid_images(9, 40, 36)
+    expected = torch.tensor([jpeg_kb(a) for a in quantise(x)])
+    got = build_reward("jpeg_incompressibility")(x, None)["jpeg_incompressibility"]
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("crop", [32, 224])
+def test_clip_processor_tensor_path_bit_identical(tiny_clip, crop):
+    from transformers import CLIPImageProcessor
+
+    from mmrl.rewards._images import is_torchvision_clip_processor
+
+    processor = CLIPImageProcessor(size={"shortest_edge": crop}, crop_size={"height": crop, "width": crop})
+    if not is_torchvision_clip_processor(processor):
+        pytest.skip("the installed transformers' CLIPImageProcessor is not the torchvision one")
+    model, tiny = tiny_clip
+    tiny.image_processor = processor
+    reward = build_reward("pickscore", model=model, processor=tiny)
+    for h, w in [(40, 36), (256, 256), (300, 170)]:
+        x = grid_images(3, h, w, seed=h)
+        batch = R.prepare_batch(x, ["a"] * 3)
+        pil = reward._pixel_values(batch.pil())
+        tensor = reward._pixel_values(batch.uint8())
+        assert tensor.shape == (3, 3, crop, crop) and torch.equal(pil, tensor)
+
+
+def test_pickscore_tensor_batch_skips_pil_and_caches_text(tiny_clip):
+    model, processor = tiny_clip
+    reward = build_reward("pickscore", model=model, processor=processor)
+    seen_images, seen_text = [], []
+    original_ip, original_text = processor.image_processor.__class__.__call__, model.get_text_features
+
+    def spy_ip(self, images=None, **kwargs):
+        seen_images.append(type(images))
+        return original_ip(self, images=images, **kwargs)
+
+    def spy_text(**kwargs):
+        seen_text.append(kwargs["input_ids"].shape[0])
+        return original_text(**kwargs)
+
+    x, prompts = grid_images(4), ["a cat", "dog", "a cat", "a red dog"]
+    expected = reference_pickscore(model, processor, x, prompts)
+    processor.image_processor.__class__.__call__ = spy_ip
+    model.get_text_features = spy_text
+    try:
+        first = reward(x, prompts)["pickscore"]
+        second = reward(x, list(reversed(prompts)))["pickscore"]
+        third = reward(to_pils(x), ["dog", "cat", "dog", "dog"])["pickscore"]
+    finally:
+        processor.image_processor.__class__.__call__ = original_ip
+        del model.get_text_features
+    from mmrl.rewards._images import is_torchvision_clip_processor
+
+    if is_torchvision_clip_processor(processor.image_processor):
+        assert seen_images[:2] == [torch.Tensor, torch.Tensor]
+    assert seen_images[2] is list  # PIL input keeps the PIL path
+    assert seen_text == [3, 1]  # the second call is served from the cache; "cat" is new
+    torch.testing.assert_close(first, expected.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second, reference_pickscore(model, processor, x, list(reversed(prompts))).float(),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(third, reference_pickscore(model, processor, x, ["dog", "cat", "dog", "dog"]).float(),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_pickscore_text_cache_invalidated_and_bounded(tiny_clip):
+    model, processor = tiny_clip
+    reward = build_reward("pickscore", model=model, processor=processor, text_cache_size=2)
+    x, prompts = grid_images(2), ["a cat", "dog"]
+    before = reward(x, prompts)["pickscore"]
+    with torch.no_grad():  # an in-place update of the weights (as an optimiser step) empties the cache
+        model.text_projection.weight.mul_(-1.0)
+    after = reward(x, prompts)["pickscore"]
+    torch.testing.assert_close(after, reference_pickscore(model, processor, x, prompts).float(), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(before, after)
+    reward(x, ["a red dog", "a red dog"])
+    assert list(reward._text_cache) == ["dog", "a red dog"]  # LRU: "a cat" dropped first
+    with pytest.raises(ValueError, match="text_cache_size"):
+        build_reward("pickscore", model=model, processor=processor, text_cache_size=-1)
+    off = build_reward("pickscore", model=model, processor=processor, text_cache_size=0)
+    torch.testing.assert_close(off(x, prompts)["pickscore"], after)
+    assert len(off._text_cache) == 0
+
+
+@pytest.mark.parametrize("fill", [0, 9])
+def test_hps_batched_preprocess_bit_identical(fill):
+    rng = np.random.default_rng(fill)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+              for w, h in [(100, 50), (37, 90), (224, 112), (300, 300), (224, 224), (10, 3)]]
+    images += [Image.fromarray(rng.integers(0, 256, (40, 50), dtype=np.uint8)),  # L
+               Image.fromarray(rng.integers(0, 256, (40, 50, 4), dtype=np.uint8))]  # RGBA
+    expected = torch.stack([R.hps.hps_preprocess(img, 224, fill=fill) for img in images])
+    assert torch.equal(R.hps.hps_preprocess_batch(images, 224, fill=fill), expected)
+
+
+def test_hps_tensor_paths(tiny_open_clip):
+    from mmrl.rewards.hps import hps_preprocess, hps_preprocess_uint8
+
+    # no resize needed (longest side = input size): the uint8 tensor path is exact
+    x = grid_images(3, 32, 20)
+    reward = build_reward("hpsv2", model=tiny_open_clip)
+    u8 = R.prepare_batch(x, None).uint8()
+    expected = torch.stack([hps_preprocess(p, 32) for p in to_pils(x)])
+    assert torch.equal(hps_preprocess_uint8(u8, 32), expected)
+    torch.testing.assert_close(reward(x, ["a", "b", "c"])["hpsv2"],
+                               reference_hps(tiny_open_clip, to_pils(x), ["a", "b", "c"]), rtol=1e-5, atol=1e-5)
+    # resize="tensor": torchvision's antialiased bicubic, within a couple of uint8 steps of PIL's
+    y = grid_images(2, 100, 70)
+    u8 = R.prepare_batch(y, None).uint8()
+    pil = torch.stack([hps_preprocess(p, 32) for p in to_pils(y)])
+    step = 1 / 255 / min(R.hps.OPENAI_STD)
+    assert float((hps_preprocess_uint8(u8, 32) - pil).abs().max()) <= 3 * step + 1e-6
+    fast = build_reward("hpsv2", model=tiny_open_clip, resize="tensor")
+    torch.testing.assert_close(fast(y, ["a", "b"])["hpsv2"], reward(y, ["a", "b"])["hpsv2"], rtol=0, atol=0.02)
+    with pytest.raises(ValueError, match="resize"):
+        build_reward("hpsv2", model=tiny_open_clip, resize="lanczos")
+
+
+# --------------------------------------------------------------------------------------------
 # real weights, where present on this machine
 # --------------------------------------------------------------------------------------------
 
