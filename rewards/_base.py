@@ -37,6 +37,8 @@ __all__ = [
     "list_rewards",
     "check_reward_arguments",
     "reward_scores_images",
+    "check_available",
+    "load_pretrained",
     "nearest",
 ]
 
@@ -437,6 +439,41 @@ def build_reward(name: str, **kwargs) -> RewardFn:
 # --------------------------------------------------------------------------------------------
 # Devices, dtypes, weight files
 # --------------------------------------------------------------------------------------------
+
+
+def check_available(source: str, required, what: str, kwarg: str) -> None:
+    """Raise :class:`MissingWeightsError` if ``source`` lacks files and cannot be downloaded."""
+    local = os.path.isdir(source) or os.path.isabs(source) or source.startswith(".")
+    if not (local or hub_offline()):
+        return  # from_pretrained may download
+    if local and not os.path.isdir(source):
+        raise MissingWeightsError(f"{what}: directory {source!r} does not exist (pass {kwarg}=<dir>)")
+    missing, where = missing_hf_files(source, required)
+    if missing:
+        how = (
+            f"put them in {source}"
+            if os.path.isdir(source)
+            else f"download them where there is network (`hf download {source}`) so they land in "
+            f"the Hugging Face cache, or pass {kwarg}=<local dir holding them>"
+        )
+        raise MissingWeightsError(
+            f"{what} {source!r} is not available offline (HF_HUB_OFFLINE=1): missing "
+            f"{', '.join(missing)} in {where}; {how}."
+        )
+
+
+def load_pretrained(loader, source: str | os.PathLike, required, what: str, kwarg: str, *,
+                    needs: str = "config.json and model.safetensors (or pytorch_model.bin)", **kwargs):
+    """``loader.from_pretrained(source, **kwargs)`` after :func:`check_available`; a load failure becomes one
+    :class:`MissingWeightsError` naming ``what``, the source and the files it needs."""
+    source = os.fspath(source)
+    check_available(source, required, what, kwarg)
+    try:
+        return loader.from_pretrained(source, **kwargs)
+    except OSError as exc:
+        raise MissingWeightsError(
+            f"could not load the {what} {source!r}: {exc}. It needs {needs}; pass {kwarg}=<local dir>."
+        ) from exc
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

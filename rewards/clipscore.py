@@ -36,14 +36,14 @@ import torch
 
 from ._base import (
     ImageBatch,
-    MissingWeightsError,
     Reward,
+    load_pretrained,
     prompt_image_cosine,
     register_reward,
     resolve_device,
     resolve_dtype,
 )
-from .pickscore import _MODEL_FILES, _PROCESSOR_FILES, _check_available, _embedding
+from .pickscore import _MODEL_FILES, _PROCESSOR_FILES, _embedding
 
 __all__ = ["CLIPScore", "load_clip", "DEFAULT_CLIP"]
 
@@ -73,26 +73,12 @@ def load_clip(
             raise ValueError(f"{what}: a built model needs a built processor (processor=...)")
         processor = model
     if isinstance(model, (str, os.PathLike)):
-        source = os.fspath(model)
-        _check_available(source, _MODEL_FILES, f"{what} model", "model")
-        try:
-            model = CLIPModel.from_pretrained(source, dtype=dtype or torch.float32)
-        except OSError as exc:
-            raise MissingWeightsError(
-                f"could not load the {what} CLIP model {source!r}: {exc}. It needs config.json and "
-                "model.safetensors (or pytorch_model.bin); pass model=<local dir>."
-            ) from exc
+        model = load_pretrained(CLIPModel, model, _MODEL_FILES, f"{what} CLIP model", "model",
+                                dtype=dtype or torch.float32)
         device = resolve_device(device)
     if isinstance(processor, (str, os.PathLike)):
-        source = os.fspath(processor)
-        _check_available(source, _PROCESSOR_FILES, f"{what} processor", "processor")
-        try:
-            processor = CLIPProcessor.from_pretrained(source)
-        except OSError as exc:
-            raise MissingWeightsError(
-                f"could not load the {what} CLIP processor {source!r}: {exc}. It needs "
-                "preprocessor_config.json and tokenizer files; pass processor=<local dir>."
-            ) from exc
+        processor = load_pretrained(CLIPProcessor, processor, _PROCESSOR_FILES, f"{what} processor", "processor",
+                                    needs="preprocessor_config.json and tokenizer files")
     for attr in ("get_image_features", "get_text_features"):
         if not hasattr(model, attr):
             raise TypeError(f"model must be a transformers CLIPModel; {type(model).__name__} has no {attr}")

@@ -68,7 +68,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 from ._base import ImageBatch, MissingWeightsError, Reward, register_reward, resolve_device, resolve_dtype
-from .pickscore import _check_available, _embedding
+from ._base import check_available as _check_available
+from .pickscore import _embedding
 
 __all__ = [
     "COLORS",

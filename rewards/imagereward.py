@@ -49,7 +49,7 @@ from ._base import (
     resolve_device,
     resolve_dtype,
 )
-from .pickscore import _check_available
+from ._base import check_available as _check_available
 
 __all__ = [
     "ImageReward",

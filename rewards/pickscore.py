@@ -31,12 +31,10 @@ import torch
 
 from ._images import is_torchvision_clip_processor
 from ._base import (
+    load_pretrained,
     prompt_image_cosine,
     ImageBatch,
-    MissingWeightsError,
     Reward,
-    hub_offline,
-    missing_hf_files,
     register_reward,
     resolve_device,
     resolve_dtype,
@@ -66,27 +64,6 @@ def _embedding(features: Any) -> torch.Tensor:
     if isinstance(pooled, torch.Tensor):
         return pooled
     raise TypeError(f"cannot read an embedding from {type(features).__name__}")
-
-
-def _check_available(source: str, required, what: str, kwarg: str) -> None:
-    """Raise :class:`MissingWeightsError` if ``source`` lacks files and cannot be downloaded."""
-    local = os.path.isdir(source) or os.path.isabs(source) or source.startswith(".")
-    if not (local or hub_offline()):
-        return  # from_pretrained may download
-    if local and not os.path.isdir(source):
-        raise MissingWeightsError(f"{what}: directory {source!r} does not exist (pass {kwarg}=<dir>)")
-    missing, where = missing_hf_files(source, required)
-    if missing:
-        how = (
-            f"put them in {source}"
-            if os.path.isdir(source)
-            else f"download them where there is network (`hf download {source}`) so they land in "
-            f"the Hugging Face cache, or pass {kwarg}=<local dir holding them>"
-        )
-        raise MissingWeightsError(
-            f"{what} {source!r} is not available offline (HF_HUB_OFFLINE=1): missing "
-            f"{', '.join(missing)} in {where}; {how}."
-        )
 
 
 @register_reward("pickscore")
@@ -126,26 +103,12 @@ class PickScore(Reward):
 
         dtype = resolve_dtype(dtype)
         if isinstance(model, (str, os.PathLike)):
-            source = os.fspath(model)
-            _check_available(source, _MODEL_FILES, "PickScore model", "model")
-            try:
-                model = CLIPModel.from_pretrained(source, dtype=dtype or torch.float32)
-            except OSError as exc:
-                raise MissingWeightsError(
-                    f"could not load the PickScore model {source!r}: {exc}. It needs "
-                    "config.json and model.safetensors (or pytorch_model.bin); pass model=<local dir>."
-                ) from exc
+            model = load_pretrained(CLIPModel, model, _MODEL_FILES, "PickScore model", "model",
+                                    dtype=dtype or torch.float32)
             device = resolve_device(device)
         if isinstance(processor, (str, os.PathLike)):
-            source = os.fspath(processor)
-            _check_available(source, _PROCESSOR_FILES, "PickScore processor", "processor")
-            try:
-                processor = CLIPProcessor.from_pretrained(source)
-            except OSError as exc:
-                raise MissingWeightsError(
-                    f"could not load the PickScore processor {source!r}: {exc}. It needs "
-                    "preprocessor_config.json and tokenizer files; pass processor=<local dir>."
-                ) from exc
+            processor = load_pretrained(CLIPProcessor, processor, _PROCESSOR_FILES, "PickScore processor", "processor",
+                                        needs="preprocessor_config.json and tokenizer files")
         for attr in ("get_image_features", "get_text_features", "logit_scale"):
             if not hasattr(model, attr):
                 raise TypeError(f"model must be a transformers CLIPModel; {type(model).__name__} has no {attr}")

@@ -30,6 +30,8 @@ import torch
 from PIL import Image
 
 from ._base import (
+    check_available as _check_available,
+    load_pretrained,
     ImageBatch,
     MissingWeightsError,
     Reward,
@@ -39,7 +41,6 @@ from ._base import (
     resolve_dtype,
 )
 from ._images import tensor_to_pil
-from .pickscore import _check_available
 
 __all__ = ["DinoEmbedder", "DinoReference", "DEFAULT_DINO", "load_reference_image"]
 
@@ -88,14 +89,8 @@ class DinoEmbedder:
         dtype = resolve_dtype(dtype)
         if isinstance(model, (str, os.PathLike)):
             source = os.fspath(model)
-            _check_available(source, _DINO_FILES, "DINOv2 model", "model")
-            try:
-                model = AutoModel.from_pretrained(source, dtype=dtype or torch.float32)
-            except OSError as exc:
-                raise MissingWeightsError(
-                    f"could not load the DINOv2 model {source!r}: {exc}. It needs config.json and "
-                    "model.safetensors (or pytorch_model.bin); pass model=<local dir>."
-                ) from exc
+            model = load_pretrained(AutoModel, source, _DINO_FILES, "DINOv2 model", "model",
+                                    dtype=dtype or torch.float32)
             if processor is None and (not os.path.isdir(source) or not missing_hf_files(source, _PROCESSOR_FILES)[0]):
                 processor = source  # the checkpoint's own; a local dir without one gets DINOv2's standard settings
             device = resolve_device(device)

@@ -42,7 +42,7 @@ from typing import Any, Sequence
 import torch
 
 from ._base import ImageBatch, MissingWeightsError, Reward, register_reward, resolve_device, resolve_dtype
-from .pickscore import _check_available
+from ._base import check_available as _check_available
 
 __all__ = ["VLMJudge", "PromptEcho", "load_judge_vlm", "DEFAULT_JUDGE", "DEFAULT_TEMPLATE", "DEFAULT_QUERY"]
 
