@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from ._base import ImageBatch, MissingWeightsError, Reward, register_reward, resolve_device, resolve_dtype
-from ._base import check_available as _check_available
+from ._base import check_available as _check_available, load_pretrained
 from .pickscore import _embedding
 
 __all__ = [
@@ -390,14 +390,7 @@ def _load_image_processor(source: str, what: str, kwarg: str):
 
 
 def _load_model(cls, source: str, what: str, kwarg: str, dtype):
-    _check_available(source, _MODEL_FILES, what, kwarg)
-    try:
-        return cls.from_pretrained(source, dtype=dtype or torch.float32)
-    except OSError as exc:
-        raise MissingWeightsError(
-            f"could not load the {what} {source!r}: {exc}. It needs config.json and model.safetensors "
-            f"(or pytorch_model.bin); pass {kwarg}=<local dir>."
-        ) from exc
+    return load_pretrained(cls, source, _MODEL_FILES, what, kwarg, dtype=dtype or torch.float32)
 
 
 def _place(model, device, dtype):
@@ -610,11 +603,8 @@ class ClipColorClassifier:
             device = resolve_device(device)
         if isinstance(processor, (str, os.PathLike)):
             source = os.fspath(processor)
-            _check_available(source, _CLIP_PROCESSOR_FILES, "CLIP processor", "clip_processor")
-            try:
-                processor = CLIPProcessor.from_pretrained(source)
-            except OSError as exc:
-                raise MissingWeightsError(f"could not load the CLIP processor {source!r}: {exc}") from exc
+            processor = load_pretrained(CLIPProcessor, source, _CLIP_PROCESSOR_FILES, "CLIP processor",
+                                        "clip_processor", needs="preprocessor_config.json and tokenizer files")
         if processor is None:
             raise ValueError("a CLIP model passed in built needs its processor (clip_processor=...)")
         for attr in ("get_image_features", "get_text_features"):
