@@ -446,9 +446,10 @@ def test_pickscore_matches_reference(tiny_clip):
     torch.testing.assert_close(flow["pickscore"], expected / 26, rtol=1e-5, atol=1e-6)
 
 
-def test_pickscore_text_tower_once_per_unique_prompt(tiny_clip):
+@pytest.mark.parametrize("name", ["pickscore", "clipscore"])
+def test_clip_rewards_run_the_text_tower_once_per_unique_prompt(tiny_clip, name):
     model, processor = tiny_clip
-    reward = build_reward("pickscore", model=model, processor=processor, batch_size=2)
+    reward = build_reward(name, model=model, processor=processor, batch_size=2)
     seen = []
     original = model.get_text_features
 
