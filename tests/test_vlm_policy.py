@@ -1,4 +1,4 @@
-"""The Qwen-VL policy on tiny Qwen2.5-VL / Qwen2-VL models: rollouts, log-prob replay, padding, vision caching."""
+"""The Qwen-VL policy on tiny Qwen2.5-VL / Qwen2-VL / Qwen3-VL models: rollouts, log-prob replay, padding, vision caching."""
 
 from dataclasses import dataclass, field
 
@@ -9,7 +9,7 @@ from PIL import Image
 from mmrl.core.losses import policy_loss
 from mmrl.data.video import VideoClip
 from mmrl.pipelines.vlm.qwen import PromptTooLongError, QwenVLPolicy, _completion_mask, load_vlm
-from mmrl.pipelines.vlm.tiny import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl
+from mmrl.pipelines.vlm.tiny import _BUILDERS
 
 LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
@@ -42,10 +42,9 @@ ITEMS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
 def model_path(request, tmp_path_factory):
-    builder = build_tiny_qwen2_5_vl if request.param == "qwen2_5_vl" else build_tiny_qwen2_vl
-    return str(builder(tmp_path_factory.mktemp(request.param) / "model"))
+    return str(_BUILDERS[request.param](tmp_path_factory.mktemp(request.param) / "model"))
 
 
 def make_policy(path, **kwargs):
@@ -120,12 +119,18 @@ def test_vision_is_encoded_once_per_prompt_per_update(model_path, monkeypatch):
     policy = make_policy(model_path)
     model = policy.base_model.model
     calls = {"image": 0, "video": 0}
+    active = []  # Qwen3-VL's get_video_features calls get_image_features: count the outermost call only
     for kind in calls:
         original = getattr(model, f"get_{kind}_features")
 
         def counting(*args, _original=original, _kind=kind, **kwargs):
-            calls[_kind] += 1
-            return _original(*args, **kwargs)
+            if not active:
+                calls[_kind] += 1
+            active.append(_kind)
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                active.pop()
 
         monkeypatch.setattr(model, f"get_{kind}_features", counting)
     rollout = policy.rollout(ITEMS, 4, generator=torch.Generator().manual_seed(3))
@@ -133,6 +138,22 @@ def test_vision_is_encoded_once_per_prompt_per_update(model_path, monkeypatch):
         for idx in torch.arange(len(rollout)).split(5):
             policy.logprobs(rollout, idx)
     assert calls == {"image": 2, "video": 1}  # two prompts with images, one with a video; 16 completions
+
+
+def test_cached_vision_features_match_encoding_pixels_each_forward(model_path):
+    """The cached path (mm_encoder_outputs; for Qwen3-VL with its DeepStack features) is the pixel path."""
+    cached = make_policy(model_path, lora=None)
+    rollout = cached.rollout(ITEMS, 2, generator=torch.Generator().manual_seed(5))
+    assert all(v.image_features or v.video_features for v in rollout.vision[:2] + rollout.vision[3:])
+    if "qwen3" in model_path:
+        assert all(len(d) == 2 for v in rollout.vision for d in v.image_deepstack + v.video_deepstack)
+        assert rollout.vision[1].image_deepstack and rollout.vision[3].video_deepstack
+    pixels = make_policy(model_path, lora=None, freeze_vision=False)
+    idx = torch.arange(len(rollout))
+    want = pixels.logprobs(rollout, idx).logps.detach()
+    got = cached.logprobs(rollout, idx).logps
+    mask = rollout.mask.bool()
+    torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=1e-5)
 
 
 def test_full_finetuning_trains_the_vision_tower_when_unfrozen(model_path):

@@ -1,4 +1,4 @@
-"""Tiny Qwen2.5-VL / Qwen2-VL: build offline, reload, chat template, image/video/text generation,
+"""Tiny Qwen2.5-VL / Qwen2-VL / Qwen3-VL: build offline, reload, chat template, image/video/text generation,
 loss + gradients, determinism, cache reuse."""
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ from mmrl.pipelines.vlm import tiny
 from mmrl.pipelines.vlm.tiny import (
     build_tiny_qwen2_5_vl,
     build_tiny_qwen2_vl,
+    build_tiny_qwen3_vl,
     build_tiny_vlm_tokenizer,
     ensure_tiny_vlm,
 )
 
-KINDS = ("qwen2_5_vl", "qwen2_vl")
-BUILDERS = {"qwen2_5_vl": build_tiny_qwen2_5_vl, "qwen2_vl": build_tiny_qwen2_vl}
+KINDS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+BUILDERS = {"qwen2_5_vl": build_tiny_qwen2_5_vl, "qwen2_vl": build_tiny_qwen2_vl, "qwen3_vl": build_tiny_qwen3_vl}
 MERGE = 2
+PATCH = {"qwen2_5_vl": 14, "qwen2_vl": 14, "qwen3_vl": 16}
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +71,14 @@ def test_reloads_as_the_real_classes_with_consistent_config(loaded, built, kind)
 
     processor, model = loaded[kind]
     expect_model = {"qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
-                    "qwen2_vl": transformers.Qwen2VLForConditionalGeneration}[kind]
-    expect_proc = {"qwen2_5_vl": transformers.Qwen2_5_VLProcessor, "qwen2_vl": transformers.Qwen2VLProcessor}[kind]
+                    "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
+                    "qwen3_vl": transformers.Qwen3VLForConditionalGeneration}[kind]
+    expect_proc = {"qwen2_5_vl": transformers.Qwen2_5_VLProcessor, "qwen2_vl": transformers.Qwen2VLProcessor,
+                   "qwen3_vl": transformers.Qwen3VLProcessor}[kind]
     assert type(model) is expect_model and type(processor) is expect_proc
     assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessor"
-    assert type(processor.video_processor).__name__ == "Qwen2VLVideoProcessor"
+    expect_video = "Qwen3VLVideoProcessor" if kind == "qwen3_vl" else "Qwen2VLVideoProcessor"
+    assert type(processor.video_processor).__name__ == expect_video
     assert type(processor.tokenizer) is transformers.Qwen2TokenizerFast
 
     cfg, tok = model.config, processor.tokenizer
@@ -85,9 +90,17 @@ def test_reloads_as_the_real_classes_with_consistent_config(loaded, built, kind)
     assert sum(text.rope_parameters["mrope_section"]) == head_dim // 2
     assert text.vocab_size >= len(tok)
     vision = cfg.vision_config
-    assert (vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size) == (14, MERGE, 2)
+    assert (vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size) == (PATCH[kind], MERGE, 2)
     assert processor.image_processor.merge_size == processor.video_processor.merge_size == MERGE
-    if kind == "qwen2_5_vl":
+    assert processor.image_processor.patch_size == processor.video_processor.patch_size == PATCH[kind]
+    if kind == "qwen3_vl":
+        assert getattr(text, "head_dim", head_dim) == head_dim and text.rope_parameters["mrope_interleaved"]
+        assert vision.out_hidden_size == text.hidden_size
+        # DeepStack: each listed vision block feeds one of the first text layers
+        assert len(vision.deepstack_visual_indexes) <= text.num_hidden_layers
+        assert all(0 <= i < vision.depth for i in vision.deepstack_visual_indexes)
+        assert int(vision.num_position_embeddings ** 0.5) ** 2 == vision.num_position_embeddings
+    elif kind == "qwen2_5_vl":
         assert vision.out_hidden_size == text.hidden_size
         assert vision.window_size % (vision.patch_size * vision.spatial_merge_size) == 0
         assert all(0 <= i < vision.depth for i in vision.fullatt_block_indexes)
@@ -172,10 +185,11 @@ def test_image_placeholder_count_and_generate(loaded, kind):
     text = _prompt(processor, [{"type": "image"}, {"type": "text", "text": "What is this?"}])
     inputs = processor(text=[text], images=[_image(56, 84)], return_tensors="pt")
     thw = inputs["image_grid_thw"]
-    assert thw.tolist() == [[1, 4, 6]]  # 56x84 px is within the pixel budget: 4x6 patches of 14 px
+    # 56x84 px is within the pixel budget: 4x6 patches of 14 px (Qwen3-VL: resized to 64x96, 4x6 patches of 16)
+    assert thw.tolist() == [[1, 4, 6]]
     n_pad = int((inputs["input_ids"] == model.config.image_token_id).sum())
     assert n_pad == int(thw.prod()) // MERGE**2 == 6
-    assert inputs["pixel_values"].shape == (int(thw.prod()), 3 * 2 * 14 * 14)
+    assert inputs["pixel_values"].shape == (int(thw.prod()), 3 * 2 * PATCH[kind] ** 2)
     out = model.generate(**inputs, do_sample=True, max_new_tokens=8)
     _check_generated(out, inputs, 8)
 
@@ -205,6 +219,10 @@ def test_video_generate_uint8_tensor(loaded, kind):
         assert inputs["second_per_grid_ts"].tolist() == [1.0]
     else:
         assert "second_per_grid_ts" not in inputs
+    if kind == "qwen3_vl":
+        # one "<t seconds><|vision_start|>...<|vision_end|>" per temporal grid step (mean time of its 2 frames)
+        text_in = processor.tokenizer.decode(inputs["input_ids"][0])
+        assert "<0.2 seconds><|vision_start|>" in text_in and "<1.2 seconds><|vision_start|>" in text_in
     _check_generated(model.generate(**inputs, do_sample=True, max_new_tokens=8), inputs, 8)
 
 
@@ -249,6 +267,22 @@ def test_batched_left_padded_image_generation(loaded):
     assert (inputs["attention_mask"][:, -1] == 1).all()  # left padded
     out = model.generate(**inputs, do_sample=True, max_new_tokens=16, min_new_tokens=16)
     assert out.shape == (4, inputs["input_ids"].shape[1] + 16)
+
+
+def test_qwen3_vl_chat_template_and_deepstack_features(loaded):
+    processor, model = loaded["qwen3_vl"]
+    # Qwen3-VL adds no default system prompt
+    text = _prompt(processor, [{"type": "image"}, {"type": "text", "text": "What is this?"}])
+    assert text == ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is this?<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    inputs = processor(text=[text], images=[_image()], return_tensors="pt")
+    with torch.no_grad():
+        out = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"], return_dict=True)
+    n = int(inputs["image_grid_thw"].prod()) // MERGE**2
+    assert [f.shape for f in out.pooler_output] == [(n, model.config.text_config.hidden_size)]
+    assert len(out.deepstack_features) == len(model.config.vision_config.deepstack_visual_indexes)
+    assert all([f.shape for f in layer] == [(n, model.config.text_config.hidden_size)]
+               for layer in out.deepstack_features)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -344,6 +378,12 @@ def test_ensure_tiny_vlm_failed_build_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         ensure_tiny_vlm("qwen2_vl", tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ensure_tiny_vlm_builds_qwen3_vl(tmp_path):
+    path = ensure_tiny_vlm("qwen3_vl", tmp_path)
+    assert path == tmp_path / f"tiny-qwen3_vl-{tiny.VLM_TINY_VERSION}" and (path / _COMPLETE_MARKER).is_file()
+    assert '"model_type": "qwen3_vl"' in (path / "config.json").read_text()
 
 
 def test_ensure_tiny_vlm_rejects_unknown_kind(tmp_path):

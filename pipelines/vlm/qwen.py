@@ -58,6 +58,9 @@ class Vision:
     pixel_values_videos: Tensor | None = None
     image_features: list[Tensor] = field(default_factory=list)  # one [tokens, hidden] per image
     video_features: list[Tensor] = field(default_factory=list)
+    # Qwen3-VL DeepStack: per image / video, one [tokens, hidden] per deepstack layer (empty for Qwen2/2.5-VL)
+    image_deepstack: list[list[Tensor]] = field(default_factory=list)
+    video_deepstack: list[list[Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -386,26 +389,26 @@ class QwenVLPolicy:
         base = self.base_model.model
         for v in vision:
             if v.pixel_values is not None:
-                feats = base.get_image_features(v.pixel_values.to(self.device), v.image_grid_thw.to(self.device),
-                                                return_dict=True).pooler_output
-                v.image_features = [f.detach() for f in feats]
+                out = base.get_image_features(v.pixel_values.to(self.device), v.image_grid_thw.to(self.device),
+                                              return_dict=True)
+                v.image_features = [f.detach() for f in out.pooler_output]
+                v.image_deepstack = _per_item_deepstack(out, len(v.image_features))
             if v.pixel_values_videos is not None:
-                feats = base.get_video_features(v.pixel_values_videos.to(self.device),
-                                                v.video_grid_thw.to(self.device), return_dict=True).pooler_output
-                v.video_features = [f.detach() for f in feats]
+                out = base.get_video_features(v.pixel_values_videos.to(self.device),
+                                              v.video_grid_thw.to(self.device), return_dict=True)
+                v.video_features = [f.detach() for f in out.pooler_output]
+                v.video_deepstack = _per_item_deepstack(out, len(v.video_features))
 
     def _vision_kwargs(self, vision: list[Vision]) -> dict[str, Any]:
         """Model kwargs for a batch whose rows use these per-row vision inputs (features when cached)."""
-        from transformers.modeling_outputs import BaseModelOutputWithPooling
-
         kwargs: dict[str, Any] = {}
         img = [v for v in vision if v.image_grid_thw is not None]
         vid = [v for v in vision if v.video_grid_thw is not None]
         if img:
             kwargs["image_grid_thw"] = torch.cat([v.image_grid_thw for v in img]).to(self.device)
             if self.freeze_vision:
-                feats = [f for v in img for f in v.image_features]
-                kwargs.setdefault("mm_encoder_outputs", {})["image"] = BaseModelOutputWithPooling(pooler_output=feats)
+                kwargs.setdefault("mm_encoder_outputs", {})["image"] = _encoder_output(
+                    [f for v in img for f in v.image_features], [d for v in img for d in v.image_deepstack])
             else:
                 kwargs["pixel_values"] = torch.cat([v.pixel_values for v in img]).to(self.device)
         if vid:
@@ -413,8 +416,8 @@ class QwenVLPolicy:
             if vid[0].second_per_grid_ts is not None:
                 kwargs["second_per_grid_ts"] = torch.cat([v.second_per_grid_ts for v in vid]).to(self.device)
             if self.freeze_vision:
-                feats = [f for v in vid for f in v.video_features]
-                kwargs.setdefault("mm_encoder_outputs", {})["video"] = BaseModelOutputWithPooling(pooler_output=feats)
+                kwargs.setdefault("mm_encoder_outputs", {})["video"] = _encoder_output(
+                    [f for v in vid for f in v.video_features], [d for v in vid for d in v.video_deepstack])
             else:
                 kwargs["pixel_values_videos"] = torch.cat([v.pixel_values_videos for v in vid]).to(self.device)
         return kwargs
@@ -518,6 +521,31 @@ class QwenVLPolicy:
     def sample_eval(self, items: list, seeds: list[int] | None = None) -> list[str]:
         """Greedy answers for evaluation items (``seeds`` unused: decoding is deterministic)."""
         return self.rollout(items, 1, generator=torch.Generator().manual_seed(0), greedy=True).completions
+
+
+def _per_item_deepstack(out, n: int) -> list[list[Tensor]]:
+    """Qwen3-VL's ``get_*_features`` also return DeepStack features: a list over deepstack layers of per-item
+    tuples. Transposed to one list over layers per image / video (so prompts can be regrouped); ``[]`` per item
+    for models without DeepStack."""
+    layers = getattr(out, "deepstack_features", None)
+    if not layers:
+        return []
+    return [[layer[i].detach() for layer in layers] for i in range(n)]
+
+
+def _encoder_output(features: list[Tensor], deepstack: list[list[Tensor]]):
+    """``mm_encoder_outputs`` entry for cached features: ``pooler_output`` is the per-item feature list; with
+    DeepStack (Qwen3-VL) ``deepstack_features`` is rebuilt as the model returns it (per layer, per item)."""
+    if not deepstack:
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        return BaseModelOutputWithPooling(pooler_output=features)
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+    if len(deepstack) != len(features):
+        raise ValueError("cached vision features mix models with and without DeepStack features")
+    layers = [[item[layer] for item in deepstack] for layer in range(len(deepstack[0]))]
+    return BaseModelOutputWithDeepstackFeatures(pooler_output=features, deepstack_features=layers)
 
 
 def _row_offsets(grid: Tensor | None) -> list[int]:

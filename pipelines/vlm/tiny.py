@@ -1,4 +1,4 @@
-"""Tiny, randomly initialised Qwen2.5-VL and Qwen2-VL models + processors, built offline.
+"""Tiny, randomly initialised Qwen2.5-VL, Qwen2-VL and Qwen3-VL models + processors, built offline.
 
 What they are for
 -----------------
@@ -27,6 +27,20 @@ Layout (mirrors the real checkpoints)
 * Processor: ``Qwen2VLImageProcessor`` and ``Qwen2VLVideoProcessor`` (torchvision backends) with
   small pixel budgets -- images ``min_pixels=4*28*28 .. max_pixels=64*28*28`` (4..64 image tokens),
   video frames ``4*28*28 .. 16*28*28`` -- and the Qwen2-VL/2.5-VL chat template.
+
+Qwen3-VL (:func:`build_tiny_qwen3_vl`, kind ``"qwen3_vl"``)
+--------------------------------------------------------
+The same text sizes (``head_dim`` 16, interleaved M-RoPE ``[2, 3, 3]``, q/k RMSNorm) and the same
+tokenizer (Qwen3-VL uses the same special-token names for vision). Vision: patch 16 (one LLM token per
+32x32 pixels), depth 3, width 32, learned position embeddings (8x8, interpolated), DeepStack from
+blocks 0 and 1 into text layers 0 and 1. ``get_image_features`` / ``get_video_features`` return
+``pooler_output`` *and* ``deepstack_features`` (per layer, per item); both are needed when
+passing precomputed features through ``mm_encoder_outputs``. Processor: ``Qwen2VLImageProcessor``
+(patch 16, mean = std = 0.5, 4..64 image tokens) and ``Qwen3VLVideoProcessor`` (4..16 tokens per
+frame, frame sampling at 2 fps on by default). Videos need ``video_metadata`` (fps): the
+processor writes ``<t seconds><|vision_start|><|video_pad|>*n<|vision_end|>`` for each temporal
+grid step (nested inside the template's own ``<|vision_start|>..<|vision_end|>`` in transformers
+5.x); there is no ``second_per_grid_ts``. The chat template adds no default system prompt.
 
 Tokenizer
 ---------
@@ -87,10 +101,12 @@ from mmrl.pipelines.flow.tiny import ensure_built, _seeded
 __all__ = [
     "build_tiny_qwen2_5_vl",
     "build_tiny_qwen2_vl",
+    "build_tiny_qwen3_vl",
     "ensure_tiny_vlm",
     "build_tiny_vlm_tokenizer",
     "VLM_TINY_VERSION",
     "QWEN_CHAT_TEMPLATE",
+    "QWEN3_VL_CHAT_TEMPLATE",
 ]
 
 #: Bumped whenever the architecture, vocabulary or seeding change; part of the cache dir name.
@@ -221,10 +237,32 @@ QWEN_CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+#: The Qwen3-VL Instruct chat template reduced to what the tiny model needs: no tool calls / tool
+#: responses (the real one has them) and, unlike Qwen2-VL, no default system prompt. Vision items render
+#: exactly as in the real template; a video's single ``<|video_pad|>`` is expanded by the processor into
+#: ``<t seconds><|vision_start|><|video_pad|>*n<|vision_end|>`` per temporal grid step.
+QWEN3_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 _MODEL_MAX_LENGTH = 32768
 
 
-def build_tiny_vlm_tokenizer():
+def build_tiny_vlm_tokenizer(chat_template: str = QWEN_CHAT_TEMPLATE):
     """The deterministic tiny Qwen tokenizer (a ``Qwen2TokenizerFast``), with the chat template."""
     from transformers import Qwen2TokenizerFast
 
@@ -241,7 +279,7 @@ def build_tiny_vlm_tokenizer():
         errors="replace",
         split_special_tokens=False,
         clean_up_tokenization_spaces=False,
-        chat_template=QWEN_CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
     return tok
 
@@ -382,11 +420,94 @@ def build_tiny_qwen2_vl(outdir: str | Path, *, seed: int = 0) -> Path:
     return _save(model, _processor("qwen2_vl", tokenizer), outdir)
 
 
-_BUILDERS = {"qwen2_5_vl": build_tiny_qwen2_5_vl, "qwen2_vl": build_tiny_qwen2_vl}
+# Qwen3-VL: patch 16 (one LLM token per 32x32 pixels); same token budgets as the Qwen2 builds.
+_Q3_PATCH = 16
+_Q3_FACTOR = _Q3_PATCH * _MERGE
+
+
+def _qwen3_vl_processor(tokenizer):
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    common = dict(patch_size=_Q3_PATCH, temporal_patch_size=_TEMPORAL_PATCH, merge_size=_MERGE)
+    # as in the real checkpoints: the Qwen2-VL image processor with patch 16 and mean = std = 0.5
+    norm = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    image_processor = Qwen2VLImageProcessor(
+        size={"shortest_edge": 4 * _Q3_FACTOR**2, "longest_edge": 64 * _Q3_FACTOR**2}, **norm, **common)
+    video_processor = Qwen3VLVideoProcessor(
+        # smart_resize budgets count all frames: at most 16 tokens per frame (max_video_tokens with the
+        # per-frame cap) and 8 frames' worth in total; at least 4 tokens.
+        size={"shortest_edge": 4 * _Q3_FACTOR**2, "longest_edge": 8 * 16 * _Q3_FACTOR**2},
+        max_video_tokens=16,
+        cap_pixels_per_frame=True,
+        **norm,
+        **common,
+    )
+    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+                            chat_template=QWEN3_VL_CHAT_TEMPLATE)
+
+
+def build_tiny_qwen3_vl(outdir: str | Path, *, seed: int = 0) -> Path:
+    """Build a random-weight ``Qwen3VLForConditionalGeneration`` (tiny) and its ``Qwen3VLProcessor``;
+    ``save_pretrained`` both into ``outdir`` and return it as a ``Path``.
+
+    Differences from the Qwen2 builds (as in the real models): vision patch 16 (32x32 px per LLM token),
+    learned (interpolated) position embeddings, DeepStack (vision blocks ``deepstack_visual_indexes``
+    feed extra mergers whose outputs are added to the hidden states of the first text layers at the
+    vision positions), interleaved M-RoPE, and q/k RMSNorm in the text attention. The video processor
+    samples frames at 2 fps by default (``do_sample_frames=True``) and the processor writes a
+    ``<t seconds>`` timestamp before each temporal grid step, so it needs ``video_metadata`` (fps).
+    There is no ``second_per_grid_ts``: time is carried by the timestamps in the text.
+    """
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    tokenizer = build_tiny_vlm_tokenizer(QWEN3_VL_CHAT_TEMPLATE)
+    vocab_size = -(-len(tokenizer) // 64) * 64
+    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    text = dict(
+        vocab_size=vocab_size,
+        hidden_size=_TEXT_HIDDEN,
+        intermediate_size=2 * _TEXT_HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=_TEXT_HIDDEN // 4,
+        hidden_act="silu",
+        max_position_embeddings=_MODEL_MAX_LENGTH,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [2, 3, 3],
+                         "mrope_interleaved": True},
+        bos_token_id=eot,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+    )
+    vision = dict(
+        depth=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        hidden_act="gelu_pytorch_tanh",
+        in_channels=3,
+        patch_size=_Q3_PATCH,
+        spatial_merge_size=_MERGE,
+        temporal_patch_size=_TEMPORAL_PATCH,
+        out_hidden_size=_TEXT_HIDDEN,
+        num_position_embeddings=64,  # an 8x8 grid, bilinearly interpolated to each image's patch grid
+        deepstack_visual_indexes=[0, 1],  # -> added to text layers 0 and 1
+    )
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                           **_vision_token_ids(tokenizer))
+    with _seeded(seed):
+        model = Qwen3VLForConditionalGeneration(config).eval()
+    model.generation_config = _generation_config(tokenizer)
+    return _save(model, _qwen3_vl_processor(tokenizer), outdir)
+
+
+_BUILDERS = {"qwen2_5_vl": build_tiny_qwen2_5_vl, "qwen2_vl": build_tiny_qwen2_vl, "qwen3_vl": build_tiny_qwen3_vl}
 
 
 def ensure_tiny_vlm(kind: str, cache_dir: str | Path | None = None) -> Path:
-    """Return the path of the tiny ``kind`` VLM (``"qwen2_5_vl"`` or ``"qwen2_vl"``), built once as
+    """Return the path of the tiny ``kind`` VLM (``"qwen2_5_vl"``, ``"qwen2_vl"`` or ``"qwen3_vl"``), built once as
     ``tiny-<kind>-<VLM_TINY_VERSION>`` with the same atomic cache as the tiny pipelines
     (:func:`mmrl.pipelines.flow.tiny.ensure_built`)."""
     if kind not in _BUILDERS:
