@@ -4,8 +4,8 @@
     mmrl config validate CONFIG [key=value ...]
     mmrl config show [CONFIG] [key=value ...]  the resolved config; --help-fields lists every field
     mmrl sample RUN_OR_CHECKPOINT --prompt P [--prompt P ...] [--seeds 0 1] [--out DIR]
-    mmrl tiny KIND OUTDIR                    tiny random model (sd3, flux, qwen2_5_vl, qwen2_vl) or synthetic
-                                             data set (grounding, temporal_grounding) for CPU smoke runs
+    mmrl tiny KIND OUTDIR                    tiny random model (sd3, flux, qwen2_5_vl, qwen2_vl, qwen3_vl) or
+                                             synthetic data set (grounding, temporal_grounding), CPU smoke runs
     mmrl rewards                             list registered rewards
     mmrl serve-rewards CONFIG [--host H --port P]   serve CONFIG's rewards over HTTP (mmrl.rewards.remote)
     mmrl score (--config CONFIG | --rewards MAP) --images DIR [--prompts F.csv|F.jsonl] --out F.csv|F.json
@@ -99,10 +99,11 @@ def _cmd_sample(args) -> int:
 def _cmd_tiny(args) -> int:
     from mmrl.data.synthetic import build_grounding_set, build_temporal_set
     from mmrl.pipelines.flow.tiny import build_tiny_flux, build_tiny_sd3
-    from mmrl.pipelines.vlm.tiny import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl
+    from mmrl.pipelines.vlm.tiny import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl, build_tiny_qwen3_vl
 
     builders = {"sd3": build_tiny_sd3, "flux": build_tiny_flux, "qwen2_5_vl": build_tiny_qwen2_5_vl,
-                "qwen2_vl": build_tiny_qwen2_vl, "grounding": build_grounding_set,
+                "qwen2_vl": build_tiny_qwen2_vl, "qwen3_vl": build_tiny_qwen3_vl,
+                "grounding": build_grounding_set,
                 "temporal_grounding": build_temporal_set}
     path = builders[args.kind](args.outdir, seed=args.seed)
     print(f"tiny {args.kind} written to {path}")
@@ -175,7 +176,8 @@ def make_parser() -> argparse.ArgumentParser:
     sample.set_defaults(func=_cmd_sample)
 
     tiny = sub.add_parser("tiny", help="build a tiny random model or a synthetic data set")
-    tiny.add_argument("kind", choices=("sd3", "flux", "qwen2_5_vl", "qwen2_vl", "grounding", "temporal_grounding"))
+    tiny.add_argument("kind", choices=("sd3", "flux", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "grounding",
+                                              "temporal_grounding"))
     tiny.add_argument("outdir")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_tiny)

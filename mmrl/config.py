@@ -42,11 +42,12 @@ class ModelConfig:
     """The policy being trained."""
 
     family: str = opt("sd3", "Policy family: 'sd3' (SD3 / SD3.5) and 'flux' (mmrl.pipelines.flow), or 'qwen_vl' "
-                      "(Qwen2-VL, Qwen2.5-VL and newer Qwen-VL through transformers, mmrl.pipelines.vlm).",
+                      "(Qwen2-VL, Qwen2.5-VL, Qwen3-VL through transformers, mmrl.pipelines.vlm).",
                       choices=("sd3", "flux", "qwen_vl"))
     pretrained: str = opt("stabilityai/stable-diffusion-3.5-medium",
                           "Hub id, local directory (save_pretrained layout), or 'tiny:sd3' / 'tiny:flux' / "
-                          "'tiny:qwen2_5_vl' / 'tiny:qwen2_vl' for the tiny random CPU models built on the spot.")
+                          "'tiny:qwen2_5_vl' / 'tiny:qwen2_vl' / 'tiny:qwen3_vl' for the tiny random CPU models "
+                          "built on the spot.")
     revision: str | None = opt(None, "Hub revision of `pretrained`.")
     dtype: str = opt("bfloat16", "Dtype of the frozen weights; trainable weights and step math are fp32.",
                      choices=("float32", "bfloat16", "float16"))
