@@ -217,11 +217,15 @@ def _vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return {tok: i for i, tok in enumerate(tokens)}, merges
 
 
-#: The Qwen2-VL / Qwen2.5-VL Instruct chat template (identical in both), verbatim.
-QWEN_CHAT_TEMPLATE = (
+_TEMPLATE_START = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "{% for message in messages %}"
+)
+_TEMPLATE_DEFAULT_SYSTEM = (
+    "{% if loop.first and message['role'] != 'system' %}"
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+)
+_TEMPLATE_MESSAGES = (
     "<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
     "{% else %}{% for content in message['content'] %}"
@@ -237,27 +241,14 @@ QWEN_CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+#: The Qwen2-VL / Qwen2.5-VL Instruct chat template (identical in both), verbatim.
+QWEN_CHAT_TEMPLATE = _TEMPLATE_START + _TEMPLATE_DEFAULT_SYSTEM + _TEMPLATE_MESSAGES
+
 #: The Qwen3-VL Instruct chat template reduced to what the tiny model needs: no tool calls / tool
 #: responses (the real one has them) and, unlike Qwen2-VL, no default system prompt. Vision items render
 #: exactly as in the real template; a video's single ``<|video_pad|>`` is expanded by the processor into
 #: ``<t seconds><|vision_start|><|video_pad|>*n<|vision_end|>`` per temporal grid step.
-QWEN3_VL_CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}"
-    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}"
-    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+QWEN3_VL_CHAT_TEMPLATE = _TEMPLATE_START + _TEMPLATE_MESSAGES
 
 _MODEL_MAX_LENGTH = 32768
 
