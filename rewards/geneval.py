@@ -530,9 +530,8 @@ class OwlDetector:
             processor = source if processor is None else processor
             device = resolve_device(device)
         if isinstance(processor, (str, os.PathLike)):
-            source = os.fspath(processor)
-            _check_available(source, _CLIP_PROCESSOR_FILES, "OWL processor", "detector_processor")
-            processor = AutoProcessor.from_pretrained(source)
+            processor = load_pretrained(AutoProcessor, processor, _CLIP_PROCESSOR_FILES, "OWL processor",
+                                        "detector_processor", needs="preprocessor_config.json and tokenizer files")
         if processor is None:
             raise ValueError("an OWL detector built from a module needs its processor (detector_processor=...)")
         self.model = _place(model, device, dtype)
