@@ -40,22 +40,30 @@ def build_source(config: Config):
 
 
 def vlm_media(config: Config, processor):
-    """``sample -> (images, video clip)`` with the processor's pixel budgets (or generation.*), so the images the
-    rewards rescale boxes against (metadata ``input_size``) are exactly the model's input."""
+    """``sample -> (images, video clip)`` with the processor's pixel budgets (or generation.*) and its resize
+    factor (``patch_size * merge_size``: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL), so each image reaches the
+    processor already at its final size and the size the rewards rescale boxes against (metadata
+    ``input_size``) is exactly the model's input (``image_grid_thw`` x patch size)."""
     from mmrl.data.vlm import load_images, load_video
 
     g = config.generation
-    size = processor.image_processor.size
+    image_processor, video_processor = processor.image_processor, processor.video_processor
+    size = image_processor.size
     min_pixels = g.min_pixels or size.get("shortest_edge")
     max_pixels = g.max_pixels or size.get("longest_edge")
-    video_max = g.video_max_pixels or processor.video_processor.size.get("longest_edge")
+    image_factor = image_processor.patch_size * image_processor.merge_size
+    video_max = g.video_max_pixels or video_processor.size.get("longest_edge")
+    video_factor = video_processor.patch_size * video_processor.merge_size
 
     def media(sample):
-        images = load_images(sample, min_pixels=min_pixels, max_pixels=max_pixels) if sample.num_images else []
+        images = []
+        if sample.num_images:
+            images = load_images(sample, min_pixels=min_pixels, max_pixels=max_pixels, factor=image_factor)
         video = None
         if sample.video_path is not None:
             video = load_video(sample, fps=None if g.video_nframes else g.video_fps, nframes=g.video_nframes,
-                               max_frames=g.video_max_frames, max_pixels=video_max)
+                               max_frames=g.video_max_frames, max_pixels=video_max, factor=video_factor,
+                               temporal_patch_size=video_processor.temporal_patch_size)
         return images, video
 
     return media
@@ -107,9 +115,45 @@ def build_policy(config: Config, device: torch.device | str = "cpu"):
 
 
 def build_reward_fn(config: Config):
-    from mmrl.rewards import build_rewards
+    """The configured rewards (:func:`mmrl.rewards.build_rewards` on ``config.rewards``).
 
-    return build_rewards(config.rewards)
+    For ``model.family: qwen_vl`` the box rewards (every reward with a ``coord_format`` argument, also inside
+    ``task_routed`` routes) that the config gives no ``coord_format`` get the one the policy answers in, from its
+    model type (:data:`mmrl.rewards.grounding.QWEN_COORD_FORMATS`): Qwen2-VL and Qwen3-VL [0, 1000) normalised
+    (``qwen2``), Qwen2.5-VL absolute pixels of the resized input (``qwen25``). The model type is the name of a
+    ``tiny:<model_type>`` model, else ``transformers.AutoConfig.from_pretrained(model.pretrained).model_type``
+    (a local folder, or the hub cache when offline). When it cannot be read, or is not a known Qwen-VL, no
+    default is set (with a warning): a sample whose metadata has no ``coord_format`` is then NaN, never read as
+    absolute pixels. A sample's own ``coord_format`` always wins over the reward's default.
+    """
+    import logging
+
+    from mmrl.rewards import build_rewards
+    from mmrl.rewards.grounding import QWEN_COORD_FORMATS, with_coord_format
+
+    spec = config.rewards
+    m = config.model
+    if m.family == "qwen_vl":
+        model_type = None
+        if m.pretrained.startswith("tiny:"):
+            model_type = m.pretrained.split(":", 1)[1]
+        else:
+            try:
+                from transformers import AutoConfig
+
+                model_type = AutoConfig.from_pretrained(m.pretrained, revision=m.revision).model_type
+            except Exception as exc:  # offline without the config, a bad path...: no default, samples must say
+                logging.getLogger(__name__).warning(
+                    "could not read the model type of model.pretrained=%r (%s: %s); box rewards get no default "
+                    "coord_format", m.pretrained, type(exc).__name__, exc)
+        coord_format = QWEN_COORD_FORMATS.get(model_type)
+        if coord_format is not None:
+            spec = with_coord_format(spec, coord_format)
+        elif model_type is not None:
+            logging.getLogger(__name__).warning(
+                "model type %r of model.pretrained=%r has no known box coordinate format (known: %s); box rewards "
+                "get no default coord_format", model_type, m.pretrained, sorted(QWEN_COORD_FORMATS))
+    return build_rewards(spec)
 
 
 def build_trainer(config: Config):

@@ -74,7 +74,8 @@ class SamplingConfig:
     num_steps: int = opt(10, "Denoising steps per trajectory (Flow-GRPO trains with 10, evaluates with 40).")
     eval_num_steps: int = opt(40, "ODE steps for evaluation grids (Flow-GRPO: 40).")
     guidance_scale: float = opt(4.5, "Classifier-free guidance scale; 1.0 disables CFG (one forward per step).")
-    negative_prompt: str = opt("", "Negative prompt for classifier-free guidance.")
+    negative_prompt: str = opt("", "Negative prompt for classifier-free guidance (SD3 with guidance_scale > 1; "
+                               "rejected for FLUX, which is guidance-distilled, and for SD3 without CFG).")
     max_sequence_length: int = opt(256, "T5 token budget for prompt encoding (SD3/FLUX).")
     time_shift: float | None = opt(None, "null: the model scheduler's sigmas (SD3.5: shift 3; FLUX: resolution-"
                                    "dependent shift). A number: sigma = s t / (1 + (s - 1) t) on uniform t "
@@ -171,8 +172,13 @@ class AlgorithmConfig:
     reward_combination: str = opt("sum_then_normalize", "Several rewards: sum_then_normalize (Flow-GRPO, TRL) or "
                                   "normalize_then_sum (DanceGRPO, MixGRPO, GDPO).",
                                   choices=("sum_then_normalize", "normalize_then_sum"))
-    per_prompt_stat_tracking: bool = opt(True, "Group by prompt text across processes (Flow-GRPO's tracker); "
-                                         "False groups by sampling group.")
+    batch_normalize_sum: bool = opt(False, "normalize_then_sum only: GDPO's final step, the summed advantages "
+                                    "normalised over the whole batch, (A - mean) / (std + eps), unbiased std (GDPO, "
+                                    "arXiv 2601.05242).")
+    per_prompt_stat_tracking: bool = opt(True, "Group samples by their condition across processes (Flow-GRPO's "
+                                         "tracker): a flow prompt by its text, a VLM sample by its data id (question "
+                                         "and media; never by question text, which many images share). False groups "
+                                         "by sampling group.")
     clip_low: float = opt(1e-4, "Clip range below 1 (Flow-GRPO 1e-4, Fast/TP-GRPO 1e-5, TRL 0.2).")
     clip_high: float | None = opt(None, "Clip range above 1 (DAPO clip-higher); null = clip_low.")
     aggregation: str = opt("grpo", "Loss aggregation: grpo | bnpo | dr_grpo | dapo (TRL definitions).",
@@ -224,7 +230,13 @@ class OptimConfig:
     lr_scheduler: str = opt("constant", "LR schedule after warmup.", choices=("constant", "linear", "cosine"))
     warmup_steps: int = opt(0, "Linear warmup optimizer steps.")
     ema: bool = opt(False, "Keep an exponential moving average of the trainable weights (used for eval and export).")
-    ema_decay: float = opt(0.9, "EMA decay per optimizer step.")
+    ema_decay: float = opt(0.9, "EMA decay per EMA update.")
+    ema_update_interval: int = opt(1, "Update the EMA only at optimizer steps s (steps taken, this one included) "
+                                   "with (s + 1) % interval == 0 (Flow-GRPO's EMAModuleWrapper "
+                                   "update_step_interval: 8 -> steps 7, 15, ...).")
+    ema_warmup: bool = opt(False, "Flow-GRPO's EMA decay warm-up: at optimizer step s the decay is "
+                           "min(ema_decay, (1 + s) / (10 + s)) (Flow-GRPO always warms up; its recipes: decay 0.9, "
+                           "interval 8, warm-up on).")
 
 
 @dataclass
@@ -235,8 +247,14 @@ class TrainConfig:
     inner_epochs: int = opt(1, "Passes over each sampled batch (K).")
     batch_size: int = opt(9, "Samples per minibatch on each process (Flow-GRPO: 9).")
     gradient_accumulation_steps: int = opt(8, "Minibatches per optimizer step (Flow-GRPO: 2 optimizer steps per "
-                                           "update).")
-    timestep_chunk: int = opt(0, "Trained steps per forward pass (0 = all of a minibatch's trained steps at once).")
+                                           "update). The loss is a mean over the minibatches really accumulated: one "
+                                           "step of GA minibatches equals one minibatch GA times larger, a shorter "
+                                           "last step is a mean over its own, and a GA above the minibatches of an "
+                                           "update (warned at start) accumulates all of them.")
+    timestep_chunk: int = opt(0, "Trained steps (flows) or tokens (VLMs) per forward pass (0 = all at once). A "
+                              "memory knob only: every chunk is normalised by the whole trajectory, and GSPO's "
+                              "sequence ratio spans the whole trajectory (one extra no-grad pass per minibatch "
+                              "computes it), so the loss and gradient do not depend on the chunk size.")
     mixed_precision: str = opt("bf16", "accelerate mixed precision.", choices=("no", "bf16", "fp16"))
     reward_batch_size: int = opt(32, "Images per reward call.")
     sample_batch_size: int = opt(16, "Trajectories per sampling forward pass on each process.")
@@ -411,6 +429,15 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         (a.clip_low > 0 and (a.clip_high is None or a.clip_high > 0), "algorithm.clip_low/clip_high must be > 0"),
         (a.eps >= 0, "algorithm.eps must be >= 0"),
         (config.logging.keep_last >= 1, "logging.keep_last must be >= 1"),
+        (config.optim.ema_update_interval >= 1 and 0.0 <= config.optim.ema_decay <= 1.0,
+         "optim.ema_update_interval must be >= 1 and optim.ema_decay in [0, 1]"),
+        (config.model.family != "flux" or not s.negative_prompt,
+         "sampling.negative_prompt must be empty for model.family=flux: FLUX.1 is guidance-distilled "
+         "(sampling.guidance_scale is its distilled-guidance input); there is no classifier-free guidance for a "
+         "negative prompt to steer"),
+        (config.model.family != "sd3" or not s.negative_prompt or s.guidance_scale > 1.0,
+         "sampling.negative_prompt is used by classifier-free guidance only: set sampling.guidance_scale > 1 or "
+         "leave the negative prompt empty"),
         (bool(config.rewards), "rewards: at least one reward is needed"),
         (config.model.family == "qwen_vl" or config.model.resolution % 16 == 0,
          "model.resolution must be a multiple of 16"),
@@ -452,6 +479,9 @@ def validate(config: Config, *, check_files: bool = True) -> None:
                                   or a.reward_combination != "sum_then_normalize"):
         raise ConfigError("algorithm.value_anchor_weight works with advantage=grpo, scale=group, credit=outcome and "
                           "reward_combination=sum_then_normalize")
+    if a.batch_normalize_sum and a.reward_combination != "normalize_then_sum":
+        raise ConfigError("algorithm.batch_normalize_sum is GDPO's step after normalize_then_sum: set "
+                          "algorithm.reward_combination=normalize_then_sum")
     if a.value_anchor_scale <= 0:
         raise ConfigError("algorithm.value_anchor_scale must be > 0")
     if a.advantage_transform == "evidence_weighted" and not a.evidence_reward:

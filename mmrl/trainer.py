@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -37,14 +38,17 @@ from mmrl.core.credit import (
 )
 from mmrl.core.losses import policy_loss
 from mmrl.core.noise import adapt_noise_levels
+from mmrl.ema import EMA
 from mmrl.core.variants import (
     evidence_weighted_advantages,
     select_informative_groups,
     temporal_contrast_rewards,
     token_weighted_advantages,
 )
-from mmrl.data.prompts import PromptSource
+from mmrl.data.prompts import EmptyBatchError, PromptSource
 from mmrl.tracking import MetricsLogger, make_grid_image
+
+logger = logging.getLogger(__name__)
 
 
 def _update_seed(seed: int, update: int, rank: int) -> int:
@@ -65,24 +69,33 @@ def build_lr_scheduler(optimizer, name: str, warmup: int, total: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-class EMA:
-    """Exponential moving average of the trainable weights (Flow-GRPO's optional EMA)."""
+class RewardBatches:
+    """Regroups the sampler's chunks (``sample_batch_size`` images) into reward calls of exactly
+    ``reward_batch_size`` images (the last one shorter), so ``train.reward_batch_size`` means the same with
+    overlapped scoring as without."""
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], decay: float):
-        self.decay = decay
-        self.shadow = {k: p.detach().clone() for k, p in params.items()}
+    def __init__(self, size: int, submit):
+        self.size, self.submit = size, submit
+        self.images: list[torch.Tensor] = []
+        self.prompts: list[str] = []
+        self.metadata: list[dict] = []
 
-    @torch.no_grad()
-    def update(self, params: dict[str, torch.nn.Parameter]) -> None:
-        for k, p in params.items():
-            self.shadow[k].lerp_(p.detach(), 1.0 - self.decay)
+    def add(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> None:
+        self.images.append(images)
+        self.prompts.extend(prompts)
+        self.metadata.extend(metadata)
+        while len(self.prompts) >= self.size:
+            self._emit(self.size)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"decay": self.decay, "shadow": self.shadow}
+    def flush(self) -> None:
+        if self.prompts:
+            self._emit(len(self.prompts))
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.decay = state["decay"]
-        self.shadow = {k: v.clone() for k, v in state["shadow"].items()}
+    def _emit(self, count: int) -> None:
+        images = torch.cat(self.images) if len(self.images) > 1 else self.images[0]
+        self.submit(images[:count], self.prompts[:count], self.metadata[:count])
+        self.images = [images[count:]] if count < len(images) else []
+        self.prompts, self.metadata = self.prompts[count:], self.metadata[count:]
 
 
 class Trainer:
@@ -106,15 +119,23 @@ class Trainer:
             raise ValueError("the policy has no trainable parameters")
         self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
                                            eps=o.adam_eps)
-        micro_per_update = config.train.inner_epochs * self._micro_batches_per_epoch()
-        total_optimizer_steps = config.train.steps * max(1, micro_per_update // self._micro_per_optimizer_step())
+        if self._micro_per_optimizer_step() > self._micro_batches_per_epoch() and accelerator.is_main_process:
+            logger.warning("train.gradient_accumulation_steps=%d is more than the %d minibatches of an update: each "
+                           "optimizer step accumulates the %d there are (the loss is a mean over them)",
+                           self._micro_per_optimizer_step(), self._micro_batches_per_epoch(),
+                           self._micro_batches_per_epoch())
+        steps_per_epoch = -(-self._micro_batches_per_epoch() // self._micro_per_optimizer_step())
+        total_optimizer_steps = config.train.steps * config.train.inner_epochs * steps_per_epoch
         self.lr_scheduler = build_lr_scheduler(self.optimizer, o.lr_scheduler, o.warmup_steps, total_optimizer_steps)
         policy.prepare(accelerator)
         self.optimizer = accelerator.prepare(self.optimizer)
-        self.ema = EMA(policy.named_trainable_parameters(), o.ema_decay) if o.ema else None
+        self.ema = EMA(policy.named_trainable_parameters(), o.ema_decay, update_interval=o.ema_update_interval,
+                       warmup=o.ema_warmup) if o.ema else None
         self.base_noise_levels = getattr(policy, "step_noise_levels", torch.zeros(0)).clone()
         self.value_anchor: dict[str, float] = {}  # VGPO anchors: running mean reward per prompt
         self.scorer = scorer
+        self.reward_counts: dict[str, float] = {}  # per update: unparseable / NaN counts of the reward components
+        self.credit_stats: dict[str, float] = {}  # per update: dense-credit costs and counts
         self.update = 0  # completed updates
         self.optimizer_steps = 0
 
@@ -165,7 +186,7 @@ class Trainer:
         self.optimizer.load_state_dict(objects["optimizer"])
         self.lr_scheduler.load_state_dict(objects["lr_scheduler"])
         if self.ema is not None and "ema" in objects:
-            self.ema.load_state_dict(objects["ema"])
+            self.ema.load_state_dict(objects["ema"], self.policy.named_trainable_parameters())
         set_rng_state(objects["rng"])
         self.update = state["update"]
         self.optimizer_steps = state["optimizer_steps"]
@@ -205,12 +226,14 @@ class Trainer:
         n_local = len(rollout)
         start = acc.process_index * n_local
         if a.per_prompt_stat_tracking:
-            prompts_all = gather_object(list(rollout.prompts)) if acc.num_processes > 1 else list(rollout.prompts)
-            adv = self.tracker.update(prompts_all, gathered, weights=weights, mode=a.reward_combination)
+            keys = self._condition_keys(rollout)
+            keys_all = gather_object(keys) if acc.num_processes > 1 else keys
+            adv = self.tracker.update(keys_all, gathered, weights=weights, mode=a.reward_combination,
+                                      batch_normalize=a.batch_normalize_sum)
         else:
             labels = acc.gather(rollout.group_ids.to(acc.device)).cpu()
             adv = combine_rewards(gathered, labels, weights=weights, mode=a.reward_combination,
-                                  **self.estimator_kwargs)
+                                  batch_normalize=a.batch_normalize_sum, **self.estimator_kwargs)
         if a.value_anchor_weight:
             adv = self._value_anchored(gathered, weights, rollout, adv)
         nan_rows = torch.zeros(len(adv), dtype=torch.bool)
@@ -223,11 +246,20 @@ class Trainer:
         }
         return adv[start:start + n_local], stats
 
+    @staticmethod
+    def _condition_keys(rollout) -> list[str]:
+        """The key of each sample's condition for per-prompt statistics and value anchors: the rollout's own
+        ``condition_keys`` (a VLM sample: its data id, since many images share one question), else the prompt
+        text (a generator's whole condition, as Flow-GRPO's tracker keys it)."""
+        keys = getattr(rollout, "condition_keys", None)
+        return list(keys) if keys is not None else list(rollout.prompts)
+
     def _value_anchored(self, gathered, weights, rollout, adv) -> torch.Tensor:
         """VGPO-style advantages: group term + weight (R - V) / scale, with V each prompt's running mean reward."""
         a, acc = self.config.algorithm, self.accelerator
         total = sum(w * gathered[k] for k, w in weights.items())
-        prompts = gather_object(list(rollout.prompts)) if acc.num_processes > 1 else list(rollout.prompts)
+        keys = self._condition_keys(rollout)
+        prompts = gather_object(keys) if acc.num_processes > 1 else keys
         labels = acc.gather(rollout.group_ids.to(acc.device)).cpu()
         finite = total[torch.isfinite(total)]
         fallback = float(finite.mean()) if finite.numel() else 0.0
@@ -251,8 +283,60 @@ class Trainer:
                     old[idx[:, None], steps[None, :]] = self.policy.logprobs(rollout, idx, steps).logps.float().cpu()
         return old
 
+    def _max_actions(self, rollout) -> int:
+        """The constant ``L`` of ``dr_grpo``: the policy's action budget (a VLM's ``max_new_tokens``), else the
+        trained-step count of a trajectory (TRL divides by ``max_completion_length``, never by this update's
+        longest completion)."""
+        budget = getattr(self.policy, "max_new_tokens", None)
+        return int(budget) if budget else int(rollout.mask.shape[1])
+
+    @torch.no_grad()
+    def _sequence_log_ratio(self, rollout, idx: torch.Tensor, step_chunks: list[torch.Tensor],
+                            counts: torch.Tensor) -> torch.Tensor:
+        """GSPO's sequence log-ratio ``sum M (logp - old) / sum M`` over the WHOLE trajectory of samples ``idx``,
+        from chunked no-grad forwards: what every chunk of a chunked training forward needs as its ratio."""
+        total = torch.zeros(len(idx))
+        mask = rollout.mask[idx]
+        for steps in step_chunks:
+            with self.accelerator.autocast():
+                logps = self.policy.logprobs(rollout, idx, steps).logps.float().cpu()
+            diff = (logps - rollout.old_logps[idx][:, steps]) * mask[:, steps]
+            total += diff.sum(-1)
+        return total / counts.clamp(min=1.0)
+
+    def _optimizer_step(self, params) -> tuple[bool, float]:
+        """Clip, then step. With a GradScaler (fp16) the scaler decides: a step whose gradients hold inf / NaN is
+        skipped by the scaler, which lowers its scale (accelerate reports ``step_was_skipped``); without one a
+        non-finite gradient norm skips the step. Returns ``(stepped, grad_norm)``."""
+        acc, c = self.accelerator, self.config
+        scaler = getattr(acc, "scaler", None)
+        if c.optim.max_grad_norm > 0:
+            norm = acc.clip_grad_norm_(params, c.optim.max_grad_norm)  # unscales first under a scaler
+        else:
+            if scaler is not None:
+                acc.unscale_gradients()
+            grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+            norm = torch.linalg.vector_norm(torch.stack(grads)) if grads else torch.tensor(0.0)
+        norm = float(norm)
+        if scaler is not None:
+            self.optimizer.step()
+            stepped = not self.optimizer.step_was_skipped
+        elif math.isfinite(norm):
+            self.optimizer.step()
+            stepped = True
+        else:
+            stepped = False
+        self.optimizer.zero_grad(set_to_none=True)
+        return stepped, norm
+
     def _train_on(self, rollout, advantages: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
-        """K inner epochs of minibatches over samples x trained steps; one optimizer step per GA minibatches."""
+        """K inner epochs of minibatches over samples x trained steps; one optimizer step per GA minibatches.
+
+        The layout is a memory knob only: every chunk of steps (``train.timestep_chunk``) and every accumulated
+        minibatch is normalised by the whole of what one optimizer step covers (each sample's full action count,
+        the local batch's action count for ``bnpo``, the fixed ``L`` of ``dr_grpo``, the global count of ``dapo``,
+        the minibatches really accumulated), and GSPO's sequence ratio spans the whole trajectory, so one update
+        gives the same loss and gradient for every chunk size and accumulation split."""
         c, acc, policy = self.config, self.accelerator, self.policy
         a, t = c.algorithm, c.train
         n, num_steps = rollout.mask.shape
@@ -271,64 +355,103 @@ class Trainer:
         if a.advantage_transform == "token_variance":  # TW-GRPO: needs the sampling policy's per-token log-probs
             advantages = token_weighted_advantages(advantages, rollout.old_logps, rollout.mask, rollout.group_ids,
                                                    max_weight=a.token_weight_max)
-        ga_micro = t.gradient_accumulation_steps * len(step_chunks)
+        max_length = self._max_actions(rollout)
+        sequence_chunks = a.ratio_level == "sequence" and len(step_chunks) > 1
         params = policy.trainable_parameters()
         sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
+        weights: dict[str, float] = {}
         skipped_loss = 0
         grad_norms: list[float] = []
+        step_losses: list[float] = []
         skipped_steps = 0
 
-        def add(key: str, value: float) -> None:
-            sums[key] = sums.get(key, 0.0) + value
-            counts[key] = counts.get(key, 0) + 1
+        ratio_min, ratio_max = [float("inf")], [float("-inf")]
+
+        def add(key: str, value: float, weight: float = 1.0) -> None:
+            sums[key] = sums.get(key, 0.0) + value * weight
+            weights[key] = weights.get(key, 0.0) + weight
 
         for perm in perms:
             minibatches = [perm[i:i + t.batch_size] for i in range(0, n, t.batch_size)]
             for first in range(0, len(minibatches), t.gradient_accumulation_steps):
                 group = minibatches[first:first + t.gradient_accumulation_steps]
-                items = torch.stack([rollout.mask[idx].sum() for idx in group]).sum().to(acc.device)
-                num_items = acc.reduce(items, reduction="sum") if acc.num_processes > 1 else items
-                micro = [(idx, steps) for idx in group for steps in step_chunks]
-                for m, (idx, steps) in enumerate(micro):
-                    sync = m == len(micro) - 1
-                    ctx = acc.no_sync(policy.model) if not sync and acc.num_processes > 1 else contextlib.nullcontext()
-                    with ctx, acc.autocast():
-                        out = policy.logprobs(rollout, idx, steps, with_kl=a.beta > 0)
-                        adv = advantages[idx]
-                        adv = adv[:, steps] if adv.dim() == 2 else adv
-                        old = out.logps.detach() if on_policy else rollout.old_logps[idx][:, steps]
-                        result = policy_loss(
-                            out.logps, old.to(out.logps.device),
-                            adv.to(out.logps.device), rollout.mask[idx][:, steps].to(out.logps.device),
-                            clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.aggregation,
-                            kl=out.kl, beta=a.beta, ratio_level=a.ratio_level,
-                            gradient_accumulation_steps=ga_micro if a.aggregation != "dapo" else 1,
-                            num_items_in_batch=num_items, num_processes=acc.num_processes,
-                        )
-                    loss = result.loss
-                    if not torch.isfinite(loss):
-                        # keep every process in the same backward (DDP) but contribute nothing
-                        skipped_loss += 1
-                        loss = sum((p * 0.0).sum() for p in params)
-                    acc.backward(loss)
-                    add("loss", float(result.loss.detach()) * (ga_micro if a.aggregation != "dapo" else 1))
-                    for key, value in result.metrics.items():
-                        add(key, float(value))
-                norm = acc.clip_grad_norm_(params, c.optim.max_grad_norm) if c.optim.max_grad_norm > 0 else \
-                    torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
-                norm = float(norm)
-                if math.isfinite(norm):
-                    self.optimizer.step()
+                local_items = torch.stack([rollout.mask[idx].sum() for idx in group]).sum()
+                num_items = local_items.to(acc.device)
+                if acc.num_processes > 1:
+                    num_items = acc.reduce(num_items, reduction="sum")
+                # grpo / dr_grpo: a mean over the minibatches really accumulated; bnpo / dapo are normalised by the
+                # action count of the whole accumulated batch (local / global) instead
+                accumulated = len(group) if a.aggregation in ("grpo", "dr_grpo") else 1
+                step_loss = 0.0
+                for g, idx in enumerate(group):
+                    mask = rollout.mask[idx]
+                    counts = mask.sum(-1)
+                    sequence_log_ratio = None
+                    if sequence_chunks:
+                        sequence_log_ratio = torch.zeros(len(idx)) if on_policy else \
+                            self._sequence_log_ratio(rollout, idx, step_chunks, counts)
+                    for k, steps in enumerate(step_chunks):
+                        sync = g == len(group) - 1 and k == len(step_chunks) - 1
+                        ctx = acc.no_sync(policy.model) if not sync and acc.num_processes > 1 else \
+                            contextlib.nullcontext()
+                        with ctx, acc.autocast():
+                            out = policy.logprobs(rollout, idx, steps, with_kl=a.beta > 0)
+                            device = out.logps.device
+                            adv = advantages[idx]
+                            adv = adv[:, steps] if adv.dim() == 2 else adv
+                            old = out.logps.detach() if on_policy else rollout.old_logps[idx][:, steps]
+                            result = policy_loss(
+                                out.logps, old.to(device), adv.to(device), mask[:, steps].to(device),
+                                clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.aggregation,
+                                max_length=max_length, kl=out.kl, beta=a.beta, ratio_level=a.ratio_level,
+                                gradient_accumulation_steps=accumulated, num_items_in_batch=num_items,
+                                num_processes=acc.num_processes, sample_action_counts=counts.to(device),
+                                batch_action_count=local_items.to(device),
+                                sequence_log_ratio=None if sequence_log_ratio is None else sequence_log_ratio.to(device),
+                            )
+                        loss = result.loss
+                        if not torch.isfinite(loss):
+                            # keep every process in the same backward (DDP) but contribute nothing
+                            skipped_loss += 1
+                            loss = sum((p * 0.0).sum() for p in params)
+                        else:
+                            step_loss += float(loss.detach())
+                        acc.backward(loss)
+                        active = float(mask[:, steps].sum())
+                        for key, value in result.metrics.items():
+                            if key == "ratio/min":
+                                ratio_min[0] = min(ratio_min[0], float(value)) if active else ratio_min[0]
+                            elif key == "ratio/max":
+                                ratio_max[0] = max(ratio_max[0], float(value)) if active else ratio_max[0]
+                            else:
+                                add(key, float(value), active)
+                step_losses.append(step_loss)
+                stepped, norm = self._optimizer_step(params)
+                if stepped:
                     self.lr_scheduler.step()
                     self.optimizer_steps += 1
                     if self.ema is not None:
-                        self.ema.update(policy.named_trainable_parameters())
+                        self.ema.update(policy.named_trainable_parameters(), self.optimizer_steps)
                     grad_norms.append(norm)
                 else:
                     skipped_steps += 1
-                self.optimizer.zero_grad(set_to_none=True)
-        metrics = {k: sums[k] / counts[k] for k in sums}
+        if acc.num_processes > 1:  # the metrics describe the whole global batch, not the main process's share
+            keys = sorted(sums)
+            packed = torch.tensor([[sums[k] for k in keys], [weights[k] for k in keys]], dtype=torch.float64,
+                                  device=acc.device)
+            packed = acc.reduce(packed, reduction="sum").cpu()
+            sums, weights = dict(zip(keys, packed[0].tolist())), dict(zip(keys, packed[1].tolist()))
+            extremes = gather_object([(ratio_min[0], ratio_max[0])])
+            ratio_min[0], ratio_max[0] = min(e[0] for e in extremes), max(e[1] for e in extremes)
+        metrics = {k: sums[k] / weights[k] if weights[k] > 0 else 0.0 for k in sums}
+        if math.isfinite(ratio_min[0]):
+            metrics["ratio/min"], metrics["ratio/max"] = ratio_min[0], ratio_max[0]
+        # the loss of an optimizer step is the sum of its micro-step losses (what the gradient is of); with several
+        # processes DDP averages their gradients, so the logged loss is the mean over processes too
+        loss_mean = sum(step_losses) / len(step_losses)
+        if acc.num_processes > 1:
+            loss_mean = float(acc.reduce(torch.tensor(loss_mean, device=acc.device), reduction="mean"))
+        metrics["loss"] = loss_mean
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         metrics["train/skipped_nonfinite_loss"] = float(skipped_loss)
         metrics["train/skipped_optimizer_steps"] = float(skipped_steps)
@@ -448,8 +571,9 @@ class Trainer:
         kwargs = {"generator": generator, "update": self.update, "group_offset": acc.process_index * len(items)}
         if self.scorer is not None:  # score chunk k on a worker thread while chunk k+1 is sampled
             futures = []
-            rollout = self.policy.rollout(items, c.data.group_size, **kwargs, on_chunk=lambda *chunk: futures.append(
-                self.scorer.submit(*chunk)))
+            batches = RewardBatches(c.train.reward_batch_size, lambda *batch: futures.append(self.scorer.submit(*batch)))
+            rollout = self.policy.rollout(items, c.data.group_size, **kwargs, on_chunk=batches.add)
+            batches.flush()
             t1 = time.perf_counter()
             results = [f.result() for f in futures]
             for result in results:
@@ -487,8 +611,11 @@ class Trainer:
         if a.credit == "step_gain":
             dense = step_gain_credit(step_rewards)
         elif a.credit == "turning_point":
-            result = turning_point_credit(step_rewards, balance=a.credit_balance,
-                                          consistency_filter=a.credit_consistency_filter)  # balance over the batch
+            # balancing runs within each sampling batch (sample_batch_size trajectories, as the anchor balances
+            # one per-device sampling batch), not over the whole rollout
+            sampling_batch = torch.arange(n) // c.train.sample_batch_size
+            result = turning_point_credit(step_rewards, balance=a.credit_balance, group_ids=sampling_batch,
+                                          consistency_filter=a.credit_consistency_filter)
             dense = result.step_rewards
             self.credit_stats["credit/turning_points"] = float(result.turning_points.sum())
         else:
@@ -500,7 +627,11 @@ class Trainer:
         self.credit_stats["cost/reward_calls"] = self.credit_stats.get("cost/reward_calls", 0.0) + float(n * k)
         self.credit_stats["reward/ode_baseline"] = float(step_rewards[:, 0].nanmean())
         if c.sampling.adaptive_noise:
-            gains = step_gain_credit(step_rewards)
+            # from the statistics of the whole global batch, so every process computes the same levels (and the
+            # levels rank 0 checkpoints are every rank's)
+            acc = self.accelerator
+            everyone = acc.gather(step_rewards.to(acc.device)).cpu() if acc.num_processes > 1 else step_rewards
+            gains = step_gain_credit(everyone)
             self.policy.step_noise_levels = adapt_noise_levels(
                 self.policy.step_noise_levels, rollout.plan.train, gains.std(dim=0), rate=c.sampling.adaptive_noise_rate,
                 base=self.base_noise_levels, max_level=1.0 if c.sampling.sde == "cps" else None)
@@ -528,6 +659,52 @@ class Trainer:
         return temporal_contrast_rewards(
             torch.nan_to_num(scores[key]), torch.nan_to_num(shuffled_scores[key]), keys(rollout),
             shuffled_group_ids=keys(shuffled), alpha=a.temporal_contrast_alpha, mu=a.temporal_contrast_mu)
+
+    def _sample_or_none(self, items, generator, timer):
+        """:meth:`_sample`, or ``(None, None)`` when every item was skipped (``data.skip_bad_samples``)."""
+        try:
+            return self._sample(items, generator, timer)
+        except EmptyBatchError:
+            return None, None
+
+    def _refill_skipped(self, rollout, scores, generator, timer, max_rounds: int = 8):
+        """Replace samples skipped as bad (``data.skip_bad_samples``) with fresh items, so every process trains on
+        exactly ``prompts_per_step`` groups: the processes stay in the same collectives (gathers, DDP all-reduces)
+        and keep the same data position, because every process draws the same number of replacement batches
+        (one per round while ANY process is short); only a short process samples them."""
+        c, acc = self.config, self.accelerator
+        need = c.data.prompts_per_step
+
+        def groups(r) -> int:
+            return 0 if r is None else len(torch.unique(r.group_ids))
+
+        refilled = False
+        for round_ in range(max_rounds + 1):
+            short = torch.tensor(float(groups(rollout) < need), device=acc.device)
+            if float(acc.reduce(short, reduction="sum") if acc.num_processes > 1 else short) == 0:
+                if refilled:
+                    rollout.group_ids = rollout.group_ids + acc.process_index * need
+                return rollout, scores
+            if round_ == max_rounds:
+                raise EmptyBatchError(f"still short of data.prompts_per_step={need} usable samples after {max_rounds} "
+                                      f"rounds of replacements: too many bad samples (see the samples/skipped_* "
+                                      f"counts and the warnings)")
+            items = self.prompts.next_batch(need, rank=acc.process_index, world=acc.num_processes)
+            if groups(rollout) >= need:
+                continue  # keep the data position in step with the short processes
+            extra, extra_scores = self._sample_or_none(items, generator, timer)
+            if extra is None:
+                continue
+            parts, part_scores = ([rollout], [scores]) if rollout is not None else ([], [])
+            missing = need - groups(rollout)
+            for g in torch.unique(extra.group_ids).tolist()[:missing]:
+                rows = (extra.group_ids == g).nonzero().flatten()
+                parts.append(extra.select(rows))
+                part_scores.append({k: v[rows] for k, v in extra_scores.items()})
+            rollout = self.policy.concat_rollouts(parts)  # group ids renumbered 0..; offset by process on return
+            refilled = True
+            scores = {k: torch.cat([p[k] for p in part_scores]) for k in part_scores[0]}
+        raise AssertionError("unreachable")
 
     def _dynamic_sampling(self, rollout, scores, generator, timer):
         """DAPO dynamic sampling: drop groups whose rewards are all equal, sample replacements (same number of rounds
@@ -576,7 +753,8 @@ class Trainer:
         self.reward_counts: dict[str, float] = {}
         self.credit_stats: dict[str, float] = {}
         items = self.prompts.next_batch(c.data.prompts_per_step, rank=acc.process_index, world=acc.num_processes)
-        rollout, scores = self._sample(items, generator, timer)
+        rollout, scores = self._sample_or_none(items, generator, timer)
+        rollout, scores = self._refill_skipped(rollout, scores, generator, timer)
         sampling_stats = {}
         if c.algorithm.dynamic_sampling:
             rollout, scores, sampling_stats = self._dynamic_sampling(rollout, scores, generator, timer)
@@ -600,8 +778,16 @@ class Trainer:
         metrics.update(train_metrics)
         metrics["kl"] = train_metrics.get("kl", 0.0)
         if "completion_length" in rollout.extras:
-            metrics["completions/mean_length"] = float(rollout.extras["completion_length"].float().mean())
-        for reason, count in getattr(self.policy, "skipped", {}).items():
+            lengths = rollout.extras["completion_length"].float().to(acc.device)
+            metrics["completions/mean_length"] = float(acc.gather(lengths).mean() if acc.num_processes > 1
+                                                       else lengths.mean())
+        skipped = dict(getattr(self.policy, "skipped", {}))
+        if acc.num_processes > 1:  # every process's skips, summed (a bad sample may be on any of them)
+            skipped = {}
+            for part in gather_object([dict(getattr(self.policy, "skipped", {}))]):
+                for reason, count in part.items():
+                    skipped[reason] = skipped.get(reason, 0) + count
+        for reason, count in skipped.items():
             metrics[f"samples/skipped_{reason}"] = float(count)
         metrics.update(self.reward_counts)
         metrics.update(self.credit_stats)

@@ -34,6 +34,9 @@ either kind of batch. Registered: ``think_answer_format``, ``choice_accuracy``,
 ``box_matched_iou``, ``box_weighted_pr`` (DIP-R1), ``box_set_f1`` (Falcon-Perception),
 ``box_salience_iou`` (GRiP), ``temporal_iou``, ``temporal_dual`` (Temporal-R1) in
 :mod:`~mmrl.rewards.grounding`; ``task_routed`` (Mixed-R1) in :mod:`~mmrl.rewards.routing`.
+The box rewards read coordinates in the sample's ``coord_format``, else their own ``coord_format``
+argument (``mmrl.build.build_reward_fn`` sets it from the Qwen-VL model type); with neither the sample
+is NaN, never silently taken as absolute pixels.
 """
 from ._base import (
     ImageBatch,

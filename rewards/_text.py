@@ -31,9 +31,12 @@ Metadata fields (the data loader writes them; each reward's docstring says which
                  (a single flat ``[x1, y1, x2, y2]`` is accepted as one box);
 ``image_size``   ``[W, H]`` of the original image;
 ``input_size``   ``[W, H]`` of the resized model input (Qwen2.5-VL: ``grid_w*14, grid_h*14``);
-``coord_format`` ``"qwen2"`` (0-1000 normalised), ``"qwen25"`` (absolute pixels of the resized input)
-                 or ``"absolute"`` (original pixels);
-``timestamps``   ``[start, end]`` in seconds;
+``coord_format`` ``"qwen2"`` (0-1000 normalised: Qwen2-VL, Qwen3-VL), ``"qwen25"`` (Qwen2.5-VL: absolute
+                 pixels of the resized input) or ``"absolute"`` (original pixels); when absent, the box
+                 reward's ``coord_format`` (set from the model type for ``model.family: qwen_vl``), and
+                 with neither the sample is NaN: never silently read as absolute pixels;
+``timestamps``   ``[start, end]`` in seconds (a temporal-grounding line: its ``solution`` holds the span as
+                 text, e.g. ``"[3.0, 7.5]"``, and is not a choice letter);
 ``duration``     the video length in seconds;
 ``salience``     list of weights, one per ground-truth box (GRiP's salience-weighted IoU).
 """

@@ -14,18 +14,24 @@ Reading boxes from an answer (:func:`parse_boxes`, then :func:`rescale_box` into
 
 Coordinate formats (``coord_format``, per sample from metadata, else the reward's default):
 
-* ``"qwen2"``: Qwen2-VL's [0, 1000) normalised units: ``x_abs = x / 1000 * W``, ``y_abs = y / 1000 * H``
-  with ``image_size = [W, H]``;
+* ``"qwen2"``: [0, 1000) normalised units, what Qwen2-VL and Qwen3-VL answer in: ``x_abs = x / 1000 * W``,
+  ``y_abs = y / 1000 * H`` with ``image_size = [W, H]`` (Qwen3-VL: "relative coordinates ranging from 0 to
+  1000", QwenLM/Qwen3-VL ``cookbooks/2d_grounding.ipynb``);
 * ``"qwen25"``: Qwen2.5-VL's absolute pixels of the resized model input: ``x_abs = x * W / W_in``,
   ``y_abs = y * H / H_in`` with ``input_size = [W_in, H_in]`` (= ``grid_w * 14, grid_h * 14``);
-* ``"absolute"``: already original pixels.
+* ``"absolute"``: already original pixels (only when configured or written in the metadata: never assumed).
+
+There is no silent default: a box reward built without ``coord_format`` scores a sample whose metadata has no
+``coord_format`` NaN, with a reason naming ``coord_format``. ``mmrl.build.build_reward_fn`` sets the reward-level
+default from the policy's model type (:data:`QWEN_COORD_FORMATS`, :func:`with_coord_format`) for
+``model.family: qwen_vl``, so a config only has to name it for other models.
 
 Metadata read here: ``boxes`` (ground truth in original pixels; ``[]`` is a valid "nothing there" for
 the multi-object rewards), ``image_size``, ``input_size``, ``coord_format``, ``salience``,
 ``timestamps``, ``duration``, ``solution``, ``choices``.
 
 Registered rewards and their keyword arguments (all also take ``require_tags=True``; the box rewards
-``coord_format="absolute"``, the default when a sample's metadata has none):
+``coord_format=None``, the format of samples whose metadata has none; ``None`` = no default, such samples are NaN):
 
 =====================  ======================================================  ================================
 name                   kwargs                                                  extra keys
@@ -52,10 +58,13 @@ import numpy as np
 
 from ._base import register_reward
 from ._text import TextReward, Unjudgeable, Unparseable, answer_or_text, require
-from .answer import _choices, _solution_text, parse_choice
+from .answer import _PREFIX, _WHOLE_LETTER, _choices, _solution_text, parse_choice
 
 __all__ = [
     "COORD_FORMATS",
+    "QWEN_COORD_FORMATS",
+    "takes_coord_format",
+    "with_coord_format",
     "box_iou",
     "valid_box",
     "parse_boxes",
@@ -83,6 +92,12 @@ __all__ = [
 ]
 
 COORD_FORMATS = ("qwen2", "qwen25", "absolute")
+#: transformers ``config.model_type`` of a Qwen-VL checkpoint -> the coordinates its boxes are written in:
+#: Qwen2-VL [0, 1000) normalised; Qwen2.5-VL absolute pixels of the resized input; Qwen3-VL (dense and MoE)
+#: back to [0, 1000) normalised ("Qwen3-VL's default coordinate system has been changed from the absolute
+#: coordinates used in Qwen2.5-VL to relative coordinates ranging from 0 to 1000", QwenLM/Qwen3-VL
+#: ``cookbooks/2d_grounding.ipynb``).
+QWEN_COORD_FORMATS = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen25", "qwen3_vl": "qwen2", "qwen3_vl_moe": "qwen2"}
 FALCON_IOU_THRESHOLDS = (0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
 
 
@@ -421,12 +436,16 @@ def _gt_boxes(meta: Mapping, reward: str) -> list[list[float]]:
 
 
 class _BoxReward(TextReward):
-    """Shared reading of ground truth and predicted boxes (original pixels)."""
+    """Shared reading of ground truth and predicted boxes (original pixels).
 
-    def __init__(self, require_tags: bool = True, coord_format: str = "absolute") -> None:
+    ``coord_format``: the format of a sample whose metadata has no ``coord_format`` (``"qwen2"``, ``"qwen25"``,
+    ``"absolute"``), or ``None``: no default, such a sample is NaN (never silently read as absolute pixels).
+    """
+
+    def __init__(self, require_tags: bool = True, coord_format: str | None = None) -> None:
         super().__init__()
-        if coord_format not in COORD_FORMATS:
-            raise ValueError(f"unknown coord_format {coord_format!r}; expected one of {COORD_FORMATS}")
+        if coord_format is not None and coord_format not in COORD_FORMATS:
+            raise ValueError(f"unknown coord_format {coord_format!r}; expected one of {COORD_FORMATS} or None")
         self.require_tags = bool(require_tags)
         self.coord_format = coord_format
 
@@ -435,6 +454,13 @@ class _BoxReward(TextReward):
     def _boxes(self, text: str, meta: Mapping) -> tuple[list[list[float]], list[list[float]]]:
         gt = _gt_boxes(meta, self.name)
         fmt = meta.get("coord_format") or self.coord_format
+        if fmt is None:
+            raise Unjudgeable(
+                f"metadata has no 'coord_format' and {self.name} has no default coord_format: the box coordinates "
+                f"cannot be read. Give each sample a coord_format ({', '.join(COORD_FORMATS)}), or set "
+                f"rewards.<key>.kwargs.coord_format (model.family qwen_vl with a Qwen2-VL / Qwen2.5-VL / Qwen3-VL "
+                f"model sets it from the model type)"
+            )
         if fmt not in COORD_FORMATS:
             raise Unjudgeable(f"metadata 'coord_format' {fmt!r} is not one of {COORD_FORMATS}")
         if fmt != "absolute":  # fail on missing sizes before reading the answer: NaN, not "unparseable"
@@ -445,6 +471,49 @@ class _BoxReward(TextReward):
             raise Unparseable(exc.reason, self.unparseable_extras) from None
         pred = [rescale_box(b, fmt, meta.get("image_size"), meta.get("input_size")) for b in raw]
         return pred, gt
+
+
+def takes_coord_format(name: str) -> bool:
+    """Whether the registered reward ``name`` has an explicit ``coord_format`` keyword argument (the box rewards)."""
+    import inspect
+
+    from ._base import _REGISTRY
+
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        return False
+    target = factory.__init__ if isinstance(factory, type) else factory
+    return "coord_format" in inspect.signature(target).parameters
+
+
+def with_coord_format(spec: Mapping[str, Any], coord_format: str) -> dict[str, Any]:
+    """A reward spec (``build_rewards``' mapping) where every reward that takes ``coord_format`` and was not
+    given one gets ``coord_format`` as its default; explicitly configured values are kept. The routes (and a
+    mapping ``default``) of ``task_routed`` rewards are walked too. The input is not modified."""
+    if coord_format not in COORD_FORMATS:
+        raise ValueError(f"unknown coord_format {coord_format!r}; expected one of {COORD_FORMATS}")
+
+    def entry_with(key: str, entry: Any) -> Any:
+        if isinstance(entry, Mapping):
+            name, kwargs = entry.get("reward", key), dict(entry.get("kwargs") or {})
+        else:  # a bare weight (or something build_rewards will reject with its own message)
+            name, kwargs = key, {}
+        if name == "task_routed":
+            if "routes" in kwargs and isinstance(kwargs["routes"], Mapping):
+                kwargs["routes"] = {task: route_with(route) for task, route in kwargs["routes"].items()}
+            if isinstance(kwargs.get("default"), Mapping):
+                kwargs["default"] = route_with(kwargs["default"])
+        elif takes_coord_format(name) and kwargs.get("coord_format") is None:
+            kwargs["coord_format"] = coord_format
+        else:
+            return entry
+        base = dict(entry) if isinstance(entry, Mapping) else {"weight": entry}
+        return {**base, "kwargs": kwargs}
+
+    def route_with(route: Any) -> Any:
+        return {k: entry_with(k, e) for k, e in route.items()} if isinstance(route, Mapping) else route
+
+    return {key: entry_with(key, entry) for key, entry in spec.items()}
 
 
 def _check_threshold(t: float) -> float:
@@ -467,7 +536,7 @@ class BoxIoU(_BoxReward):
     extra_keys = ("acc@0.5",)
     unparseable_extras = {"acc@0.5": 0.0}
 
-    def __init__(self, require_tags: bool = True, coord_format: str = "absolute") -> None:
+    def __init__(self, require_tags: bool = True, coord_format: str | None = None) -> None:
         super().__init__(require_tags, coord_format)
 
     def _score_one(self, text, prompt, meta):
@@ -488,7 +557,7 @@ class BoxF1(_BoxReward):
     extra_keys = ("precision", "recall")
     unparseable_extras = {"precision": 0.0, "recall": 0.0}
 
-    def __init__(self, require_tags: bool = True, coord_format: str = "absolute", iou_threshold: float = 0.5,
+    def __init__(self, require_tags: bool = True, coord_format: str | None = None, iou_threshold: float = 0.5,
                  spam_penalty: bool = False) -> None:
         super().__init__(require_tags, coord_format)
         self.iou_threshold = _check_threshold(iou_threshold)
@@ -510,7 +579,7 @@ class BoxMatchedIoU(_BoxReward):
     extra_keys = ("mean_iou", "completeness")
     unparseable_extras = {"mean_iou": 0.0, "completeness": 0.0}
 
-    def __init__(self, require_tags: bool = True, coord_format: str = "absolute", iou_threshold: float = 0.5,
+    def __init__(self, require_tags: bool = True, coord_format: str | None = None, iou_threshold: float = 0.5,
                  iou_weight: float = 0.5, spam_penalty: bool = True) -> None:
         super().__init__(require_tags, coord_format)
         self.iou_threshold = _check_threshold(iou_threshold)
@@ -534,7 +603,7 @@ class BoxWeightedPR(_BoxReward):
     extra_keys = ("precision", "recall")
     unparseable_extras = {"precision": 0.0, "recall": 0.0}
 
-    def __init__(self, require_tags: bool = True, coord_format: str = "absolute", iou_threshold: float = 0.5,
+    def __init__(self, require_tags: bool = True, coord_format: str | None = None, iou_threshold: float = 0.5,
                  precision_weight: float = 0.5, spam_penalty: bool = False) -> None:
         super().__init__(require_tags, coord_format)
         self.iou_threshold = _check_threshold(iou_threshold)
@@ -558,7 +627,7 @@ class BoxSetF1(_BoxReward):
     extra_keys = ("f1@0.5",)
     unparseable_extras = {"f1@0.5": 0.0}
 
-    def __init__(self, require_tags: bool = True, coord_format: str = "absolute",
+    def __init__(self, require_tags: bool = True, coord_format: str | None = None,
                  iou_thresholds: Sequence[float] = FALCON_IOU_THRESHOLDS) -> None:
         super().__init__(require_tags, coord_format)
         self.iou_thresholds = tuple(_check_threshold(t) for t in iou_thresholds)
@@ -576,7 +645,7 @@ class BoxSalienceIoU(_BoxReward):
     """GRiP's salience-weighted IoU (:func:`salience_weighted_iou`), times :func:`spam_penalty` unless
     ``spam_penalty=False``. Reads ``salience`` (one weight >= 0 per ground-truth box; uniform if absent)."""
 
-    def __init__(self, require_tags: bool = True, coord_format: str = "absolute", spam_penalty: bool = True) -> None:
+    def __init__(self, require_tags: bool = True, coord_format: str | None = None, spam_penalty: bool = True) -> None:
         super().__init__(require_tags, coord_format)
         self.spam_penalty = bool(spam_penalty)
 
@@ -758,14 +827,22 @@ class TemporalDual(_SpanReward):
     Li et al., "Reinforcement Learning Tuning for VideoLLMs: Reward Design and Data Efficiency"
     (Temporal-RLT, arXiv:2506.01908; code: Temporal-R1) supervise semantic reasoning with a discrete
     multiple-choice correctness reward and temporal reasoning with a continuous temporal-IoU reward.
-    mmrl's rule: ``semantic`` = 1 if the answer's choice letter equals ``solution`` (when the sample has
-    a ``solution``), ``temporal`` = :func:`temporal_iou` with ``timestamps`` (when it has them), and the
-    score is their sum over the parts the sample has (MC-VQA: semantic only; grounding: temporal only;
-    grounded VideoQA: both, range [0, 2]). The sum for grounded QA is our reading of the paper (its
-    exact weighting was not available to us). Temporal-R1's released grounding code scores
-    ``0.9·tIoU + 0.1·format``: compose this reward with ``think_answer_format`` for that.
-    The letter is read from the answer with the time span removed. A part that cannot be read scores 0
-    and the sample is counted unparseable. A sample with neither field is NaN.
+    mmrl's rule, per line:
+
+    * ``temporal`` = :func:`temporal_iou` of the answer's span with ``timestamps``, when the line has them;
+    * ``semantic`` = 1 if the answer's choice letter equals the solution's, only when the line is a
+      multiple-choice line: it has ``choices`` (its ``solution`` must then name one of them, by letter or
+      option text, else the line is NaN), or its ``solution`` is a bare choice letter (``B``, ``(B)``,
+      ``Answer: B``). A temporal-grounding line's ``solution`` holds the span as text (``"[3.0, 7.5]"``,
+      see :mod:`mmrl.data.vlm`) and gets no semantic part;
+    * the score is the sum over the parts the line has (MC-VQA: semantic only, [0, 1]; temporal grounding:
+      temporal only, [0, 1]; grounded VideoQA, a multiple-choice line with ``timestamps``: both, [0, 2]).
+
+    The sum for grounded QA is our reading of the paper (its exact weighting was not available to us).
+    Temporal-R1's released grounding code scores ``0.9·tIoU + 0.1·format``: compose this reward with
+    ``think_answer_format`` for that. The letter is read from the answer with the time span removed. A part
+    that cannot be read scores 0 and the sample is counted unparseable. A line with neither part (no
+    ``timestamps`` and not multiple choice) is NaN.
     """
 
     extra_keys = ("semantic", "temporal")
@@ -773,18 +850,32 @@ class TemporalDual(_SpanReward):
     def __init__(self, require_tags: bool = True, time_unit: str = "seconds") -> None:
         super().__init__(require_tags, time_unit)
 
-    def _score_one(self, text, prompt, meta):
-        has_sem, has_tmp = meta.get("solution") is not None, meta.get("timestamps") is not None
-        if not (has_sem or has_tmp):
-            raise Unjudgeable("metadata has neither 'solution' nor 'timestamps' (needed by temporal_dual)")
-        gt_letter = gt_span = None
-        if has_sem:
-            choices = _choices(meta)
-            sol = _solution_text(meta, self.name)
+    def _gt_letter(self, meta: Mapping) -> str | None:
+        """The solution's choice letter on a multiple-choice line, None on any other line."""
+        choices = _choices(meta)
+        if meta.get("solution") is None:
+            if choices is not None:
+                raise Unjudgeable("metadata has 'choices' but no 'solution' (needed by temporal_dual)")
+            return None
+        sol = _solution_text(meta, self.name)
+        if choices is not None:
             try:
-                gt_letter = parse_choice(str(sol), choices)
+                return parse_choice(str(sol), choices)
             except Unparseable as exc:
-                raise Unjudgeable(f"metadata 'solution' {sol!r} is not a choice letter ({exc})") from None
+                raise Unjudgeable(f"metadata 'solution' {sol!r} names none of the {len(choices)} 'choices' "
+                                  f"({exc})") from None
+        body = _PREFIX.sub("", str(sol).strip(), count=1).strip()
+        whole = _WHOLE_LETTER.fullmatch(body)
+        return whole.group(1).upper() if whole else None
+
+    def _score_one(self, text, prompt, meta):
+        gt_letter = self._gt_letter(meta)
+        has_sem, has_tmp = gt_letter is not None, meta.get("timestamps") is not None
+        if not (has_sem or has_tmp):
+            raise Unjudgeable("metadata has no 'timestamps' and is not a multiple-choice line ('choices', or a "
+                              "'solution' that is a choice letter): nothing for temporal_dual to judge")
+        choices = _choices(meta)
+        gt_span = None
         if has_tmp:
             gt_span = _gt_span(meta, self.name)
             scale = self._scale(meta)

@@ -155,3 +155,12 @@ def test_random_plans_are_seeded_and_in_range():
     assert torch.equal(a.train, b.train)
     with pytest.raises(ValueError, match="longer than"):
         plan_steps("random_window", 4, window_size=4)
+
+
+# ------------------------------------------------------------------------------------------- negative prompt
+
+
+def test_sd3_negative_prompt_is_used(tiny_sd3):
+    plain = make_policy(tiny_sd3).sample_eval(["a cat"], [1])
+    negative = make_policy(tiny_sd3, negative_prompt="blurry, dark").sample_eval(["a cat"], [1])
+    assert not torch.allclose(plain, negative)

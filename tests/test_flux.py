@@ -216,3 +216,37 @@ def test_build_family_flux(flux_dir):
     assert isinstance(family, FluxFamily) and family.name == "flux"
     assert family.max_sequence_length == 16
     assert family.encode(["a cat"])["prompt_embeds"].shape[1] == 16
+
+
+# ----------------------------------------------------------------------------------------- negative prompt
+
+
+def test_negative_prompt_is_rejected_for_flux(flux_dir):
+    """FLUX.1-dev is guidance-distilled: no CFG, so a negative prompt would be silently ignored -- refused instead."""
+    with pytest.raises(ValueError, match=r"sampling\.negative_prompt.*guidance-distilled"):
+        _policy(flux_dir, negative_prompt="blurry, low quality")
+    policy = _policy(flux_dir, negative_prompt="")  # the default: fine
+    assert policy._negative is None and not policy._use_cfg
+
+
+def test_flux_lora_dropout_only_in_the_training_forward(flux_dir):
+    family = FluxFamily.from_pretrained(str(flux_dir), dtype=torch.float32, max_sequence_length=MAX_SEQ)
+    lora = {"rank": 4, "alpha": 4, "dropout": 0.5, "target_modules": FluxFamily.default_lora_targets}
+    policy = FlowPolicy(family, num_steps=STEPS, guidance_scale=GUIDANCE, lora=lora, resolution=RES)
+    _perturb_lora_b(policy, scale=0.05)
+    rollout = policy.rollout(PROMPTS, group_size=2, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(policy.logprobs(rollout, torch.arange(4)).logps, rollout.old_logps, rtol=0,
+                                   atol=1e-5)
+    out = policy.logprobs(rollout, torch.arange(4))
+    assert policy.transformer.training and (out.logps - rollout.old_logps).abs().max() > 1e-4
+
+
+def test_full_finetuning_in_bfloat16_keeps_a_bfloat16_reference(flux_dir):
+    family = FluxFamily.from_pretrained(str(flux_dir), dtype=torch.bfloat16, max_sequence_length=MAX_SEQ)
+    policy = FlowPolicy(family, num_steps=STEPS, guidance_scale=GUIDANCE, lora=None, resolution=RES)
+    rollout = policy.rollout(PROMPTS[:1], group_size=2, generator=torch.Generator().manual_seed(0))
+    out = policy.logprobs(rollout, torch.arange(2), with_kl=True)
+    assert {p.dtype for p in policy._reference_model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in policy.trainable_parameters()} == {torch.float32}
+    assert torch.isfinite(out.kl).all() and (out.kl >= 0).all() and torch.isfinite(out.logps).all()

@@ -73,7 +73,7 @@ def test_box_iou_reversed_or_empty_boxes_score_zero():
 
 
 def test_iou_reward_exactly_half_is_not_accuracy():
-    r = build_reward("iou")
+    r = build_reward("iou", coord_format="absolute")
     gt = {"boxes": [[0, 0, 10, 10]]}
     out = r([answer("[0, 0, 5, 10]"), answer("[0, 0, 6, 10]"), answer("[10, 10, 0, 0]")], None, [gt] * 3)
     assert same(out["iou"], [0.5, 0.6, 0.0])
@@ -82,14 +82,14 @@ def test_iou_reward_exactly_half_is_not_accuracy():
 
 
 def test_iou_reward_first_box_and_best_ground_truth():
-    r = build_reward("iou")
+    r = build_reward("iou", coord_format="absolute")
     out = r([answer("[0,0,10,10] and [50,50,60,60]"), answer("[50,50,60,60] and [0,0,10,10]")], None,
             [{"boxes": [[100, 100, 110, 110], [0, 0, 10, 10]]}] * 2)
     assert same(out["iou"], [1.0, 0.0])  # first predicted box; best over the ground-truth boxes
 
 
 def test_iou_reward_unparseable_counted_and_missing_metadata_nan():
-    r = build_reward("iou")
+    r = build_reward("iou", coord_format="absolute")
     completions = [answer("the cat on the left"), "[0, 0, 10, 10]", answer("[0, 0, 10, 10]"), answer("[0, 0, 10, 10]"),
                    answer("[0, 0, 10, 10]"), answer("[0, 0, 10, 10]")]
     meta = [{"boxes": [[0, 0, 10, 10]]}, {"boxes": [[0, 0, 10, 10]]}, {}, {"boxes": [[10, 10, 0, 0]]},
@@ -142,7 +142,7 @@ def test_qwen25_coordinates_rescale_by_hand():
 
 
 def test_coordinate_formats_in_the_reward():
-    r = build_reward("iou")
+    r = build_reward("iou", coord_format="absolute")
     gt = [320, 120, 480, 240]
     meta = [
         {"boxes": [gt], "coord_format": "qwen2", "image_size": [640, 480]},
@@ -220,12 +220,15 @@ def test_spam_penalty_vlm_r1():
     assert spam_penalty(2, 3) == 1.0 and spam_penalty(0, 3) == 1.0
     gt = {"boxes": [[0, 0, 10, 10]]}
     spam = answer("[[0,0,10,10],[20,20,30,30],[40,40,50,50],[60,60,70,70]]")
-    plain, penalised = build_reward("box_f1"), build_reward("box_f1", spam_penalty=True)
+    plain = build_reward("box_f1", coord_format="absolute")
+    penalised = build_reward("box_f1", coord_format="absolute", spam_penalty=True)
     assert plain([spam], None, [gt])["box_f1"].item() == pytest.approx(2 / 5)
     assert penalised([spam], None, [gt])["box_f1"].item() == pytest.approx(2 / 5 * 1 / 4)
-    m = build_reward("box_matched_iou")  # spam penalty on by default: extra boxes cost nothing otherwise
+    # spam penalty on by default: extra boxes cost nothing otherwise
+    m = build_reward("box_matched_iou", coord_format="absolute")
     assert m([spam], None, [gt])["box_matched_iou"].item() == pytest.approx(0.25)
-    assert build_reward("box_matched_iou", spam_penalty=False)([spam], None, [gt])["box_matched_iou"].item() == 1.0
+    unpenalised = build_reward("box_matched_iou", coord_format="absolute", spam_penalty=False)
+    assert unpenalised([spam], None, [gt])["box_matched_iou"].item() == 1.0
 
 
 def test_matched_iou_and_completeness():
@@ -235,7 +238,7 @@ def test_matched_iou_and_completeness():
     one = matched_iou_completeness([[0, 0, 10, 10]], gt)
     assert (one["mean_iou"], one["completeness"], one["score"]) == pytest.approx((1.0, 0.5, 0.75))
     assert matched_iou_completeness([[0, 0, 10, 10]], gt, iou_weight=0.2)["score"] == pytest.approx(0.2 + 0.8 * 0.5)
-    r = build_reward("box_matched_iou")
+    r = build_reward("box_matched_iou", coord_format="absolute")
     out = r([answer("[[0,0,10,10],[20,0,26,10]]")], None, [{"boxes": gt}])
     assert same(out["box_matched_iou"], [0.9]) and same(out["mean_iou"], [0.8]) and same(out["completeness"], [1.0])
 
@@ -245,7 +248,7 @@ def test_dip_weighted_precision_recall():
     pred = [[0, 0, 10, 10], [20, 0, 30, 10], [40, 0, 50, 10], [60, 0, 70, 10]]  # P = 2/4, R = 2/2
     assert weighted_precision_recall(pred, gt)["score"] == pytest.approx(0.75)
     assert weighted_precision_recall(pred, gt, precision_weight=0.8)["score"] == pytest.approx(0.8 * 0.5 + 0.2 * 1.0)
-    r = build_reward("box_weighted_pr", precision_weight=0.8)
+    r = build_reward("box_weighted_pr", coord_format="absolute", precision_weight=0.8)
     out = r([answer(str(pred))], None, [{"boxes": gt}])
     assert same(out["box_weighted_pr"], [0.6]) and same(out["precision"], [0.5]) and same(out["recall"], [1.0])
 
@@ -280,7 +283,7 @@ def test_falcon_set_f1_hand_worked_and_against_the_reference():
 
 
 def test_falcon_set_reward_negatives():
-    r = build_reward("box_set_f1")
+    r = build_reward("box_set_f1", coord_format="absolute")
     out = r([answer("[]"), answer("no object"), answer("[0,0,10,10]"), answer("nothing to see but [0, 0, 10")], None,
             [{"boxes": []}, {"boxes": [[0, 0, 10, 10]]}, {"boxes": []}, {"boxes": []}])
     assert same(out["box_set_f1"], [1.0, 0.0, 0.0, 0.0])  # correct rejection; miss; hallucination; unreadable
@@ -294,7 +297,7 @@ def test_grip_salience_weighted_iou():
     assert salience_weighted_iou(pred, gt) == pytest.approx(0.75)
     assert salience_weighted_iou([[20, 0, 30, 10]], gt, [3, 1]) == pytest.approx(1 / 4)  # only the minor object found
     assert salience_weighted_iou([[0, 0, 10, 10]], gt, [3, 1]) == pytest.approx(3 / 4)   # only the salient one
-    r = build_reward("box_salience_iou")
+    r = build_reward("box_salience_iou", coord_format="absolute")
     out = r([answer(str(pred)), answer(str(pred)), answer("[[0,0,10,10],[0,0,10,10],[0,0,10,10],[0,0,10,10]]")], None,
             [{"boxes": gt, "salience": [3, 1]}, {"boxes": gt, "salience": [1]}, {"boxes": gt, "salience": [3, 1]}])
     # third: one box matched (IoU 1 on the salient object) = 3/4, times spam penalty 2/4
@@ -386,3 +389,156 @@ def test_temporal_dual_reward():
     assert same(out["temporal"], [1.0, 1 / 3, 0.0, NAN, 0.6, NAN])
     assert r.last_info["num_unparseable"] == 1 and "temporal" in r.last_info["unparseable_samples"][2]
     assert r.last_info["num_nan"] == 1
+
+
+def test_temporal_dual_on_temporal_grounding_lines():
+    """A temporal-grounding line (mmrl.data.vlm, tiny:temporal_grounding) carries the span as its `solution` text:
+    only its temporal part is scored, never a NaN for a 'solution' that is not a choice letter."""
+    r = build_reward("temporal_dual")
+    meta = [
+        {"task": "temporal_grounding", "solution": "[10.0, 20.0]", "timestamps": [10.0, 20.0], "duration": 30.0},
+        {"task": "temporal_grounding", "solution": "10.0-20.0", "timestamps": [10.0, 20.0]},
+        {"task": "temporal_grounding", "solution": "A man sits down from 10 to 20", "timestamps": [10.0, 20.0]},
+        {"task": "temporal_grounding", "solution": "[10.0, 20.0]", "timestamps": [10.0, 20.0]},
+    ]
+    completions = [answer("[12.0, 18.0]"), answer("15 to 25 seconds"), answer("10 to 20"), answer("soon")]
+    out = r(completions, None, meta)
+    # [12, 18] in [10, 20]: 6 / 10; [15, 25] vs [10, 20]: 5 / 15; exact: 1; no span: unparseable 0
+    assert same(out["temporal_dual"], [0.6, 1 / 3, 1.0, 0.0])
+    assert same(out["temporal"], [0.6, 1 / 3, 1.0, 0.0])
+    assert same(out["semantic"], [NAN, NAN, NAN, NAN])  # no semantic part on a grounding line
+    assert r.last_info["num_nan"] == 0
+    assert r.last_info["unparseable_samples"] == {3: "temporal: no time span in the answer"}
+
+
+def test_temporal_dual_on_multiple_choice_and_mixed_lines():
+    r = build_reward("temporal_dual")
+    options = ["sits down", "stands up", "runs away"]
+    meta = [
+        {"task": "multiple_choice", "solution": "B", "choices": options},        # MC: letter
+        {"task": "multiple_choice", "solution": "stands up", "choices": options},  # MC: option text -> B
+        {"solution": "(C)"},                                                     # MC without choices: bare letter
+        {"solution": "B", "choices": options, "timestamps": [10, 20]},           # grounded QA: both parts
+        {"solution": "B", "choices": options, "timestamps": [10, 20]},
+        {"solution": "D", "choices": options, "timestamps": [10, 20]},           # not one of the 3 options
+        {"solution": "a short description"},                                     # neither part
+    ]
+    completions = [answer("B"), answer("(A)"), answer("C"), answer("B, from 15 to 25 seconds"),
+                   answer("C 10 to 20"), answer("B 10 to 20"), answer("B")]
+    out = r(completions, None, meta)
+    # grounded QA: right letter + tIoU([15, 25], [10, 20]) = 1 + 5/15; wrong letter + exact span = 0 + 1
+    assert same(out["temporal_dual"], [1.0, 0.0, 1.0, 1 + 1 / 3, 1.0, NAN, NAN])
+    assert same(out["semantic"], [1.0, 0.0, 1.0, 1.0, 0.0, NAN, NAN])
+    assert same(out["temporal"], [NAN, NAN, NAN, 1 / 3, 1.0, NAN, NAN])
+    reasons = r.last_info["nan_samples"]
+    assert "'solution'" in reasons[5] and "choices" in reasons[5]
+    assert "timestamps" in reasons[6] and "multiple-choice" in reasons[6]
+
+
+def test_temporal_dual_on_the_synthetic_temporal_set():
+    """The lines tiny:temporal_grounding writes (mmrl.data.synthetic.build_temporal_set) are judged, not NaN."""
+    import json
+
+    span = [1.25, 4.5]
+    line = {"id": "t0", "task": "temporal_grounding", "solution": json.dumps(span), "timestamps": span,
+            "duration": 8.0}
+    out = build_reward("temporal_dual")([answer(json.dumps(span))], None, [line])
+    assert out["temporal_dual"].item() == pytest.approx(1.0) and math.isnan(out["semantic"].item())
+
+
+# --------------------------------------------------------------------------------------------
+# coordinate format: never silently absolute; from the model type in build_reward_fn
+# --------------------------------------------------------------------------------------------
+
+BOX_REWARDS = ["iou", "box_f1", "box_matched_iou", "box_weighted_pr", "box_set_f1", "box_salience_iou"]
+
+
+@pytest.mark.parametrize("name", BOX_REWARDS)
+def test_box_reward_without_coord_format_is_nan_with_reason(name):
+    r = build_reward(name)
+    meta = [{"boxes": [[0, 0, 10, 10]], "image_size": [100, 100]},
+            {"boxes": [[0, 0, 10, 10]], "image_size": [100, 100], "coord_format": "absolute"}]
+    out = r([answer("[0, 0, 10, 10]")] * 2, None, meta)
+    assert math.isnan(out[name][0].item())
+    assert out[name][1].item() == pytest.approx(1.0)  # 'absolute' still works when a sample names it
+    assert "coord_format" in r.last_info["nan_samples"][0]
+    # configured explicitly, the reward-level default applies
+    assert build_reward(name, coord_format="absolute")([answer("[0, 0, 10, 10]")], None, meta[:1])[name].item() == \
+        pytest.approx(1.0)
+
+
+def _vlm_config(pretrained: str, rewards: dict | None = None):
+    from mmrl.config import load_config
+
+    overrides = [f"model.pretrained={pretrained}"]
+    config = load_config("configs/tiny/vlm_grounding.yaml", overrides, check_files=False)
+    if rewards is not None:
+        config.rewards = rewards
+    return config
+
+
+# ground truth [320, 120, 480, 240] in a 640x480 image, resized for the model to 504x252
+GT = [320.0, 120.0, 480.0, 240.0]
+SIZES = {"image_size": [640, 480], "input_size": [504, 252]}
+
+
+def test_build_reward_fn_qwen2_vl_reads_boxes_in_thousandths():
+    from mmrl.build import build_reward_fn
+
+    reward = build_reward_fn(_vlm_config("tiny:qwen2_vl"))
+    assert reward.components["iou"][0].coord_format == "qwen2"
+    # [500, 250, 750, 500] / 1000 * [640, 480] = [320, 120, 480, 240]: IoU 1.
+    # [500, 250, 625, 500] -> [320, 120, 400, 240]: IoU = 80*120 / (160*120) = 0.5
+    out = reward([answer("[500, 250, 750, 500]"), answer("[500, 250, 625, 500]")], None,
+                 [{"boxes": [GT], **SIZES}] * 2)
+    assert same(out["iou"], [1.0, 0.5])
+
+
+def test_build_reward_fn_qwen2_5_vl_reads_boxes_in_input_pixels():
+    from mmrl.build import build_reward_fn
+
+    reward = build_reward_fn(_vlm_config("tiny:qwen2_5_vl"))
+    assert reward.components["iou"][0].coord_format == "qwen25"
+    # x * 640/504, y * 480/252: [252, 63, 378, 126] -> [320, 120, 480, 240] IoU 1;
+    # [252, 63, 315, 126] -> [320, 120, 400, 240] IoU 0.5. Read as thousandths it would be far off.
+    out = reward([answer("[252, 63, 378, 126]"), answer("[252, 63, 315, 126]")], None,
+                 [{"boxes": [GT], **SIZES}] * 2)
+    assert same(out["iou"], [1.0, 0.5])
+
+
+def test_build_reward_fn_reads_the_model_type_of_a_folder(tmp_path):
+    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
+
+    from mmrl.build import build_reward_fn
+
+    Qwen3VLConfig().save_pretrained(tmp_path / "q3")
+    Qwen2_5_VLConfig().save_pretrained(tmp_path / "q25")
+    assert build_reward_fn(_vlm_config(str(tmp_path / "q3"))).components["iou"][0].coord_format == "qwen2"
+    assert build_reward_fn(_vlm_config(str(tmp_path / "q25"))).components["iou"][0].coord_format == "qwen25"
+    assert build_reward_fn(_vlm_config("tiny:qwen3_vl")).components["iou"][0].coord_format == "qwen2"
+
+
+def test_build_reward_fn_keeps_configured_formats_and_walks_routes(tmp_path):
+    from mmrl.build import build_reward_fn
+
+    rewards = {
+        "iou": {"weight": 1.0, "kwargs": {"coord_format": "absolute"}},
+        "f1": {"reward": "box_f1", "weight": 0.5},
+        "think_answer_format": 0.5,
+        "routed": {"reward": "task_routed", "kwargs": {"routes": {"grounding": {"iou": 1.0}}}},
+    }
+    reward = build_reward_fn(_vlm_config("tiny:qwen2_vl", rewards))
+    assert reward.components["iou"][0].coord_format == "absolute"
+    assert reward.components["f1"][0].coord_format == "qwen2"
+    assert reward.components["routed"][0].components["iou"].coord_format == "qwen2"
+    assert rewards["f1"] == {"reward": "box_f1", "weight": 0.5}  # the config is not modified
+
+
+def test_build_reward_fn_without_a_known_model_type_sets_no_default(tmp_path):
+    from mmrl.build import build_reward_fn
+
+    reward = build_reward_fn(_vlm_config(str(tmp_path / "no-such-model")))
+    assert reward.components["iou"][0].coord_format is None
+    out = reward([answer("[500, 250, 750, 500]")], None, [{"boxes": [GT], **SIZES}])
+    assert math.isnan(out["iou"].item())
+    assert "coord_format" in reward.last_info["components"]["iou"]["nan_samples"][0]

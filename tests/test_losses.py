@@ -113,3 +113,49 @@ def test_bad_arguments():
         policy_loss(x, torch.zeros(2, 4), torch.zeros(2))
     with pytest.raises(ValueError, match="mask shape"):
         policy_loss(x, x, torch.zeros(2), torch.ones(3, 2))
+
+
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+@pytest.mark.parametrize("aggregation", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_chunks_add_up_to_the_whole_loss_and_gradient(aggregation, ratio_level):
+    """timestep_chunk is a memory knob: chunk losses (and their gradients) sum to the unchunked ones, for uneven
+    chunks (4 + 4 + 1) and ragged masks; the sequence ratio spans the whole trajectory, clipping included."""
+    g = torch.Generator().manual_seed(3)
+    n, t = 5, 9
+    logps = (torch.randn(n, t, generator=g) * 0.3).requires_grad_(True)
+    old = logps.detach() + torch.randn(n, t, generator=g) * 0.2
+    ref = logps.detach() + torch.randn(n, t, generator=g) * 0.1
+    adv = torch.randn(n, generator=g)
+    mask = (torch.arange(t)[None, :] < torch.tensor([9, 7, 3, 5, 1])[:, None]).float()
+    kwargs = dict(aggregation=aggregation, ratio_level=ratio_level, clip_low=0.1, beta=0.05)
+    whole = policy_loss(logps, old, adv, mask, ref_logps=ref, max_length=t, **kwargs).loss
+    (g_whole,) = torch.autograd.grad(whole, logps)
+    chunks = [torch.arange(0, 4), torch.arange(4, 8), torch.arange(8, 9)]
+    total = 0.0
+    counts = mask.sum(-1)
+    seq = (((logps - old) * mask).sum(-1) / counts).detach() if ratio_level == "sequence" else None
+    for cols in chunks:
+        total = total + policy_loss(logps[:, cols], old[:, cols], adv, mask[:, cols], ref_logps=ref[:, cols],
+                                    sample_action_counts=counts, batch_action_count=mask.sum(), max_length=t,
+                                    num_items_in_batch=mask.sum(), sequence_log_ratio=seq, **kwargs).loss
+    (g_chunks,) = torch.autograd.grad(total, logps)
+    assert torch.allclose(total, whole, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(g_chunks, g_whole, rtol=1e-5, atol=1e-8)
+    assert g_whole.abs().sum() > 0
+    # without the whole-trajectory counts the chunks weight the lone last step 4x (the old behaviour)
+    naive = sum(policy_loss(logps[:, c], old[:, c], adv, mask[:, c], ref_logps=ref[:, c], max_length=t,
+                            **kwargs).loss for c in chunks)
+    if aggregation in ("grpo",) or ratio_level == "sequence":
+        assert not torch.allclose(naive, whole, rtol=1e-4)
+
+
+def test_dr_grpo_divides_by_the_configured_maximum_length():
+    """Dr. GRPO / TRL: sum(l M) / (N * max_completion_length), whatever this batch's longest completion is."""
+    logps = torch.zeros(2, 3)
+    adv = torch.tensor([1.0, -0.5])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    loss = policy_loss(logps, logps, adv, mask, aggregation="dr_grpo", max_length=16).loss
+    # ratio 1: l = -A per action; sum = -(2 * 1) - (1 * -0.5) = -1.5; / (2 * 16)
+    assert loss.item() == pytest.approx(-1.5 / 32)

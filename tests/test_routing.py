@@ -29,10 +29,10 @@ def mixed_batch():
         "<think>a</think><answer>3</answer>",                # task without a route
     ]
     meta = [
-        {"task": "grounding", "boxes": [[0, 0, 10, 10]]},
+        {"task": "grounding", "boxes": [[0, 0, 10, 10]], "coord_format": "absolute"},
         {"task": "counting", "solution": 10},
         {"task": "mc", "solution": "B"},
-        {"task": "grounding", "boxes": [[0, 0, 10, 10]]},
+        {"task": "grounding", "boxes": [[0, 0, 10, 10]], "coord_format": "absolute"},
         {"task": "mc", "solution": "B"},
         {"task": "ocr", "solution": "3"},
     ]

@@ -151,6 +151,7 @@ def combine_rewards(
     weights: Mapping[str, float] | None = None,
     mode: str = "sum_then_normalize",
     estimator: str = "grpo",
+    batch_normalize: bool = False,
     **estimator_kwargs: Any,
 ) -> Tensor:
     """Advantages from several named rewards.
@@ -159,6 +160,10 @@ def combine_rewards(
     weighted component makes the sample's total NaN (advantage 0).
     ``normalize_then_sum`` (DanceGRPO video, MixGRPO, GDPO): ``A = sum_k w_k norm(R_k)``; a NaN
     component contributes 0 for that sample.
+    ``batch_normalize`` (``normalize_then_sum`` only): GDPO's final step (Liu et al. 2026, "GDPO: Group
+    reward-Decoupled Normalization Policy Optimization", arXiv 2601.05242), the summed advantages normalised
+    over the whole batch, ``(A - mean(A)) / (std(A) + eps)`` with the unbiased std and ``eps`` (1e-4) of its
+    reference implementation, every sample of the batch included.
     """
     if mode not in COMBINE_MODES:
         raise ValueError(f"unknown reward combination {mode!r}; expected one of {COMBINE_MODES}")
@@ -166,6 +171,8 @@ def combine_rewards(
         raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {sorted(ADVANTAGE_ESTIMATORS)}")
     if not components:
         raise ValueError("combine_rewards needs at least one reward component")
+    if batch_normalize and mode != "normalize_then_sum":
+        raise ValueError("batch_normalize is GDPO's step after normalize_then_sum; use mode='normalize_then_sum'")
     weights = dict(weights or {})
     unknown = set(weights) - set(components)
     if unknown:
@@ -174,7 +181,12 @@ def combine_rewards(
     if mode == "sum_then_normalize":
         total = sum(weights.get(k, 1.0) * v.float() for k, v in components.items())
         return norm(total, group_ids, **estimator_kwargs)
-    return sum(weights.get(k, 1.0) * norm(v.float(), group_ids, **estimator_kwargs) for k, v in components.items())
+    total = sum(weights.get(k, 1.0) * norm(v.float(), group_ids, **estimator_kwargs) for k, v in components.items())
+    if batch_normalize:
+        eps = estimator_kwargs.get("eps", 1e-4)
+        std = total.std() if total.numel() > 1 else torch.zeros(())
+        total = (total - total.mean()) / (std + eps)
+    return total
 
 
 class PerPromptStatTracker:
@@ -195,11 +207,13 @@ class PerPromptStatTracker:
         self.prompts_seen: set[str] = set()
 
     def update(self, prompts: Sequence[str], rewards: Mapping[str, Tensor] | Tensor,
-               weights: Mapping[str, float] | None = None, mode: str = "sum_then_normalize") -> Tensor:
+               weights: Mapping[str, float] | None = None, mode: str = "sum_then_normalize",
+               batch_normalize: bool = False) -> Tensor:
         self.prompts_seen.update(prompts)
         components = {"reward": rewards} if isinstance(rewards, Tensor) else dict(rewards)
         if not self.keep_history:
-            return combine_rewards(components, list(prompts), weights=weights, mode=mode, **self.estimator_kwargs)
+            return combine_rewards(components, list(prompts), weights=weights, mode=mode,
+                                   batch_normalize=batch_normalize, **self.estimator_kwargs)
         if mode != "sum_then_normalize":
             raise ValueError("keep_history tracks one total reward: use mode='sum_then_normalize'")
         total = sum((weights or {}).get(k, 1.0) * v.double() for k, v in components.items())

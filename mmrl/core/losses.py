@@ -59,6 +59,9 @@ def policy_loss(
     gradient_accumulation_steps: int = 1,
     num_items_in_batch: float | Tensor | None = None,
     num_processes: int = 1,
+    sample_action_counts: Tensor | None = None,
+    batch_action_count: float | Tensor | None = None,
+    sequence_log_ratio: Tensor | None = None,
 ) -> PolicyLossOutput:
     """Clipped surrogate loss over ``[N, T]`` actions.
 
@@ -79,6 +82,22 @@ def policy_loss(
         num_items_in_batch: for ``dapo``, the active actions of the whole generation batch summed over all
             processes (what one optimizer step covers); defaults to this batch's ``mask.sum()``.
         num_processes: for ``dapo``, the number of data-parallel processes.
+        sample_action_counts: ``[N]`` trained actions of each sample over its WHOLE trajectory (default
+            ``mask.sum(-1)``). When a forward sees only a chunk of each trajectory's steps
+            (``train.timestep_chunk``), passing the full counts makes the chunk losses add up to exactly the
+            unchunked loss: ``grpo`` divides each sample's sum by it, and the sequence ratio averages over it.
+        batch_action_count: for ``bnpo``, the active actions of the batch the mean is over (default
+            ``mask.sum()``); the trainer passes those of the whole local batch of one optimizer step, so
+            neither chunking nor the accumulation split changes the mean.
+        sequence_log_ratio: ``[N]`` with ``ratio_level="sequence"`` when the forward sees a chunk only: the
+            detached sequence log-ratio ``sum M (logp - old) / sum M`` of the whole trajectory. The ratio's value
+            is then the whole trajectory's, and its gradient flows through this chunk's actions, so the chunk
+            gradients add up to the unchunked gradient exactly (the value counts once, spread over the chunks
+            in proportion to their actions).
+
+    Layout invariance: with ``sample_action_counts``, ``batch_action_count``, ``max_length`` and
+    ``sequence_log_ratio`` describing the whole trajectories, the sum of the losses (and gradients) of the
+    chunks of a batch equals the loss (and gradient) of the batch in one piece.
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
@@ -96,12 +115,23 @@ def policy_loss(
     advantages = advantages.to(logps.dtype)
     clip_high = clip_low if clip_high is None else clip_high
 
+    counts = mask.sum(-1) if sample_action_counts is None else sample_action_counts.to(logps)
+    counts = counts.clamp(min=1.0)
     log_ratio = logps - old_logps.detach()
     if ratio_level == "sequence":
-        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        part = (log_ratio * mask).sum(-1) / counts  # this chunk's share of the trajectory's mean log-ratio
+        if sequence_log_ratio is not None:  # the value of the whole trajectory, the gradient of this chunk
+            part = sequence_log_ratio.detach().to(part) + part - part.detach()
+        log_ratio = part.unsqueeze(-1)
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_action = -torch.min(ratio * advantages, clipped * advantages)
+    if ratio_level == "sequence" and sequence_log_ratio is not None:
+        # the per-sample term appears on each of the chunk's c actions but its gradient must count C (all the
+        # trajectory's actions) times: the value stays c / C of the whole, the gradient is scaled by C / c
+        chunk = mask.sum(-1, keepdim=True)
+        scale = torch.where(chunk > 0, counts.unsqueeze(-1) / chunk.clamp(min=1.0), torch.zeros_like(chunk))
+        per_action = per_action.detach() + (per_action - per_action.detach()) * scale
 
     if kl is None and ref_logps is not None:
         kl = k3_kl(logps, ref_logps.detach())
@@ -110,13 +140,14 @@ def policy_loss(
 
     n, t = logps.shape
     if aggregation == "grpo":
-        loss = ((per_action * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / gradient_accumulation_steps
+        loss = ((per_action * mask).sum(-1) / counts).mean() / gradient_accumulation_steps
     elif aggregation == "bnpo":
-        loss = (per_action * mask).sum() / mask.sum().clamp(min=1.0) / gradient_accumulation_steps
+        total = mask.sum() if batch_action_count is None else torch.as_tensor(batch_action_count).to(logps)
+        loss = (per_action * mask).sum() / total.clamp(min=1.0) / gradient_accumulation_steps
     elif aggregation == "dr_grpo":
         loss = (per_action * mask).sum() / (n * (max_length or t)) / gradient_accumulation_steps
     else:
-        total = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=logps.dtype)
+        total = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch).to(logps)
         loss = (per_action * mask).sum() / (total / num_processes).clamp(min=1.0)
 
     with torch.no_grad():

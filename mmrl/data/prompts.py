@@ -16,6 +16,10 @@ class DataError(ValueError):
     """Bad input data, naming the file and line."""
 
 
+class EmptyBatchError(DataError):
+    """Every sample of a batch was skipped (data.skip_bad_samples): the loop draws replacements."""
+
+
 @dataclass
 class PromptItem:
     prompt: str

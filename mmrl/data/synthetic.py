@@ -42,7 +42,7 @@ def build_grounding_set(outdir: str | Path, *, num_samples: int = 32, seed: int 
         box = [x1, y1, x1 + w, y1 + h]
         records.append({"id": f"g{i}", "image": f"images/{path.name}", "task": "grounding",
                         "question": f"Where is the {name} box? Answer with its bounding box [x1, y1, x2, y2].",
-                        "solution": json.dumps(box), "boxes": [box], "coord_format": "qwen25"})
+                        "solution": json.dumps(box), "boxes": [box]})  # answers in the policy's own coord_format
     return _write_jsonl(outdir, records)
 
 

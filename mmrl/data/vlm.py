@@ -368,9 +368,11 @@ def load_images(sample: VLMSample, *, min_pixels: int | None = None, max_pixels:
 
     With ``min_pixels``/``max_pixels`` each image is resized (bicubic) to Qwen's ``smart_resize`` size:
     sides multiples of ``factor`` (28 for Qwen2/2.5-VL, 32 for Qwen3-VL), pixels within the budget, aspect
-    kept. Records ``image_size``/``image_sizes`` (stored ``[W, H]``) and ``input_size``/``input_sizes``
-    (after resizing) in ``sample.metadata``. An unreadable image is a :class:`DataError` naming the image and
-    the sample's line.
+    kept. ``factor`` must be the processor's ``patch_size * merge_size`` (as :func:`mmrl.build.vlm_media` passes
+    it): with another factor the processor resizes the image again and ``input_size`` is not the model's input
+    (``image_grid_thw[1:] * patch_size``). Records ``image_size``/``image_sizes`` (stored ``[W, H]``) and
+    ``input_size``/``input_sizes`` (after resizing) in ``sample.metadata``. An unreadable image is a
+    :class:`DataError` naming the image and the sample's line.
     """
     originals: list[Image.Image] = []
     if sample.images:

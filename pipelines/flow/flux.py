@@ -17,7 +17,10 @@ What is specific to FLUX lives here; sampling, log-probabilities and training ar
 * **Transformer call.** The transformer takes ``timestep / 1000`` (it multiplies by 1000 inside)
   and, on guidance-distilled checkpoints (FLUX.1-dev, ``config.guidance_embeds``), the guidance
   scale as an *input* (``guidance``, one value per sample). There is no classifier-free guidance:
-  one forward per step, and the policy passes ``negative=None`` (ignored here anyway).
+  one forward per step, and the policy passes ``negative=None``. A non-empty ``sampling.negative_prompt``
+  is rejected (``ValueError`` from :class:`~mmrl.pipelines.flow.policy.FlowPolicy`): FLUX.1-dev is
+  guidance-distilled, so there is no unconditional branch for it to steer (diffusers' ``FluxPipeline``
+  can run a second, "true CFG" forward with ``true_cfg_scale``; mmrl does not implement it).
 * **Decoding.** Unpack, ``/ scaling_factor + shift_factor`` (0.3611 / 0.1159 for FLUX.1), VAE.
 * **LoRA.** ``FluxPipeline.save_lora_weights`` with the PEFT adapter config as metadata, so
   ``FluxPipeline.load_lora_weights`` restores the same rank *and* alpha (scale).
@@ -40,6 +43,7 @@ import torch
 from torch import Tensor
 
 from mmrl.pipelines.flow.loading import load_pipeline
+from mmrl.pipelines.flow.policy import model_dtype
 
 
 class FluxFamily:
@@ -62,7 +66,8 @@ class FluxFamily:
     def __init__(self, pipe, *, max_sequence_length: int = 512):
         self.pipe = pipe
         self.transformer = pipe.transformer
-        #: the dtype the frozen weights were loaded in (the policy later adds fp32 LoRA weights)
+        #: the dtype the weights were loaded in (the policy later adds fp32 LoRA weights, or casts all of them to
+        #: fp32 for full fine-tuning; the transformer's inputs follow the model called, see :meth:`velocity`)
         self.dtype = pipe.transformer.dtype
         self.max_sequence_length = max_sequence_length
         #: ``[L_txt, 3]`` zeros: FLUX's text position ids, identical for every prompt (set by :meth:`encode`).
@@ -161,9 +166,12 @@ class FluxFamily:
 
         ``timesteps`` ``[B]`` are on the scheduler's 0..1000 scale; the transformer gets ``timesteps / 1000``.
         ``guidance_scale`` is FLUX.1-dev's distilled guidance (an input of the transformer, used only when
-        ``transformer.config.guidance_embeds``). ``negative`` is ignored: FLUX has no classifier-free guidance here.
+        ``transformer.config.guidance_embeds``). ``negative`` is always None: FLUX has no classifier-free guidance
+        here, and :class:`~mmrl.pipelines.flow.policy.FlowPolicy` rejects a non-empty ``negative_prompt`` for FLUX.
+        Inputs are cast to ``model``'s own dtype (:func:`~mmrl.pipelines.flow.policy.model_dtype`): the load dtype
+        for a LoRA policy and for any reference, fp32 for a fully fine-tuned policy.
         """
-        dtype = self.dtype
+        dtype = model_dtype(model)
         x = latents.to(dtype)
         b, seq_len = x.shape[0], x.shape[1]
         embeds = cond["prompt_embeds"].to(dtype)

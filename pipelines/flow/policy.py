@@ -29,6 +29,14 @@ from mmrl.pipelines.flow.sde import sde_step
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def model_dtype(model) -> torch.dtype:
+    """The dtype a transformer's inputs are cast to: diffusers' ``ModelMixin.dtype`` (its first floating-point
+    parameter; PEFT registers a LoRA layer's base weights before its adapters, so with LoRA this is the load
+    dtype), through a DDP wrapper. The fp32 policy of a full fine-tune and its reference in the load dtype thus
+    each get inputs of their own dtype."""
+    return getattr(model, "module", model).dtype
+
+
 def build_family(family: str, pretrained: str, *, dtype: str = "float32", revision: str | None = None,
                  max_sequence_length: int = 256):
     """The adapter of a model family, with its pipeline loaded."""
@@ -88,7 +96,13 @@ class FlowPolicy:
         sde: ``flow_grpo | dance | cps`` (see :func:`mmrl.pipelines.flow.sde.sde_step`).
         noise_level: the SDE noise level (float), used on every SDE step unless ``noise_schedule`` is set.
         guidance_scale: classifier-free guidance (SD3) or distilled guidance (FLUX).
-        lora: dict with ``rank, alpha, dropout, target_modules``; ``None`` trains the whole transformer.
+        negative_prompt: the unconditional prompt of SD3's classifier-free guidance; FLUX has no CFG (FLUX.1-dev is
+            guidance-distilled), so a non-empty one is a ``ValueError`` there instead of being silently ignored.
+        lora: dict with ``rank, alpha, dropout, target_modules``; ``None`` trains the whole transformer (in fp32;
+            the frozen reference copy stays in the load dtype). The LoRA ``dropout`` acts only in the
+            gradient-carrying forward of :meth:`logprobs` (train mode); rollouts, old log-probs, the reference,
+            intermediate images and evaluation run in eval mode, so with dropout 0 the first ratio is exactly 1.
+        gradient_checkpointing: diffusers' per-block activation checkpointing in the training forward.
     """
 
     def __init__(self, family, *, num_steps: int = 10, eval_num_steps: int = 10, resolution: int = 32,
@@ -99,6 +113,14 @@ class FlowPolicy:
                  time_shift: float | None = None, noise_schedule: list[float] | None = None,
                  keep_x0: bool = False, merge_threshold: float | None = None, merge_groups: int | None = None,
                  device: torch.device | str = "cpu"):
+        if negative_prompt and family.name == "flux":
+            raise ValueError(
+                f"sampling.negative_prompt={negative_prompt!r} is not supported for model.family='flux': FLUX.1 is "
+                f"guidance-distilled (FLUX.1-dev takes sampling.guidance_scale as a distilled-guidance input of the "
+                f"transformer, FLUX.1-schnell none), so there is no classifier-free guidance and no unconditional "
+                f"branch for a negative prompt to steer; it would be silently ignored. Leave sampling.negative_prompt "
+                f"empty for FLUX (diffusers' 'true CFG' with true_cfg_scale is not implemented here)."
+            )
         self.family = family
         self.num_steps = num_steps
         self.eval_num_steps = eval_num_steps
@@ -134,6 +156,9 @@ class FlowPolicy:
                 module.eval()
         self.transformer = family.transformer
         self.transformer.requires_grad_(False)
+        #: the dtype the transformer was loaded in (model.dtype), before trainable weights are cast to fp32: the
+        #: frozen reference copy of a full fine-tune is kept in it
+        self.load_dtype = family.dtype
         self.use_lora = lora is not None
         if self.use_lora:
             from peft import LoraConfig
@@ -148,8 +173,12 @@ class FlowPolicy:
             self._reference_model = None  # a frozen copy, made on first use of reference()
         for p in self.trainable_parameters():
             p.data = p.data.float()  # trainable weights (and their optimizer state) in fp32
-        if gradient_checkpointing:
+        if gradient_checkpointing:  # diffusers checkpoints each block when torch.is_grad_enabled()
             self.transformer.enable_gradient_checkpointing()
+        # Train / eval mode: only the gradient-carrying forward of `logprobs` runs in train mode (LoRA dropout,
+        # model.lora_dropout, applies there); every no-grad forward (rollout and its old log-probs, recomputed
+        # old log-probs, the reference, intermediate images, evaluation) runs in eval mode. See `_set_mode`.
+        self.transformer.eval()
         # the module that computes training log-probs: replaced by the DDP-wrapped one in prepare(); sampling
         # (no gradients) calls the unwrapped transformer directly
         self.model = self.transformer
@@ -170,24 +199,39 @@ class FlowPolicy:
         """Wrap the trainable module for distributed training (DDP) with ``accelerator.prepare``."""
         self.model = accelerator.prepare(self.transformer)
 
+    def _set_mode(self, train: bool) -> None:
+        """Train mode for the gradient-carrying forward of ``logprobs`` (LoRA dropout applies), eval mode for every
+        no-grad forward. The mode is set at the start of each forward and left as it is afterwards: under gradient
+        checkpointing the backward pass re-runs the training forward, and that recomputation must see the same
+        (train) mode, so ``logprobs`` does not switch back to eval on return."""
+        self.transformer.train(train)
+
     @contextlib.contextmanager
     def reference(self):
-        """The reference policy: LoRA adapters disabled, or a frozen copy of the initial weights."""
+        """The reference policy, in eval mode: LoRA adapters disabled, or (full fine-tuning) a frozen copy of the
+        initial weights in the load dtype (:meth:`init_reference`)."""
         if self.use_lora:
+            self._set_mode(False)
             self.transformer.disable_adapters()
             try:
                 yield self.transformer
             finally:
                 self.transformer.enable_adapters()
         else:
-            if self._reference_model is None:
-                self._reference_model = copy.deepcopy(self.transformer).requires_grad_(False).eval()
+            self.init_reference()
             yield self._reference_model
 
     def init_reference(self) -> None:
-        """Snapshot the reference weights now (full fine-tuning keeps a frozen copy of the initial model)."""
-        if not self.use_lora and self._reference_model is None:
-            self._reference_model = copy.deepcopy(self.transformer).requires_grad_(False).eval()
+        """Snapshot the reference weights now (full fine-tuning keeps a frozen, eval-mode copy of the initial model).
+
+        The copy is in the dtype the model was loaded in (``load_dtype``, e.g. bfloat16), not in the fp32 the
+        trainable weights were cast to: half the memory, and what the reference of a LoRA run (the frozen base) is
+        too. Its parameters are cast while copying, so no second fp32 transformer is ever held."""
+        if self.use_lora or self._reference_model is not None:
+            return
+        memo = {id(p): torch.nn.Parameter(p.detach().to(self.load_dtype, copy=True), requires_grad=False)
+                for p in self.transformer.parameters()}  # buffers were never cast: they keep the load dtype
+        self._reference_model = copy.deepcopy(self.transformer, memo).requires_grad_(False).eval()
 
     def lora_state_dict(self) -> dict[str, Tensor]:
         from peft.utils import get_peft_model_state_dict
@@ -271,7 +315,7 @@ class FlowPolicy:
         x0_pred = torch.empty((n, num_steps, *x.shape[1:])) if self.keep_x0 else None
         meta = metadata if metadata is not None else [{} for _ in prompts]
         images_list: list[Tensor] = []
-        self.transformer.eval()
+        self._set_mode(False)
         for start in range(0, n, self.sample_batch_size):
             rows = slice(start, min(n, start + self.sample_batch_size))
             batch_cond = {k: v[prompt_index[rows].to(v.device)] for k, v in cond.items()}
@@ -331,13 +375,16 @@ class FlowPolicy:
             return sde_step(x, v, sigma, sigma_next, kind=self.sde, noise_level=levels, prev_sample=x_next,
                             sigma_one_substitute=rollout.sigmas[1].item())
 
-        out = step(self.model)
-        logps = out.log_prob.view(t, n).T
-        kl = None
-        if with_kl:
+        ref = None
+        if with_kl:  # first, in eval mode, so the training forward below is the last one before backward
             with torch.no_grad(), self.reference() as ref_model:
                 ref = step(ref_model)
-            kl = flow_kl(out.mean, ref.mean, out.noise_scale).view(t, n).T
+        # train mode only when this forward carries gradients (LoRA dropout on); a no-grad call (old log-probs)
+        # is in eval mode, like the rollout that produced them
+        self._set_mode(torch.is_grad_enabled())
+        out = step(self.model)
+        logps = out.log_prob.view(t, n).T
+        kl = None if ref is None else flow_kl(out.mean, ref.mean, out.noise_scale).view(t, n).T
         return LogProbOutput(logps=logps, kl=kl)
 
     def intermediate_starts(self, rollout: FlowRollout) -> list[int]:
@@ -359,6 +406,7 @@ class FlowPolicy:
         out = torch.empty((n, len(starts), 3, self.resolution, self.resolution))
         nfe = 0
         passes = 2 if self._use_cfg else 1
+        self._set_mode(False)
         for k, start in enumerate(starts):
             for i in range(0, n, self.sample_batch_size):
                 rows = torch.arange(i, min(n, i + self.sample_batch_size))
@@ -388,7 +436,7 @@ class FlowPolicy:
         sigmas, timesteps = self.schedule(num_steps)
         shape = self.family.latent_shape(self.resolution)
         images = []
-        self.transformer.eval()
+        self._set_mode(False)
         for prompt in prompts:
             cond = self.family.encode([prompt])
             x = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(int(s))) for s in seeds])

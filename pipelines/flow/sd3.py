@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from mmrl.pipelines.flow.loading import load_pipeline
+from mmrl.pipelines.flow.policy import model_dtype
 
 
 class SD3Family:
@@ -24,7 +25,8 @@ class SD3Family:
     def __init__(self, pipe, *, max_sequence_length: int = 256):
         self.pipe = pipe
         self.transformer = pipe.transformer
-        #: the dtype the frozen weights were loaded in (the policy later adds fp32 LoRA weights)
+        #: the dtype the weights were loaded in (the policy later adds fp32 LoRA weights, or casts all of them to
+        #: fp32 for full fine-tuning; the transformer's inputs follow the model called, see :meth:`velocity`)
         self.dtype = pipe.transformer.dtype
         self.max_sequence_length = max_sequence_length
 
@@ -59,16 +61,19 @@ class SD3Family:
 
     def velocity(self, model, latents: Tensor, timesteps: Tensor, cond: dict[str, Tensor],
                  negative: dict[str, Tensor] | None, guidance_scale: float) -> Tensor:
-        """The model's velocity ``v = eps - x0`` (fp32), with CFG in one batched forward when ``negative`` is given."""
-        dtype = self.dtype
+        """The model's velocity ``v = eps - x0`` (fp32), with CFG in one batched forward when ``negative`` is given.
+
+        Inputs are cast to ``model``'s own dtype (:func:`~mmrl.pipelines.flow.policy.model_dtype`): the load dtype
+        for a LoRA policy and for any reference, fp32 for a fully fine-tuned policy."""
+        dtype = model_dtype(model)
         x = latents.to(dtype)
-        embeds, pooled = cond["prompt_embeds"], cond["pooled_projections"]
+        embeds, pooled = cond["prompt_embeds"].to(dtype), cond["pooled_projections"].to(dtype)
         if negative is not None:
             n = x.shape[0]
             x = torch.cat([x, x])
             timesteps = torch.cat([timesteps, timesteps])
-            embeds = torch.cat([negative["prompt_embeds"].expand(n, -1, -1), embeds])
-            pooled = torch.cat([negative["pooled_projections"].expand(n, -1), pooled])
+            embeds = torch.cat([negative["prompt_embeds"].to(dtype).expand(n, -1, -1), embeds])
+            pooled = torch.cat([negative["pooled_projections"].to(dtype).expand(n, -1), pooled])
         out = model(hidden_states=x, timestep=timesteps.float(), encoder_hidden_states=embeds,
                     pooled_projections=pooled, return_dict=False)[0].float()
         if negative is None:

@@ -5,6 +5,17 @@ prompt's images or video frames, and ``logprobs`` recomputes the per-token log-p
 of the stored completions under the current parameters, in one forward with the vision inputs of just
 those samples, logits divided by the sampling temperature (TRL's convention).
 
+Train and eval mode: the gradient-carrying forward of ``logprobs`` (``torch.is_grad_enabled()``) runs with the
+model in train mode, so gradient checkpointing (transformers checkpoints only in train mode) and PEFT's LoRA
+dropout apply there, as in TRL / PEFT training; every no-grad forward (generation, old and reference
+log-probs, evaluation) runs in eval mode. With no dropout the two modes give bit-identical log-probs, so the
+first ratio of an update is exactly 1.
+
+Sampling uses exactly the policy's settings (temperature, top-p, top-k, the end-of-turn and pad ids, the
+suppressed vision placeholders): the ``generation_config`` a checkpoint ships (Qwen-VL checkpoints set
+``repetition_penalty``, ``top_k``, ``top_p``, ``temperature``) is not merged in, since the training
+log-probs could not replay those processors.
+
 Vision features: with the vision tower frozen (the default, as VLM-R1 / Video-R1 train), each prompt's
 images or frames are encoded ONCE per update and the features are reused by generation (all ``G``
 completions) and by every log-prob forward of every inner epoch, through transformers'
@@ -36,6 +47,7 @@ import torch
 from torch import Tensor
 
 from mmrl.core.losses import k3_kl
+from mmrl.data.prompts import EmptyBatchError
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +97,13 @@ class VLMRollout:
     @property
     def outputs(self) -> list[str]:
         return self.completions
+
+    @property
+    def condition_keys(self) -> list[str]:
+        """What identifies each sample's condition across updates, for per-prompt statistics and value anchors:
+        the data sample (its ``id``: question AND media), never the question text, which many images share."""
+        return [f"sample:{m['id']}" if m.get("id") is not None else f"group:{int(g)}"
+                for m, g in zip(self.metadata, self.group_ids)]
 
     def select(self, index: Tensor) -> "VLMRollout":
         """The samples ``index`` (whole groups, in order), with the prompts they use."""
@@ -184,6 +203,16 @@ class QwenVLPolicy:
             never targeted), or ``None`` for full fine-tuning of the language model (and of the vision tower when
             ``freeze_vision`` is False).
         media: callable ``(item) -> (images, video)`` loading a data item's media (see :mod:`mmrl.data.vlm`).
+        temperature, top_p, top_k: the sampling distribution. The replayed log-probs are TRL's: log-softmax of
+            ``logits / temperature`` (vision placeholders masked, as they are suppressed in sampling). With
+            ``top_p < 1`` or ``top_k > 0`` tokens are sampled from the truncated distribution but scored under
+            the untruncated tempered one, as in TRL's ``GRPOTrainer``; with ``top_p = 1``, ``top_k = 0`` the
+            scores are exactly those of the sampling distribution.
+
+    LoRA dropout (``lora["dropout"]``) applies in the gradient-carrying forward only (train mode), as in
+    TRL / PEFT; the old and reference log-probs are computed in eval mode, so with dropout > 0 the first ratio
+    of an update is no longer exactly 1. A full-fine-tune reference (``init_reference``) is a frozen copy in
+    the dtype the model was loaded in (trainable parameters are kept in fp32 for the optimizer).
     """
 
     def __init__(self, model, processor, *, lora: dict | None = None, freeze_vision: bool = True,
@@ -205,7 +234,9 @@ class QwenVLPolicy:
         self.freeze_vision = freeze_vision
         self.device = torch.device(device)
         self.skipped: dict[str, int] = {}
+        self.dtype = model.dtype  # the loaded dtype; trainable parameters are upcast to fp32 below
         model.to(self.device)
+        model.eval()  # no-grad forwards run in eval mode; logprobs switches to train mode for its grad forward
         model.requires_grad_(False)
         self.use_lora = lora is not None
         if self.use_lora:
@@ -271,8 +302,15 @@ class QwenVLPolicy:
         self.train_model = accelerator.prepare(self.model)
 
     def init_reference(self) -> None:
+        """Full fine-tuning: freeze a copy of the current model as the reference, with the trainable parameters
+        (upcast to fp32 for the optimizer) back in the dtype the model was loaded in."""
         if not self.use_lora and self._reference_model is None:
-            self._reference_model = copy.deepcopy(self.model).requires_grad_(False).eval()
+            trainable = set(self.named_trainable_parameters())
+            reference = copy.deepcopy(self.model).requires_grad_(False).eval()
+            for name, param in reference.named_parameters():
+                if name in trainable:
+                    param.data = param.data.to(self.dtype)
+            self._reference_model = reference
 
     @contextlib.contextmanager
     def reference(self):
@@ -386,6 +424,7 @@ class QwenVLPolicy:
     @torch.no_grad()
     def _encode_vision(self, vision: list[Vision]) -> None:
         """Frozen tower: encode every prompt's images / frames once; features are reused for the whole update."""
+        self.model.eval()
         base = self.base_model.model
         for v in vision:
             if v.pixel_values is not None:
@@ -431,7 +470,7 @@ class QwenVLPolicy:
         permutes each video's frames (T-GRPO's contrast rollouts)."""
         inputs, vision, kept = self.encode_prompts(items, shuffle_frames=generator if shuffle_frames else None)
         if not kept:
-            raise ValueError("no usable sample in this batch (all skipped: see the skip counts)")
+            raise EmptyBatchError("no usable sample in this batch (all skipped: see the skip counts)")
         items = [items[i] for i in kept]
         if self.freeze_vision:
             self._encode_vision(vision)
@@ -444,14 +483,19 @@ class QwenVLPolicy:
             gen_kwargs["mm_token_type_ids"] = mm_types.to(self.device)
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         self.model.eval()
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(seed)
-            sequences = self.model.generate(
-                **gen_kwargs, do_sample=not greedy, temperature=self.temperature if not greedy else None,
-                top_p=self.top_p if not greedy else None, top_k=(self.top_k or None) if not greedy else None,
-                max_new_tokens=self.max_new_tokens, num_return_sequences=1 if greedy else group_size,
-                eos_token_id=self.eos_ids, pad_token_id=self.pad_id, suppress_tokens=self.suppressed_ids,
-            )
+        config = self.sampling_config(greedy=greedy, group_size=group_size)
+        # generate() fills every field the passed config leaves unset from model.generation_config (transformers
+        # 5.x GenerationMixin._prepare_generation_config, no opt-out): for this call the model's config is ours,
+        # so nothing the checkpoint ships (repetition_penalty, min_p, ...) reaches the sampling distribution
+        hf_model = self.base_model
+        shipped = hf_model.generation_config
+        hf_model.generation_config = config
+        try:
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                torch.manual_seed(seed)
+                sequences = self.model.generate(**gen_kwargs, generation_config=config)
+        finally:
+            hf_model.generation_config = shipped
         if greedy:
             group_size = 1
         completion_ids = sequences[:, prompt_ids.shape[1]:].cpu()
@@ -469,9 +513,28 @@ class QwenVLPolicy:
             extras={"num_samples": n, "completion_length": mask.sum(-1).float()},
         )
 
+    def sampling_config(self, *, greedy: bool = False, group_size: int = 1):
+        """A fresh ``GenerationConfig`` holding only the policy's settings: the processors that sampling applies
+        are exactly temperature, top-k, top-p (``top_k=0`` and ``top_p=1`` are off) and the suppressed vision
+        placeholders; greedy decoding applies only the suppression."""
+        from transformers import GenerationConfig
+
+        common = dict(max_new_tokens=self.max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
+                      suppress_tokens=self.suppressed_ids or None)
+        if greedy:
+            return GenerationConfig(do_sample=False, num_return_sequences=1, **common)
+        return GenerationConfig(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                num_return_sequences=group_size, **common)
+
     def logprobs(self, rollout: VLMRollout, index: Tensor, steps: Tensor | None = None, *,
                  with_kl: bool = False) -> LogProbOutput:
-        """Per-token log-probs ``[n, T]`` (or the ``steps`` columns) of the stored completions of samples ``index``."""
+        """Per-token log-probs ``[n, T]`` (or the ``steps`` columns) of the stored completions of samples ``index``.
+
+        With gradients enabled the forward runs in train mode (gradient checkpointing, LoRA dropout); without, in
+        eval mode. ``with_kl``: also TRL's k3 estimate of KL(policy || reference) per token,
+        ``exp(ref - logp) - (ref - logp) - 1``, on the live log-probs (so ``beta`` has a gradient) with the
+        reference log-probs computed without gradients (eval mode) and cached for the update.
+        """
         index = torch.as_tensor(index, dtype=torch.long)
         rows = rollout.prompt_index[index]
         completion = rollout.completion_ids[index]
@@ -485,7 +548,10 @@ class QwenVLPolicy:
                 [rollout.mm_token_type_ids[rows], torch.zeros_like(completion, dtype=rollout.mm_token_type_ids.dtype)],
                 dim=1).to(self.device)
 
-        def token_logps(model) -> Tensor:
+        def token_logps(model, train: bool) -> Tensor:
+            # the mode is set at the start of each forward and left as it is: a gradient-carrying forward stays in
+            # train mode through its backward, where gradient checkpointing recomputes it (dropout included)
+            model.train(train)
             logits = model(**kwargs, logits_to_keep=width + 1, use_cache=False).logits[:, :-1].float()
             logits = logits / self.temperature
             if self.suppressed_ids:
@@ -494,20 +560,21 @@ class QwenVLPolicy:
             picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
             return picked - torch.logsumexp(logits, dim=-1)
 
-        logps = token_logps(self.train_model)
-        kl = None
+        ref = None
         if with_kl:
             # the reference never changes within an update: its log-probs are computed once per sample and reused
-            # by every later minibatch and inner epoch
+            # by every later minibatch and inner epoch; computed BEFORE the policy's forward, so the policy's
+            # forward is the last one before backward
             cache = rollout.extras.setdefault("ref_logps", {})
             rows_list = index.tolist()
             if any(i not in cache for i in rows_list):
                 with torch.no_grad(), self.reference() as ref_model:
-                    ref = token_logps(ref_model)
+                    fresh = token_logps(ref_model, train=False)
                 for j, i in enumerate(rows_list):
-                    cache[i] = ref[j]
+                    cache[i] = fresh[j]
             ref = torch.stack([cache[i] for i in rows_list])
-            kl = k3_kl(logps.detach(), ref)
+        logps = token_logps(self.train_model, train=torch.is_grad_enabled())
+        kl = None if ref is None else k3_kl(logps, ref)  # TRL: live log-probs, reference without gradient
         if steps is not None:
             steps = torch.as_tensor(steps, device=logps.device)
             logps = logps[:, steps]

@@ -1,0 +1,103 @@
+"""Run by test_layout_processes.py: one update of a real Trainer on ONE global batch of 2 prompts x 4 samples,
+either all 8 samples on one process or split 4 + 4 over two gloo processes (under torchrun).
+
+    python tests/layout_process_worker.py OUT FAMILY AGGREGATION SPLIT [MODEL_PATH]          # one process
+    python -m torch.distributed.run --nproc_per_node 2 --master_port PORT \\
+        tests/layout_process_worker.py OUT FAMILY AGGREGATION SPLIT [MODEL_PATH]              # two processes
+
+Sampling randomness is seeded per process by design, so every process samples the SAME global rollout (same
+items, same generator, group ids 0..1) and keeps its share of the rows: SPLIT ``contiguous`` gives process r
+rows ``4r .. 4r+3`` (one whole group each, the layout of a real run), ``interleaved`` rows ``r, r+2, r+4, r+6``
+(two samples of EACH group per process, so no group's statistics can be computed from one process's rewards:
+what a condition drawn on several processes meets in a real run). The layouts then train on exactly the same
+samples, and whatever differs must come from the trainer's cross-process statistics (group
+advantages gathered over processes, ``dapo``'s global action count, the DDP gradient average). Each process
+writes ``OUT/rank{r}.pt``: its metrics, its advantages, its action count, the trainable weights before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from layout import cut_completions, flat_weights, take_rows  # noqa: E402
+from mmrl.build import build_trainer  # noqa: E402
+from mmrl.config import load_config  # noqa: E402
+
+REPO = Path(__file__).parents[1]
+PROMPTS, GROUP = 2, 4  # the global batch: 2 prompts x 4 samples
+
+
+def common(world: int, aggregation: str) -> list[str]:
+    return [f"data.prompts_per_step={PROMPTS // world}", f"data.group_size={GROUP}",
+            f"train.batch_size={PROMPTS * GROUP // world}",  # one minibatch per process: its order is irrelevant
+            "train.gradient_accumulation_steps=1", "train.inner_epochs=2",  # epoch 2 has ratio != 1
+            "optim.max_grad_norm=0", "optim.lr=1e-2", "algorithm.beta=0.04", f"algorithm.aggregation={aggregation}",
+            "train.overlap_scoring=false", "logging.eval_every=0", "logging.progress_bar=false",
+            "logging.tensorboard=false"]
+
+
+def build_config(out: Path, family: str, aggregation: str, world: int, model: str | None):
+    if family == "flow":
+        return load_config(None, [f"output_dir={out}/run", f"model.pretrained={model}", "sampling.num_steps=4",
+                                  "sampling.eval_num_steps=4", "sampling.max_sequence_length=16",
+                                  "algorithm.clip_low=0.2", *common(world, aggregation)])
+    if family == "vlm":
+        return load_config(str(REPO / "configs/tiny/vlm_grounding.yaml"),
+                           [f"output_dir={out}/run", "generation.max_new_tokens=12",
+                            "rewards={test_short_completion: 1.0}", *common(world, aggregation)])
+    raise SystemExit(f"unknown family {family!r}")
+
+
+def main() -> None:
+    out, family, aggregation, split, *rest = sys.argv[1:]
+    out = Path(out)
+    model = rest[0] if rest else None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = build_trainer(build_config(out, family, aggregation, world, model))
+    acc = trainer.accelerator
+    assert acc.num_processes == world, (acc.num_processes, world)
+    rank = acc.process_index
+    initial = flat_weights(trainer.policy).clone()
+
+    # the same global rollout on every process (same items, same generator), then this process's rows
+    items = trainer.prompts.items[:PROMPTS]
+    rollout = trainer.policy.rollout(items, GROUP, generator=torch.Generator().manual_seed(1234))
+    assert len(rollout) == PROMPTS * GROUP and rollout.group_ids.tolist() == [0] * GROUP + [1] * GROUP
+    if family == "vlm":
+        cut_completions(trainer.policy, rollout)
+    n_local = PROMPTS * GROUP // world
+    if split == "contiguous":
+        rows = torch.arange(rank * n_local, (rank + 1) * n_local)
+    elif split == "interleaved":
+        rows = torch.arange(rank, PROMPTS * GROUP, world)
+    else:
+        raise SystemExit(f"unknown split {split!r}")
+    local = take_rows(rollout, rows)
+
+    trainer.reward_counts = {}  # what Trainer.step sets before scoring
+    scores = trainer._score(local)
+    advantages, adv_stats = trainer._advantages(local, scores)
+    metrics = trainer._train_on(local, advantages, torch.Generator().manual_seed(7))
+    if trainer.scorer is not None:
+        trainer.scorer.close()
+
+    result = {"metrics": metrics, "adv_stats": adv_stats, "advantages": advantages.cpu(), "rows": rows,
+              "scores": {k: v.cpu() for k, v in scores.items()}, "actions": float(local.mask.sum()),
+              "initial": initial, "weights": flat_weights(trainer.policy).clone()}
+    torch.save(result, out / f"rank{rank}.pt")
+    if rank == 0:
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    if world > 1:
+        acc.wait_for_everyone()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Layout invariance: equivalent layouts of one update give the same loss, gradients and updated weights.
+
+Chunking the trained steps (``train.timestep_chunk``), splitting a minibatch into accumulated micro-batches,
+the sampling and reward batch sizes and overlapped scoring are memory / speed knobs only. Each test runs one
+update of a real Trainer per layout (fp32, CPU) and compares the logged loss, the gradient norm, the gradient
+of every optimizer step and the weights after the update, to 1e-5 relative. The process-count test is in
+test_layout_processes.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from layout import assert_same_update, one_update, vary_completion_lengths
+from mmrl.config import load_config
+from mmrl.pipelines.flow.tiny import build_tiny_sd3
+
+REPO = Path(__file__).parents[1]
+
+FLOW = ["sampling.num_steps=4", "sampling.eval_num_steps=4", "sampling.max_sequence_length=16",
+        "data.prompts_per_step=2", "data.group_size=4", "train.batch_size=4", "train.gradient_accumulation_steps=1",
+        "train.inner_epochs=2", "logging.progress_bar=false", "logging.tensorboard=false", "logging.eval_every=0",
+        "optim.lr=1e-2", "optim.max_grad_norm=0", "algorithm.clip_low=0.2", "train.overlap_scoring=false"]
+
+
+@pytest.fixture(scope="module")
+def tiny_sd3(tmp_path_factory):
+    return str(build_tiny_sd3(tmp_path_factory.mktemp("tiny") / "sd3"))
+
+
+def flow_update(tmp_path, tiny_sd3, *overrides):
+    config = load_config(None, [f"output_dir={tmp_path}", f"model.pretrained={tiny_sd3}", *FLOW, *overrides])
+    return one_update(config)
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+@pytest.mark.parametrize("aggregation", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_flow_timestep_chunk_is_a_memory_knob(tmp_path, tiny_sd3, aggregation, ratio_level):
+    """3 trained steps in one forward, in chunks of 2 + 1, and one per forward: the same update (KL included)."""
+    common = [f"algorithm.aggregation={aggregation}", f"algorithm.ratio_level={ratio_level}", "algorithm.beta=0.04"]
+    whole = flow_update(tmp_path / "a", tiny_sd3, *common, "train.timestep_chunk=0")
+    for chunk in (2, 1):
+        assert_same_update(flow_update(tmp_path / f"c{chunk}", tiny_sd3, *common, f"train.timestep_chunk={chunk}"),
+                           whole)
+    assert whole[0]["kl"] > 0  # the second inner epoch moved off the reference: the KL term is compared too
+
+
+@pytest.mark.parametrize("aggregation", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_flow_accumulation_split_is_a_memory_knob(tmp_path, tiny_sd3, aggregation):
+    """8 samples per optimizer step as one minibatch, 2 x 4 accumulated, or 4 x 2 accumulated."""
+    common = ["data.group_size=8", f"algorithm.aggregation={aggregation}"]
+    whole = flow_update(tmp_path / "a", tiny_sd3, *common, "train.batch_size=8", "train.gradient_accumulation_steps=1")
+    for batch, ga in ((4, 2), (2, 4)):
+        assert_same_update(flow_update(tmp_path / f"b{batch}", tiny_sd3, *common, f"train.batch_size={batch}",
+                                       f"train.gradient_accumulation_steps={ga}"), whole)
+
+
+def test_flow_sampling_and_reward_batches_and_overlap_are_speed_knobs(tmp_path, tiny_sd3):
+    base = flow_update(tmp_path / "a", tiny_sd3, "train.sample_batch_size=8", "train.reward_batch_size=8")
+    for i, extra in enumerate([("train.sample_batch_size=3", "train.reward_batch_size=5"),
+                               ("train.sample_batch_size=2", "train.reward_batch_size=3", "train.overlap_scoring=true"),
+                               ("train.sample_batch_size=8", "train.reward_batch_size=32",
+                                "train.overlap_scoring=true")]):
+        assert_same_update(flow_update(tmp_path / f"s{i}", tiny_sd3, *extra), base)
+
+
+# ------------------------------------------------------------------------------------------------ VLM
+
+
+VLM = [str(REPO / "configs/tiny/vlm_grounding.yaml"), "logging.progress_bar=false", "logging.tensorboard=false",
+       "logging.eval_every=0", "generation.max_new_tokens=12", "rewards={test_short_completion: 1.0}",
+       "optim.max_grad_norm=0", "optim.lr=1e-2", "train.inner_epochs=2", "algorithm.beta=0.04"]
+
+
+@pytest.fixture()
+def vlm_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("MMRL_CACHE", str(tmp_path_factory.getbasetemp() / "mmrl-cache"))
+
+
+def vlm_update(tmp_path, *overrides):
+    config = load_config(VLM[0], [f"output_dir={tmp_path}", *VLM[1:], *overrides])
+    return one_update(config, prepare=vary_completion_lengths)
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+@pytest.mark.parametrize("aggregation", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_vlm_token_chunk_and_accumulation_are_memory_knobs(tmp_path, vlm_cache, aggregation, ratio_level):
+    """Completions of different lengths: chunks of 5 tokens and 2 x 4 accumulated give the 8-sample update."""
+    common = [f"algorithm.aggregation={aggregation}", f"algorithm.ratio_level={ratio_level}"]
+    whole = vlm_update(tmp_path / "a", *common, "train.batch_size=8", "train.gradient_accumulation_steps=1")
+    assert whole[0]["completions/mean_length"] < 12  # lengths vary: the masks differ between samples
+    assert_same_update(vlm_update(tmp_path / "c", *common, "train.batch_size=8", "train.timestep_chunk=5"), whole)
+    assert_same_update(vlm_update(tmp_path / "g", *common, "train.batch_size=4", "train.gradient_accumulation_steps=2",
+                                  "train.timestep_chunk=3"), whole)

@@ -1,0 +1,93 @@
+"""Two gloo processes (torchrun) stay in step where one process's data or statistics could differ: a bad sample
+skipped on one rank only, and adaptive noise levels computed from the whole batch and resumed on every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fixtures import write_image, write_jsonl
+from mmrl.pipelines.flow.tiny import build_tiny_sd3
+from mmrl.pipelines.vlm.tiny import ensure_tiny_vlm
+
+REPO = Path(__file__).parents[1]
+WORKER = Path(__file__).with_name("dist_config_worker.py")
+QUIET = ["logging.progress_bar=false", "logging.tensorboard=false", "logging.eval_every=0"]
+
+
+def torchrun(tmp_path: Path, port: int, config: str, *overrides: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           str(WORKER), str(tmp_path), config, *QUIET, *overrides]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def replicas(tmp_path: Path):
+    w0, w1 = load_file(str(tmp_path / "rank0.safetensors")), load_file(str(tmp_path / "rank1.safetensors"))
+    s0, s1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    return w0, w1, s0, s1
+
+
+def test_a_bad_sample_on_one_rank_is_replaced_and_the_run_completes(tmp_path, monkeypatch):
+    """Item 1 of 4 is too long for generation.max_prompt_length: with shuffle off it lands on rank 1 in the first
+    update. Rank 1 draws a replacement, rank 0 draws (and drops) one too, so both train on one group, stay in
+    the same collectives and end at the same data position (before, the ranks desynchronised)."""
+    monkeypatch.setenv("MMRL_CACHE", str(tmp_path / "cache"))
+    ensure_tiny_vlm("qwen2_5_vl")  # built once here, not by both ranks at once
+    media = tmp_path / "media"
+    media.mkdir()
+    for i, colour in enumerate([(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30)]):
+        write_image(media / f"{i}.png", 56, 56, colour)
+    questions = ["Where is the box?", "Where is the box? " + "Describe every pixel in detail. " * 40,
+                 "Where is the red box?", "Where is the blue box?"]
+    dataset = write_jsonl(tmp_path / "data.jsonl", [
+        {"id": f"s{i}", "image": f"media/{i}.png", "question": q, "solution": "[0, 0, 10, 10]"}
+        for i, q in enumerate(questions)])
+    run = tmp_path / "out"
+    torchrun(run, 29541, str(REPO / "configs/tiny/vlm_grounding.yaml"), f"data.dataset={dataset}",
+             "data.skip_bad_samples=true", "data.shuffle=false", "generation.max_prompt_length=160",
+             "generation.max_new_tokens=8", "data.prompts_per_step=1", "data.group_size=2", "train.batch_size=2",
+             "train.steps=2", "rewards={think_answer_format: 1.0}", "logging.save_every=0")
+    w0, w1, s0, s1 = replicas(run)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert s1["skipped"] == {"prompt_too_long": 2} and s0["skipped"] == {}  # item 1 again in the second pass
+    assert s0["data"] == s1["data"]  # the same data position on both ranks
+    metrics = [json.loads(line) for line in (run / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    # counted over every rank (rank 0, which logs, skipped nothing), cumulative over the run
+    assert [m["samples/skipped_prompt_too_long"] for m in metrics] == [1.0, 2.0]
+    assert metrics[0]["samples/trained"] + metrics[0]["samples/zero_advantage"] == 4  # 2 ranks x 1 group x 2
+
+
+@pytest.fixture(scope="module")
+def tiny_sd3(tmp_path_factory):
+    return str(build_tiny_sd3(tmp_path_factory.mktemp("tiny") / "sd3"))
+
+
+def test_adaptive_noise_levels_agree_on_every_rank_and_resume(tmp_path, tiny_sd3):
+    """Adaptive noise levels come from the gathered per-step gains, so both ranks compute the same levels; the
+    checkpoint (rank 0's) then resumes every rank exactly: 1 + resume + 1 updates == 2 updates."""
+    common = [f"model.pretrained={tiny_sd3}", "sampling.num_steps=4", "sampling.eval_num_steps=4",
+              "sampling.max_sequence_length=16", "data.prompts_per_step=1", "data.group_size=4", "train.batch_size=4",
+              "train.gradient_accumulation_steps=1", "algorithm.credit=step_gain", "sampling.adaptive_noise=true", "sampling.window_size=3",
+              "sampling.adaptive_noise_rate=0.5", "train.sample_batch_size=4", "optim.lr=1e-2",
+              "algorithm.clip_low=0.2", "logging.save_every=1"]
+    config = str(REPO / "configs/tiny/dense_grpo.yaml")
+    torchrun(tmp_path / "straight", 29543, config, *common, "train.steps=2")
+    torchrun(tmp_path / "resumed", 29545, config, *common, "train.steps=1")
+    torchrun(tmp_path / "resumed", 29547, config, *common, "train.steps=2", "resume=auto")
+    w0, w1, s0, s1 = replicas(tmp_path / "straight")
+    assert s0["noise_levels"] == s1["noise_levels"]
+    assert s0["noise_levels"] != [0.7] * 4 and len(set(s0["noise_levels"][:3])) > 1  # the levels did adapt
+    r0, r1, t0, t1 = replicas(tmp_path / "resumed")
+    assert t0["noise_levels"] == t1["noise_levels"] == s0["noise_levels"]
+    for key in w0:
+        assert torch.equal(w0[key], w1[key]) and torch.equal(w0[key], r0[key]) and torch.equal(r0[key], r1[key]), key

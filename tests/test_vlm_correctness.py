@@ -1,0 +1,232 @@
+"""Correctness of the Qwen-VL policy's training signal, on tiny Qwen2.5-VL / Qwen2-VL / Qwen3-VL models:
+the KL penalty has TRL's gradient, sampling uses only the configured logits processors, the gradient-carrying
+forward runs in train mode (gradient checkpointing, LoRA dropout) while every no-grad forward runs in eval mode,
+the recorded image ``input_size`` is the processor's final size, and a full-fine-tune reference keeps the
+model's dtype."""
+
+import pytest
+import torch
+from PIL import Image
+
+from mmrl.build import vlm_media
+from mmrl.config import Config
+from mmrl.core.losses import policy_loss
+from mmrl.data.vlm import VLMSample
+from mmrl.pipelines.vlm.qwen import QwenVLPolicy, load_vlm
+from mmrl.pipelines.vlm.tiny import _BUILDERS
+
+from test_vlm_policy import LORA, Item, clip, media  # noqa: E402  (the policy tests' fixtures)
+
+ITEMS = [
+    Item("what colour is it?", [Image.new("RGB", (56, 84), (200, 10, 10))]),
+    Item("a question without any image"),
+    Item("when does the person stand up?", video=clip(4)),
+]
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+def model_path(request, tmp_path_factory):
+    return str(_BUILDERS[request.param](tmp_path_factory.mktemp(request.param) / "model"))
+
+
+def make_policy(path, dtype="float32", **kwargs):
+    model, processor = load_vlm(path, dtype=dtype)
+    defaults = dict(lora=dict(LORA), max_new_tokens=8, media=media, system_prompt="Answer briefly.")
+    defaults.update(kwargs)
+    return QwenVLPolicy(model, processor, **defaults)
+
+
+def move_adapters(policy, seed: int = 0, scale: float = 0.1) -> None:
+    """Random non-zero lora_B: the adapted policy differs from the reference (PEFT initialises B to 0)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+def plain_logps(policy, rollout, index) -> torch.Tensor:
+    """Per-token log-probs of the stored completions from one plain model forward + log_softmax (TRL's recipe:
+    logits of the completion positions / temperature; vision placeholders are never sampled)."""
+    rows = rollout.prompt_index[index]
+    completion = rollout.completion_ids[index]
+    width = completion.shape[1]
+    kwargs = {"input_ids": torch.cat([rollout.prompt_ids[rows], completion], 1),
+              "attention_mask": torch.cat([rollout.prompt_mask[rows], rollout.mask[index].long()], 1),
+              **policy._vision_kwargs([rollout.vision[r] for r in rows.tolist()])}
+    if rollout.mm_token_type_ids is not None:
+        kwargs["mm_token_type_ids"] = torch.cat([rollout.mm_token_type_ids[rows], torch.zeros_like(completion)], 1)
+    logits = policy.model(**kwargs, use_cache=False).logits[:, -width - 1:-1].float() / policy.temperature
+    logits[..., policy.suppressed_ids] = float("-inf")
+    return logits.log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+
+
+# ------------------------------------------------------------------------------------------- 1. KL gradient
+
+
+def test_kl_penalty_has_trl_k3_gradient(model_path):
+    policy = make_policy(model_path, temperature=0.9)
+    move_adapters(policy)
+    rollout = policy.rollout(ITEMS, 2, generator=torch.Generator().manual_seed(0))
+    idx = torch.arange(len(rollout))
+    mask = rollout.mask[idx]
+    params = policy.trainable_parameters()
+    with torch.no_grad():
+        old = policy.logprobs(rollout, idx).logps
+    zeros = torch.zeros(len(idx))
+
+    def policy_grads(beta):
+        out = policy.logprobs(rollout, idx, with_kl=True)
+        loss = policy_loss(out.logps, old, zeros, mask, kl=out.kl, beta=beta, aggregation="grpo").loss
+        return torch.autograd.grad(loss, params, allow_unused=True)
+
+    # beta = 0: zero advantages give exactly no gradient
+    assert all(g is None or torch.count_nonzero(g) == 0 for g in policy_grads(0.0))
+    beta = 0.3
+    got = policy_grads(beta)
+    assert any(g is not None and g.abs().sum() > 0 for g in got)
+    # TRL: per token exp(ref - logp) - (ref - logp) - 1 with the live logp and the reference detached
+    live = plain_logps(policy, rollout, idx)
+    with torch.no_grad(), policy.model.disable_adapter():
+        ref = plain_logps(policy, rollout, idx)
+    delta = ref - live
+    k3 = torch.exp(delta) - delta - 1
+    loss = (beta * (k3 * mask).sum(-1) / mask.sum(-1)).mean()
+    want = torch.autograd.grad(loss, params)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-8)
+
+
+# ------------------------------------------------------------------------------- 2. only configured sampling
+
+
+def test_sampling_ignores_the_checkpoint_generation_config(model_path, monkeypatch):
+    """Real checkpoints ship repetition_penalty, top_k, ... in generation_config.json: sampling must use only the
+    policy's settings, so the log-probs of the sampled tokens under generate's processed scores are the replayed
+    ones."""
+    policy = make_policy(model_path, max_new_tokens=12)
+    shipped = policy.base_model.generation_config
+    shipped.repetition_penalty, shipped.top_k, shipped.no_repeat_ngram_size = 1.5, 3, 2
+    shipped.min_p, shipped.temperature, shipped.do_sample = 0.2, 0.3, True
+    hf = policy.base_model
+    original = hf.generate
+    scores = []
+
+    def capturing(*args, **kwargs):
+        out = original(*args, **kwargs, output_scores=True, return_dict_in_generate=True)
+        scores.append(torch.stack(out.scores, dim=1).float())
+        return out.sequences
+
+    monkeypatch.setattr(hf, "generate", capturing)
+    rollout = policy.rollout(ITEMS, 3, generator=torch.Generator().manual_seed(1))
+    (processed,) = scores
+    want = processed.log_softmax(-1).gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
+    got = policy.logprobs(rollout, torch.arange(len(rollout))).logps
+    m = rollout.mask.bool()
+    assert m.sum() > len(rollout)
+    torch.testing.assert_close(got[m], want[m], atol=1e-5, rtol=1e-5)
+    # the checkpoint's config is left as it was
+    assert hf.generation_config is shipped and shipped.repetition_penalty == 1.5
+
+
+# ----------------------------------------------------- 3. gradient checkpointing in the training forward
+
+
+def test_gradient_checkpointing_runs_in_the_training_forward_and_first_ratio_is_one(model_path):
+    policy = make_policy(model_path, gradient_checkpointing=True)
+    move_adapters(policy)
+    calls = []
+    layers = [m for m in policy.model.modules()
+              if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func")]
+    assert layers
+    for layer in layers:
+        def counting(*args, _f=layer._gradient_checkpointing_func, **kwargs):
+            calls.append(1)
+            return _f(*args, **kwargs)
+
+        layer._gradient_checkpointing_func = counting
+    rollout = policy.rollout(ITEMS, 2, generator=torch.Generator().manual_seed(2))
+    idx = torch.arange(len(rollout))
+    with torch.no_grad():
+        old = policy.logprobs(rollout, idx).logps
+    assert not calls  # generation and no-grad log-probs run in eval mode
+    out = policy.logprobs(rollout, idx)
+    assert calls  # the gradient-carrying forward is checkpointed
+    # still in train mode until its backward, which recomputes the checkpointed layers (dropout included)
+    assert policy.model.training
+    assert torch.equal(out.logps, old)  # first ratio exactly 1
+    (out.logps * rollout.mask).sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.trainable_parameters())
+    with torch.no_grad():
+        policy.logprobs(rollout, idx)
+    assert not policy.model.training  # the next no-grad forward runs in eval mode
+
+
+def test_lora_dropout_with_checkpointing_gives_the_gradient_of_its_own_forward(model_path):
+    """Dropout masks are replayed when checkpointed layers are recomputed in backward: the gradient equals the
+    one without checkpointing under the same RNG state (it would not if the model left train mode before
+    backward)."""
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(5)  # the same LoRA initialisation and adapter weights for both builds
+        policy = make_policy(model_path, lora=dict(LORA, dropout=0.5), gradient_checkpointing=checkpointing)
+        move_adapters(policy, scale=0.5)
+        rollout = policy.rollout(ITEMS, 2, generator=torch.Generator().manual_seed(3))
+        idx = torch.arange(len(rollout))
+        torch.manual_seed(11)
+        out = policy.logprobs(rollout, idx, with_kl=True)
+        (out.logps * rollout.mask).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in policy.trainable_parameters()]))
+    assert grads[1].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------- 4. LoRA dropout
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_lora_dropout_applies_in_the_training_forward_only(model_path, dropout):
+    policy = make_policy(model_path, lora=dict(LORA, dropout=dropout))
+    move_adapters(policy, scale=0.5)
+    rollout = policy.rollout(ITEMS, 2, generator=torch.Generator().manual_seed(3))
+    idx = torch.arange(len(rollout))
+    with torch.no_grad():
+        first = policy.logprobs(rollout, idx).logps
+        again = policy.logprobs(rollout, idx).logps
+    assert torch.equal(first, again)  # no-grad forwards are deterministic (eval mode)
+    live = policy.logprobs(rollout, idx).logps
+    m = rollout.mask.bool()
+    assert torch.equal(live[m], first[m]) == (dropout == 0.0)
+
+
+# ------------------------------------------------------------------------------------ 5. input_size metadata
+
+
+def test_recorded_input_size_is_the_processor_input(model_path):
+    policy = make_policy(model_path, lora=None)
+    policy.media = vlm_media(Config(), policy.processor)
+    sample = VLMSample("s", "where is it?", "[1, 2, 3, 4]",
+                       images=[Image.new("RGB", (157, 61), (9, 90, 200)), Image.new("RGB", (47, 203), (90, 9, 20))])
+    rollout = policy.rollout([sample], 2, generator=torch.Generator().manual_seed(4))
+    patch = policy.processor.image_processor.patch_size
+    grid = rollout.vision[0].image_grid_thw
+    want = [[int(w) * patch, int(h) * patch] for _, h, w in grid.tolist()]
+    assert rollout.metadata[0]["input_sizes"] == want and rollout.metadata[1]["input_size"] == want[0]
+    assert rollout.metadata[0]["image_sizes"] == [[157, 61], [47, 203]]
+
+
+# ----------------------------------------------------------------------- 6. full fine-tune reference dtype
+
+
+def test_full_finetune_reference_keeps_the_model_dtype(model_path):
+    policy = make_policy(model_path, dtype="bfloat16", lora=None)
+    trainable = policy.trainable_parameters()
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)
+    policy.init_reference()
+    with policy.reference() as ref:
+        params = list(ref.parameters())
+        assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in params)
+        assert not ref.training
+        loaded, _ = load_vlm(model_path, dtype="bfloat16")
+        want = loaded.state_dict()
+        assert all(torch.equal(v, want[k]) for k, v in ref.state_dict().items())
