@@ -2,12 +2,14 @@
 
 Runs the tiny TP-GRPO recipe (tiny SD3, CPS noise on a window of 9 of 10 steps, brightness reward) once per
 credit method -- outcome (Flow-GRPO), step_gain (DenseGRPO-style), turning_point (TP-GRPO), cosine (CoCA) --
-with identical seeds, and writes
+with identical seeds, and writes into ``--out DIR`` (default ``runs/credit_curves``, under the working directory)
 
-    benchmarks/results/credit_curves.csv   method, step, reward, wall-clock seconds, extra NFE, reward calls
-    benchmarks/results/credit_curves.png   reward vs update and reward vs wall clock
+    DIR/credit_curves.csv   method, step, reward, wall-clock seconds, extra NFE, reward calls
+    DIR/credit_curves.png   reward vs update and reward vs wall clock
 
-    python benchmarks/credit_curves.py [--steps 15] [--methods outcome step_gain turning_point cosine]
+    python benchmarks/credit_curves.py [--steps 15] [--methods outcome step_gain turning_point cosine] [--out DIR]
+
+The committed results are rewritten only when asked for: ``--out benchmarks/results``.
 
 This is a benchmark, not a test: on a random tiny model the curves are noisy; read them with their cost.
 """
@@ -27,7 +29,8 @@ from mmrl.build import build_trainer
 from mmrl.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+RESULTS = REPO / "benchmarks" / "results"  # the committed results: written only with an explicit --out
+DEFAULT_OUT = Path("runs") / "credit_curves"
 
 
 def run(method: str, steps: int, seed: int, workdir: Path) -> list[dict]:
@@ -67,22 +70,27 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--methods", nargs="+", default=["outcome", "step_gain", "turning_point", "cosine"])
-    args = parser.parse_args()
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"folder for credit_curves.csv and .png (default: {DEFAULT_OUT}); the committed "
+                             f"results need an explicit --out benchmarks/results")
+    args = parser.parse_args(argv)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as workdir:
         for method in args.methods:
             rows += run(method, args.steps, args.seed, Path(workdir))
-    with open(RESULTS / "credit_curves.csv", "w", newline="") as handle:
+    with open(out / "credit_curves.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    plot(rows, RESULTS / "credit_curves.png")
+    plot(rows, out / "credit_curves.png")
+    print(f"wrote {out / 'credit_curves.csv'} and {out / 'credit_curves.png'}")
     print(f"{'method':<14} {'first 3':>9} {'last 3':>9} {'wall s':>8} {'extra NFE/upd':>14}")
     for method in args.methods:
         mine = [r for r in rows if r["method"] == method]

@@ -27,15 +27,23 @@ def build_prompt_items(config: Config) -> list[PromptItem]:
 
 
 def build_source(config: Config):
-    """The seeded, resumable data order: prompts for flow policies, VLM samples for Qwen-VL."""
+    """The seeded, resumable data order: prompts for flow policies, VLM samples for Qwen-VL.
+
+    A VLM data set is read and checked here, before the first update (:func:`mmrl.data.vlm.read_vlm_jsonl`):
+    every line's fields, every media file present, every image's structure verified, every video probed (opened
+    with decord, its metadata read and its first frame decoded: milliseconds per clip, not a decode of the
+    video). A bad line is a ``DataError`` naming the file and line, or with ``data.skip_bad_samples`` a logged
+    skip, counted in the returned source's ``problems``. ``mmrl config validate`` checks deeper.
+    """
     if config.model.family == "qwen_vl":
         from mmrl.data.synthetic import resolve_dataset
         from mmrl.data.vlm import VLMSampleSource, read_vlm_jsonl
 
-        samples = read_vlm_jsonl(resolve_dataset(config.data.dataset), skip_bad=config.data.skip_bad_samples)
-        if not samples:
+        samples = read_vlm_jsonl(resolve_dataset(config.data.dataset), skip_bad=config.data.skip_bad_samples,
+                                 verify_images=True, verify_videos=True)
+        if not samples:  # read_vlm_jsonl already raises on a file with no usable sample
             raise DataError(f"{config.data.dataset}: no usable sample")
-        return VLMSampleSource(samples, seed=config.seed, shuffle=config.data.shuffle)
+        return VLMSampleSource(samples, seed=config.seed, shuffle=config.data.shuffle, problems=samples.problems)
     return PromptSource(build_prompt_items(config), seed=config.seed, shuffle=config.data.shuffle)
 
 
@@ -44,9 +52,11 @@ def vlm_media(config: Config, processor):
     factor (``patch_size * merge_size``: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL), so each image reaches the
     processor already at its final size and the size the rewards rescale boxes against (metadata
     ``input_size``) is exactly the model's input (``image_grid_thw`` x patch size)."""
+    from mmrl.data.validate import video_frame_kwargs
     from mmrl.data.vlm import load_images, load_video
 
     g = config.generation
+    frames = video_frame_kwargs(config)  # the frame plan `mmrl config validate` decodes too
     image_processor, video_processor = processor.image_processor, processor.video_processor
     size = image_processor.size
     min_pixels = g.min_pixels or size.get("shortest_edge")
@@ -61,8 +71,7 @@ def vlm_media(config: Config, processor):
             images = load_images(sample, min_pixels=min_pixels, max_pixels=max_pixels, factor=image_factor)
         video = None
         if sample.video_path is not None:
-            video = load_video(sample, fps=None if g.video_nframes else g.video_fps, nframes=g.video_nframes,
-                               max_frames=g.video_max_frames, max_pixels=video_max, factor=video_factor,
+            video = load_video(sample, **frames, max_pixels=video_max, factor=video_factor,
                                temporal_patch_size=video_processor.temporal_patch_size)
         return images, video
 
@@ -114,8 +123,12 @@ def build_policy(config: Config, device: torch.device | str = "cpu"):
     )
 
 
-def build_reward_fn(config: Config):
+def build_reward_fn(config: Config, *, probe: bool = True):
     """The configured rewards (:func:`mmrl.rewards.build_rewards` on ``config.rewards``).
+
+    ``probe``: check every remote reward's server now (:func:`mmrl.rewards.remote.probe_remote_rewards`, one
+    ``GET /health``), so an unreachable server is a :class:`~mmrl.rewards.remote.RewardServerError` before any
+    model is loaded (:func:`build_trainer` builds the rewards before the policy).
 
     For ``model.family: qwen_vl`` the box rewards (every reward with a ``coord_format`` argument, also inside
     ``task_routed`` routes) that the config gives no ``coord_format`` get the one the policy answers in, from its
@@ -153,16 +166,22 @@ def build_reward_fn(config: Config):
             logging.getLogger(__name__).warning(
                 "model type %r of model.pretrained=%r has no known box coordinate format (known: %s); box rewards "
                 "get no default coord_format", model_type, m.pretrained, sorted(QWEN_COORD_FORMATS))
-    return build_rewards(spec)
+    reward_fn = build_rewards(spec)
+    if probe:
+        from mmrl.rewards.remote import probe_remote_rewards
+
+        probe_remote_rewards(reward_fn)
+    return reward_fn
 
 
 def build_trainer(config: Config):
-    from mmrl.trainer import Trainer
+    from mmrl.trainer import Trainer, check_resume
 
+    check_resume(config)  # a resume that changes what the checkpoint fixes: refused before anything loads
     accelerator = build_accelerator(config)
     torch.manual_seed(config.seed + accelerator.process_index)
     prompts = build_source(config)
-    reward_fn = build_reward_fn(config)
+    reward_fn = build_reward_fn(config)  # also probes remote reward servers: before the (slow) policy load
     policy = build_policy(config, device=accelerator.device)
     if config.algorithm.beta > 0:
         policy.init_reference()
@@ -175,6 +194,8 @@ def build_trainer(config: Config):
 
 
 def cpu_threads_default() -> None:
-    """Leave torch's default thread count unless the user set OMP_NUM_THREADS."""
-    if "OMP_NUM_THREADS" in os.environ:
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    """Leave torch's default thread count unless the user set OMP_NUM_THREADS (its first number: OpenMP also
+    accepts a nested list such as ``4,2``; a value that is not a positive number is ignored)."""
+    value = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if value.isdigit() and int(value) >= 1:
+        torch.set_num_threads(int(value))

@@ -108,3 +108,21 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     state = json.loads((path / COMPLETE_MARKER).read_text())
     objects = {p.stem: torch.load(p, map_location="cpu", weights_only=False) for p in path.glob("*.pt")}
     return trainable, state, objects
+
+
+def load_trainable(params: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], where: str | Path) -> None:
+    """Copy checkpoint ``weights`` into the live trainable ``params`` after checking every tensor is there with
+    its shape; a ``ValueError`` naming ``where`` and the first misfit (another model or LoRA setup) otherwise."""
+    missing = sorted(set(params) - set(weights))
+    if missing:
+        raise ValueError(f"checkpoint {where} lacks {len(missing)} of the policy's trainable tensors (e.g. "
+                         f"{missing[0]}): was it written with another model or LoRA setup?")
+    wrong = [name for name, param in params.items() if tuple(weights[name].shape) != tuple(param.shape)]
+    if wrong:
+        name = wrong[0]
+        raise ValueError(f"checkpoint {where}: {len(wrong)} trainable tensor(s) have another shape than the policy's "
+                         f"(e.g. {name}: {tuple(weights[name].shape)} in the checkpoint, {tuple(params[name].shape)} "
+                         f"now): was it written with another model or LoRA setup?")
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(weights[name])

@@ -1,15 +1,24 @@
-"""``mmrl`` command line: train, config, sample, tiny, rewards.
+"""``mmrl`` command line: train, config, sample, tiny, rewards, serve-rewards, score.
 
     mmrl train [CONFIG] [key=value ...]     train (no CONFIG: the embedded tiny CPU default)
-    mmrl config validate CONFIG [key=value ...]
+    mmrl config validate CONFIG [key=value ...] [--quick | --no-check-files]   the config, then every data line
     mmrl config show [CONFIG] [key=value ...]  the resolved config; --help-fields lists every field
-    mmrl sample RUN_OR_CHECKPOINT --prompt P [--prompt P ...] [--seeds 0 1] [--out DIR]
+    mmrl sample RUN_OR_CHECKPOINT (--prompt P ... | --prompts FILE) [--seeds 0 1] [--out DIR]   image runs
+    mmrl sample RUN_OR_CHECKPOINT --question Q [--question Q ...] [--image PATH ...] [--video PATH]   VLM runs
     mmrl tiny KIND OUTDIR                    tiny random model (sd3, flux, qwen2_5_vl, qwen2_vl, qwen3_vl) or
                                              synthetic data set (grounding, temporal_grounding), CPU smoke runs
     mmrl rewards                             list registered rewards
     mmrl serve-rewards CONFIG [--host H --port P]   serve CONFIG's rewards over HTTP (mmrl.rewards.remote)
     mmrl score (--config CONFIG | --rewards MAP) --images DIR [--prompts F.csv|F.jsonl] --out F.csv|F.json
                                              score a folder of images with mmrl's rewards (mmrl.score)
+    mmrl --version                           also: python -m mmrl ...
+
+Options and positional arguments may come in any order (``mmrl config validate --no-check-files CONFIG``).
+Every ordinary mistake (a bad config key or value, a missing file, an unreachable reward server, a model that
+cannot be loaded) is one line ``mmrl: error: ...`` on stderr and exit code 2, found before any model is
+loaded where possible; Ctrl-C is ``mmrl: interrupted`` (exit code 130). A training run stopped by SIGINT or
+SIGTERM checkpoints and exits with 128 + the signal number. The loading and writing progress bars of
+transformers and diffusers are off (downloads keep theirs); ``MMRL_VERBOSE=1`` turns them back on.
 
 Multi-GPU: ``accelerate launch --num_processes 8 -m mmrl.cli train CONFIG`` (or ``torchrun``).
 """
@@ -17,12 +26,22 @@ Multi-GPU: ``accelerate launch --num_processes 8 -m mmrl.cli train CONFIG`` (or 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from pathlib import Path
 
-import yaml
+from mmrl.config import FIELDS_HEADER, ConfigError, config_to_dict, describe, load_config
 
-from mmrl.config import ConfigError, config_to_dict, describe, load_config
+#: Commands that load models or libraries whose loading progress bars are silenced (see :func:`quiet_libraries`).
+_LOADING_COMMANDS = ("train", "sample", "tiny", "serve-rewards", "score")
+
+
+class UsageError(ValueError):
+    """A command-line mistake found after parsing (a flag that does not fit the run, an existing --out)."""
+
+
+# ---------------------------------------------------------------------------------------------- train / config
 
 
 def _cmd_train(args) -> int:
@@ -32,6 +51,9 @@ def _cmd_train(args) -> int:
     config = load_config(args.config, args.overrides)
     trainer = build_trainer(config)
     history = trainer.train()
+    stopped = getattr(trainer, "stopped_by", None)
+    if stopped:  # SIGINT / SIGTERM: the trainer checkpointed and said how to continue
+        return _signal_exit_code(stopped)
     if trainer.accelerator.is_main_process and not history:
         print(f"nothing to do: {config.output_dir} is already at update {trainer.update} of {config.train.steps}")
     if trainer.accelerator.is_main_process and history:
@@ -41,59 +63,228 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _signal_exit_code(stopped: str) -> int:
+    """128 + the signal's number for a run stopped by a signal (``"SIGTERM"`` -> 143), 130 otherwise."""
+    import signal
+
+    try:
+        return 128 + int(signal.Signals[str(stopped)])
+    except KeyError:
+        return 130
+
+
 def _cmd_config(args) -> int:
+    if args.action == "validate" and args.help_fields:
+        raise UsageError("--help-fields goes with `mmrl config show`")
     if args.action == "show" and args.help_fields:
-        print("\n".join(describe()))
+        if args.config is None and not args.overrides:
+            print(FIELDS_HEADER)
+            print("\n".join(describe()))
+            return 0
+        config = load_config(args.config, args.overrides, check_files=not args.no_check_files)
+        print(f"# {args.config or 'the embedded default (mmrl/default.yaml)'}"
+              f"{' with ' + ' '.join(args.overrides) if args.overrides else ''}, resolved: every field with its "
+              f"value and what it does\n# (the defaults that keys a config leaves out take: "
+              f"`mmrl config show --help-fields` without a CONFIG)")
+        print("\n".join(describe(values=config)))
         return 0
     if args.action == "validate" and args.config is None:
-        print("mmrl config validate: a CONFIG path is required", file=sys.stderr)
-        return 2
+        raise UsageError("mmrl config validate: a CONFIG path is required")
+    if args.quick and (args.action != "validate" or args.no_check_files):
+        raise UsageError("--quick goes with `mmrl config validate` (without --no-check-files)")
     config = load_config(args.config, args.overrides, check_files=not args.no_check_files)
     if args.action == "validate":
-        print(f"{args.config}: ok")
+        if args.no_check_files:
+            print(f"{args.config}: ok (files not checked)")
+            return 0
+        from mmrl.data.validate import check_data  # every line of the data (and its media unless --quick)
+
+        head, _, listing = check_data(config, media=not args.quick).summary().partition("\n")
+        print(f"{args.config}: ok; data: {head}")
+        if listing:
+            print(listing)
     else:
+        import yaml
+
         print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------- sample
 
 
 def _find_checkpoint(path: Path) -> tuple[Path, Path]:
     """``(run_dir, checkpoint_dir)`` from a run folder (latest checkpoint) or a checkpoint folder."""
     from mmrl.checkpoint import latest_checkpoint
 
+    if not path.is_dir():
+        raise UsageError(f"{path}: no such run or checkpoint folder")
     if (path / "trainable.safetensors").is_file():
         return path.parent.parent, path
     ckpt = latest_checkpoint(path / "checkpoints")
     if ckpt is None:
-        raise FileNotFoundError(f"{path}: neither a checkpoint folder nor a run folder with checkpoints/")
+        raise UsageError(f"{path}: neither a checkpoint folder nor a run folder with checkpoints/")
     return path, ckpt
 
 
-def _cmd_sample(args) -> int:
+def _sample_out(args, run_dir: Path, ckpt: Path) -> Path:
+    """The output folder, checked before any model is loaded: ``--out`` (refused when it already holds files,
+    unless ``--overwrite``), else a fresh ``RUN/sampled/<checkpoint>-<n>``."""
+    if args.out is not None:
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"--out {out} is a file, not a folder")
+        if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+            raise UsageError(f"--out {out} already holds files: pass --overwrite to write into it (files with the "
+                             f"same names are replaced) or give another folder")
+        return out
+    base = run_dir / "sampled"
+    taken = []
+    if base.is_dir():
+        for child in base.iterdir():
+            stem, _, n = child.name.rpartition("-")
+            if stem == ckpt.name and n.isdigit():
+                taken.append(int(n))
+    return base / f"{ckpt.name}-{max(taken, default=0) + 1}"
+
+
+def _claim(out: Path, fresh: bool) -> Path:
+    """Create the output folder; a fresh numbered one that appeared meanwhile is skipped for the next number."""
+    if not fresh:
+        out.mkdir(parents=True, exist_ok=True)
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stem, _, n = out.name.rpartition("-")
+    number = int(n)
+    while True:
+        candidate = out.parent / f"{stem}-{number}"
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            number += 1
+
+
+def _flow_inputs(args, family: str) -> tuple[list[str], list[int]]:
+    vlm_flags = [flag for flag, value in (("--question", args.question), ("--image", args.image),
+                                          ("--video", args.video)) if value]
+    if vlm_flags:
+        raise UsageError(f"{', '.join(vlm_flags)}: for vision-language runs (model.family: qwen_vl); this run is "
+                         f"model.family: {family}, an image generator: give --prompt TEXT or --prompts FILE")
+    prompts = list(args.prompt or [])
+    if args.prompts is not None:
+        from mmrl.data.prompts import read_prompts
+
+        prompts += [item.prompt for item in read_prompts(args.prompts)]
+    if not prompts:
+        raise UsageError("give the prompts to draw: --prompt TEXT (repeatable) or --prompts FILE (.txt, one per "
+                         "line, or .jsonl with a 'prompt' field)")
+    seeds = args.seeds if args.seeds is not None else [0]
+    if args.steps is not None and args.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    return prompts, seeds
+
+
+def _vlm_items(args) -> list:
+    """``VLMSample`` items (the class the VLM data sets use) for ``--question`` x (``--image`` ..., ``--video``)."""
+    flow_flags = [flag for flag, value in (("--prompt", args.prompt), ("--prompts", args.prompts),
+                                           ("--seeds", args.seeds), ("--steps", args.steps)) if value is not None]
+    if flow_flags:
+        raise UsageError(f"{', '.join(flow_flags)}: for image-generation runs; this run is model.family: qwen_vl "
+                         f"(greedy answers are deterministic): ask with --question Q [--image PATH] [--video PATH]")
+    if not args.question:
+        raise UsageError("a vision-language run answers questions: give --question Q (repeatable), with --image PATH "
+                         "(repeatable, shown with every question) and/or --video PATH")
+    if any(not q.strip() for q in args.question):
+        raise UsageError("--question must not be empty")
+    from PIL import Image
+
+    from mmrl.data.vlm import VLMSample
+
+    images = []
+    for value in args.image or []:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise UsageError(f"--image {value}: file not found")
+        try:
+            with Image.open(path) as handle:
+                handle.verify()
+        except Exception as exc:
+            raise UsageError(f"--image {value}: not a readable image ({type(exc).__name__}: {exc})") from None
+        images.append(str(path.absolute()))
+    video = None
+    if args.video is not None:
+        path = Path(args.video).expanduser()
+        if not path.is_file():
+            raise UsageError(f"--video {args.video}: file not found")
+        video = str(path.absolute())
+    items = []
+    for i, question in enumerate(args.question):
+        sample_id = f"question-{i + 1}"
+        items.append(VLMSample(id=sample_id, question=question, solution="", image_paths=list(images),
+                               video_path=video, metadata={"task": "default", "id": sample_id},
+                               source=f"--question #{i + 1}"))
+    return items
+
+
+def _load_weights(policy, ckpt: Path, no_ema: bool) -> None:
     import torch
     from safetensors.torch import load_file
 
+    weights = load_file(str(ckpt / "trainable.safetensors"))
+    if (ckpt / "ema.pt").is_file() and not no_ema:  # the EMA weights are what the run evaluated
+        weights = torch.load(ckpt / "ema.pt", map_location="cpu", weights_only=False)["shadow"]
+    from mmrl.checkpoint import load_trainable
+
+    try:
+        load_trainable(policy.named_trainable_parameters(), weights, ckpt)
+    except ValueError as exc:
+        raise UsageError(f"{exc} (were the overrides changing the model or its LoRA setup?)") from None
+
+
+def _cmd_sample(args) -> int:
+    run_dir, ckpt = _find_checkpoint(Path(args.run))
+    config = load_config(run_dir / "config.yaml", args.overrides, check_files=False)  # data files are not needed
+    vlm = config.model.family == "qwen_vl"
+    if vlm:
+        items = _vlm_items(args)
+    else:
+        prompts, seeds = _flow_inputs(args, config.model.family)
+    out = _sample_out(args, run_dir, ckpt)
+
+    import torch
+
     from mmrl.build import build_policy
+
+    policy = build_policy(config, device="cuda" if torch.cuda.is_available() else "cpu")
+    _load_weights(policy, ckpt, args.no_ema)
+    if vlm:
+        answers = policy.sample_eval(items)
+        out = _claim(out, fresh=args.out is None)
+        with open(out / "answers.jsonl", "w", encoding="utf-8") as handle:
+            for item, answer in zip(items, answers):
+                row = {"question": item.question, "images": item.image_paths, "video": item.video_path,
+                       "answer": answer}
+                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+        for item, answer in zip(items, answers):
+            print(f"Q: {item.question}\nA: {answer}\n")
+        print(f"wrote {len(answers)} answers to {out / 'answers.jsonl'} (checkpoint {ckpt})")
+        return 0
     from mmrl.tracking import make_grid_image
 
-    run_dir, ckpt = _find_checkpoint(Path(args.run))
-    config = load_config(run_dir / "config.yaml", args.overrides)
-    policy = build_policy(config, device="cuda" if torch.cuda.is_available() else "cpu")
-    weights = load_file(str(ckpt / "trainable.safetensors"))
-    if (ckpt / "ema.pt").is_file() and not args.no_ema:  # the EMA weights are what the run evaluated
-        weights = torch.load(ckpt / "ema.pt", map_location="cpu", weights_only=False)["shadow"]
-    with torch.no_grad():
-        for name, param in policy.named_trainable_parameters().items():
-            param.copy_(weights[name])
-    out = Path(args.out or run_dir / "sampled")
-    out.mkdir(parents=True, exist_ok=True)
-    images = policy.sample_eval(args.prompt, args.seeds, num_steps=args.steps)
-    grid = make_grid_image(images, rows=len(args.prompt))
-    grid.save(out / "grid.png")
+    images = policy.sample_eval(prompts, seeds, num_steps=args.steps)
+    out = _claim(out, fresh=args.out is None)
+    make_grid_image(images, rows=len(prompts)).save(out / "grid.png")
     for i, image in enumerate(images):
-        prompt_i, seed_i = divmod(i, len(args.seeds))
-        make_grid_image(image[None], rows=1).save(out / f"p{prompt_i}_s{args.seeds[seed_i]}.png")
-    print(f"wrote {len(images)} images and grid.png to {out} (checkpoint {ckpt})")
+        prompt_i, seed_i = divmod(i, len(seeds))
+        make_grid_image(image[None], rows=1).save(out / f"p{prompt_i}_s{seeds[seed_i]}.png")
+    with open(out / "prompts.txt", "w", encoding="utf-8") as handle:  # row p<i> of the grid is prompt i
+        handle.write("".join(f"{p}\n" for p in prompts))
+    print(f"wrote {len(images)} images, grid.png and prompts.txt to {out} (checkpoint {ckpt})")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------- the rest
 
 
 def _cmd_tiny(args) -> int:
@@ -126,66 +317,120 @@ def _cmd_serve_rewards(args) -> int:
         serve(reward, args.host, args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
               max_queue=args.max_queue, max_request_mb=args.max_request_mb, log_level=args.log_level)
     except (ValueError, TypeError, RewardServerError) as exc:
-        print(f"mmrl: error: {exc}", file=sys.stderr)
+        _print_error(exc)
         return 2
     return 0
 
 
 def _cmd_score(args) -> int:
-    from mmrl.rewards.remote import RewardServerError
-    from mmrl.score import ScoreError, run_score
+    from mmrl.score import run_score
 
     if (args.config is None) == (args.rewards is None):
-        print("mmrl score: give exactly one of --config CONFIG or --rewards MAPPING", file=sys.stderr)
-        return 2
-    try:
-        run_score(args.config, args.rewards, args.images, args.prompts, args.out, batch_size=args.batch_size,
-                  workers=args.workers, recursive=args.recursive, quiet=args.quiet)
-    except (ScoreError, RewardServerError) as exc:
-        print(f"mmrl: error: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError("mmrl score: give exactly one of --config CONFIG or --rewards MAPPING")
+    run_score(args.config, args.rewards, args.images, args.prompts, args.out, batch_size=args.batch_size,
+              workers=args.workers, recursive=args.recursive, quiet=args.quiet)
     return 0
 
 
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mmrl", description="Group-relative RL alignment of multimodal models.")
-    sub = parser.add_subparsers(dest="command", required=True)
+# ---------------------------------------------------------------------------------------------- parsing
 
-    train = sub.add_parser("train", help="train a policy")
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line ``mmrl: error: ...``; ``intermixed`` parsers accept options between and after
+    positional arguments (``mmrl config validate --no-check-files CONFIG key=value``)."""
+
+    intermixed = False
+    _parsing = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self.intermixed and not self._parsing:
+            self._parsing = True  # parse_known_intermixed_args calls back into parse_known_args (Python < 3.12)
+            try:
+                return self.parse_known_intermixed_args(args, namespace)
+            finally:
+                self._parsing = False
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        self.exit(2, f"mmrl: error: {self.prog.removeprefix('mmrl ')}: {message} (see `{self.prog} --help`)\n"
+                  if self.prog != "mmrl" else f"mmrl: error: {message} (see `mmrl --help`)\n")
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("mmrl-align")
+    except metadata.PackageNotFoundError:
+        from mmrl import __version__
+
+        return __version__
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="mmrl", description="Group-relative RL alignment of multimodal models.")
+    parser.add_argument("--version", action="version", version=f"mmrl {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    def command(name: str, help: str, **kwargs) -> _Parser:
+        p = sub.add_parser(name, help=help, description=help, **kwargs)
+        p.intermixed = True
+        return p
+
+    train = command("train", "train a policy")
     train.add_argument("config", nargs="?", help="YAML config (default: the embedded tiny CPU run)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=4")
     train.set_defaults(func=_cmd_train)
 
-    cfg = sub.add_parser("config", help="validate or show a config")
+    cfg = command("config", "validate or show a config")
     cfg.add_argument("action", choices=("validate", "show"))
-    cfg.add_argument("config", nargs="?")
-    cfg.add_argument("overrides", nargs="*")
-    cfg.add_argument("--help-fields", action="store_true", help="list every field with its default and help")
+    cfg.add_argument("config", nargs="?", help="YAML config (show: default the embedded tiny CPU run)")
+    cfg.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=4")
+    cfg.add_argument("--help-fields", action="store_true",
+                     help="show: every field with its default (the SD3.5-Medium / Flow-GRPO settings that keys a "
+                          "config leaves out take) and its help; with a CONFIG, that config's values")
     cfg.add_argument("--no-check-files", action="store_true",
-                     help="skip checking that data files exist (validate a recipe on another machine)")
+                     help="skip what depends on this machine: that data files and the resume checkpoint exist, "
+                          "that wandb is installed, the data check (validate a recipe on another machine)")
+    cfg.add_argument("--quick", action="store_true",
+                     help="validate: check every data line and that its media files exist, without decoding them "
+                          "(default: decode every image and the video frames training reads)")
     cfg.set_defaults(func=_cmd_config)
 
-    sample = sub.add_parser("sample", help="images from a checkpoint (deterministic ODE sampling)")
+    sample = command("sample", "images (image runs) or answers (VLM runs) from a checkpoint",
+                     epilog="Output: without --out a fresh folder RUN/sampled/<checkpoint>-<n> (n = 1, 2, ...: a new "
+                            "call never overwrites an earlier one); --out DIR must be empty or new unless "
+                            "--overwrite. Image runs write grid.png (prompts x seeds), p<i>_s<seed>.png and "
+                            "prompts.txt; VLM runs write answers.jsonl and print the answers.")
     sample.add_argument("run", help="run folder (uses its latest checkpoint) or checkpoint folder")
-    sample.add_argument("--prompt", action="append", required=True)
-    sample.add_argument("--seeds", type=int, nargs="+", default=[0])
-    sample.add_argument("--steps", type=int, default=None, help="ODE steps (default: sampling.eval_num_steps)")
-    sample.add_argument("--out", default=None)
+    sample.add_argument("overrides", nargs="*", help="dotted overrides of the run's config.yaml")
+    image = sample.add_argument_group("image runs (deterministic ODE sampling)")
+    image.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+    image.add_argument("--prompts", default=None, metavar="FILE",
+                       help=".txt (one prompt per line) or .jsonl (a 'prompt' field); after any --prompt")
+    image.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds, the grid's columns (default: 0)")
+    image.add_argument("--steps", type=int, default=None, help="ODE steps (default: sampling.eval_num_steps)")
+    vlm = sample.add_argument_group("vision-language runs (greedy answers)")
+    vlm.add_argument("--question", action="append", default=None, help="a question (repeatable)")
+    vlm.add_argument("--image", action="append", default=None, metavar="PATH",
+                     help="an image shown with every question (repeatable: several images per question)")
+    vlm.add_argument("--video", default=None, metavar="PATH", help="a video shown with every question")
+    sample.add_argument("--out", default=None, help="output folder (default: a fresh RUN/sampled/<checkpoint>-<n>)")
+    sample.add_argument("--overwrite", action="store_true", help="write into an --out folder that holds files")
     sample.add_argument("--no-ema", action="store_true", help="use the live weights even if the run kept an EMA")
-    sample.add_argument("overrides", nargs="*")
     sample.set_defaults(func=_cmd_sample)
 
-    tiny = sub.add_parser("tiny", help="build a tiny random model or a synthetic data set")
+    tiny = command("tiny", "build a tiny random model or a synthetic data set")
     tiny.add_argument("kind", choices=("sd3", "flux", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "grounding",
-                                              "temporal_grounding"))
+                                       "temporal_grounding"))
     tiny.add_argument("outdir")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_tiny)
 
-    rewards = sub.add_parser("rewards", help="list registered rewards")
+    rewards = command("rewards", "list registered rewards")
     rewards.set_defaults(func=_cmd_rewards)
 
-    serve_rw = sub.add_parser("serve-rewards", help="serve a config's rewards over HTTP (batched; POST /score)")
+    serve_rw = command("serve-rewards", "serve a config's rewards over HTTP (batched; POST /score, GET /health)")
     serve_rw.add_argument("config", nargs="?", default=None, help="YAML config whose `rewards:` mapping is served")
     serve_rw.add_argument("--rewards", default=None, help="inline rewards mapping instead of a config, "
                                                          "e.g. '{pickscore: {kwargs: {device: cuda}}}'")
@@ -199,7 +444,7 @@ def make_parser() -> argparse.ArgumentParser:
     serve_rw.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     serve_rw.set_defaults(func=_cmd_serve_rewards)
 
-    score = sub.add_parser("score", help="score a folder of images with mmrl's rewards (no training)")
+    score = command("score", "score a folder of images with mmrl's rewards (no training)")
     score.add_argument("--config", default=None, help="YAML config whose `rewards:` mapping is used")
     score.add_argument("--rewards", default=None, help="inline rewards mapping, e.g. '{jpeg_compressibility: 1}'")
     score.add_argument("--images", required=True, help="folder of images (prompts-file paths are relative to it)")
@@ -214,20 +459,81 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
-    # `mmrl train key=value` without a config: argparse puts the first override in `config`
-    if getattr(args, "config", None) and "=" in args.config and not Path(args.config).exists():
-        args.overrides = [args.config, *args.overrides]
-        args.config = None
+# ---------------------------------------------------------------------------------------------- entry
+
+
+def quiet_libraries() -> None:
+    """Turn off transformers' and diffusers' loading / writing progress bars ("Loading weights", "Loading pipeline
+    components", "Writing model shards"), unless ``MMRL_VERBOSE=1``. Hub downloads keep their bars (they show
+    real progress over the network), and so does mmrl's own training bar."""
+    if os.environ.get("MMRL_VERBOSE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return
+    try:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # also turns huggingface_hub's off: turned back on below
+    except ImportError:
+        pass
+    try:
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    try:
+        from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+
+        if are_progress_bars_disabled() and not os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS"):
+            enable_progress_bars()
+    except ImportError:
+        pass
+
+
+def _ordinary_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that are a user's mistake or the environment's, printed as one line (imported only when one
+    has been raised)."""
     from mmrl.data.prompts import DataError
     from mmrl.pipelines.flow.loading import ModelLoadError
+    from mmrl.rewards.remote import RewardServerError
+    from mmrl.score import ScoreError
 
+    return (ConfigError, UsageError, DataError, ModelLoadError, RewardServerError, ScoreError, FileNotFoundError,
+            PermissionError, NotADirectoryError, IsADirectoryError)
+
+
+def _print_error(exc: BaseException) -> None:
+    """``mmrl: error: <message>`` on one line; a message that lists problems on indented lines after its first
+    (``mmrl config validate``'s data check) keeps that listing below it."""
+    head, *rest = str(exc).strip().splitlines() or [""]
+    listing = [line for line in rest if line.strip()]
+    if listing and all(line.startswith("  ") for line in listing):
+        print(f"mmrl: error: {head.strip()}\n" + "\n".join(listing), file=sys.stderr, flush=True)
+        return
+    print(f"mmrl: error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        return args.func(args)
-    except (ConfigError, DataError, ModelLoadError, FileNotFoundError) as exc:
-        print(f"mmrl: error: {exc}", file=sys.stderr)
-        return 2
+        try:
+            args = make_parser().parse_args(argv)
+        except SystemExit as exc:  # --help, --version, usage errors (already printed)
+            return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+        # `mmrl train key=value` without a config: argparse puts the first override in `config`
+        if getattr(args, "config", None) and "=" in args.config and not Path(args.config).exists():
+            args.overrides = [args.config, *args.overrides]
+            args.config = None
+        if args.command in _LOADING_COMMANDS:
+            quiet_libraries()
+        try:
+            return args.func(args)
+        except Exception as exc:
+            if not isinstance(exc, _ordinary_errors()):
+                raise
+            _print_error(exc)
+            return 2
+    except KeyboardInterrupt:  # a Ctrl-C outside the trainer's own handling (e.g. while a model loads)
+        print("mmrl: interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
 """Typed run configuration: dataclasses with a help text per field, YAML plus dotted overrides.
 
 ``load_config(path, overrides)`` reads a YAML file into :class:`Config`, applies ``a.b=value``
-overrides (values parsed as YAML), rejects unknown keys naming the nearest valid one, and validates
-choices and ranges. ``config_to_dict`` gives the resolved config that every run saves as
+overrides (values parsed as YAML), rejects unknown keys naming the nearest valid one (by its full
+dotted key), and validates choices and ranges. Keys a config file leaves out take the dataclass
+defaults, which are the SD3.5-Medium / Flow-GRPO GPU settings, not those of the tiny CPU run (the
+embedded default ``mmrl/default.yaml``, used when no file is given). Relative paths in a config
+(``data.prompts``, ``data.dataset``, ``output_dir``, ...) are resolved from the working directory,
+not from the config file's folder. ``config_to_dict`` gives the resolved config that every run saves as
 ``config.yaml``. Each field's ``metadata["help"]`` says what it is and which paper it comes from;
 ``mmrl config show`` prints them.
 """
@@ -11,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -294,9 +300,12 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "Outputs."})
 
 
-def _nearest(key: str, options: list[str]) -> str:
+def _nearest(key: str, options: list[str], prefix: str = "") -> str:
+    """``"; did you mean 'train.steps'?"`` (the full dotted key), or the section's valid keys."""
     close = difflib.get_close_matches(key, options, n=1, cutoff=0.5)
-    return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(options))}"
+    if close:
+        return f"; did you mean {prefix + close[0]!r}?"
+    return f"; valid keys{' in ' + prefix.rstrip('.') if prefix else ''}: {', '.join(sorted(options))}"
 
 
 def _type_names(annotation: Any) -> set[str]:
@@ -335,14 +344,14 @@ def _coerce(value: Any, annotation: Any, path: str) -> Any:
 
 def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}{key}"
         if key not in fields:
-            raise ConfigError(f"unknown config key {path!r}{_nearest(key, list(fields))}")
+            raise ConfigError(f"unknown config key {path!r}{_nearest(key, list(fields), prefix)}")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             kwargs[key] = _build(hint, value or {}, prefix=f"{path}.")
@@ -365,6 +374,18 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def yaml_error_text(exc: yaml.YAMLError) -> str:
+    """One line for a YAML error: ``line 3, column 2: <problem> (<context>)`` (PyYAML's own text spans several
+    lines and quotes the offending line)."""
+    problem = getattr(exc, "problem", None)
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    if problem is None:
+        return " ".join(str(exc).split())
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    context = getattr(exc, "context", None)
+    return f"{where}{problem}" + (f" ({context})" if context else "")
+
+
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     """``["train.steps=4", "rewards={jpeg_compressibility: 1}"]`` -> ``[(key, parsed value), ...]``."""
     parsed = []
@@ -372,7 +393,15 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value (e.g. train.steps=4)")
         key, raw = item.split("=", 1)
-        parsed.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+        key = key.strip()
+        if not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r}: {key!r} is not a dotted key (e.g. train.steps=4)")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({yaml_error_text(exc)}); "
+                              "values are parsed as YAML: quote a string that is meant literally") from None
+        parsed.append((key, value))
     return parsed
 
 
@@ -387,18 +416,31 @@ def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None, *
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None, *, check_files: bool = True) -> Config:
     """Read YAML (``None``: the embedded default, the tiny CPU Flow-GRPO run), apply overrides, validate.
-    Keys the file leaves out take the dataclass defaults, which follow Flow-GRPO's SD3.5-Medium settings."""
+
+    Keys a config file leaves out take the dataclass defaults (``mmrl config show --help-fields``), which are
+    the SD3.5-Medium / Flow-GRPO GPU settings, not the tiny CPU ones of the embedded default
+    (``mmrl/default.yaml``). Relative paths in the config are resolved from the working directory.
+    ``check_files=False`` skips the checks that depend on this machine: that input files exist and that
+    optional packages the config asks for (wandb) are installed."""
     path = Path(path) if path is not None else DEFAULT_CONFIG
+    if path.is_dir():
+        raise ConfigError(f"{path} is a folder, not a config file" +
+                          (f" (a run folder: its config is {path / 'config.yaml'})" if (path / "config.yaml").is_file()
+                           else ""))
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text file (byte {exc.start} is not UTF-8)") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path}: not valid YAML: {yaml_error_text(exc)}") from None
+    parse_overrides(overrides or [])  # a malformed override is its own error, whatever the file
     try:
         return config_from_dict(data, overrides, check_files=check_files)
     except ConfigError as exc:
-        where = f"{path} with overrides {overrides}" if overrides else str(path)
+        where = str(path) if path != DEFAULT_CONFIG else "the embedded default config (mmrl/default.yaml)"
+        where = f"{where} with overrides {overrides}" if overrides else where
         raise ConfigError(f"{where}: {exc}") from None
 
 
@@ -410,11 +452,110 @@ def dump_config(config: Config, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _non_finite_floats(obj: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of float fields holding NaN or +-inf (YAML reads ``.nan`` and ``.inf`` as floats)."""
+    keys = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            keys += _non_finite_floats(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _path_hint(path: str) -> str:
+    """The file-not-found hint: where a relative path was looked for, and how to skip the check."""
+    where = ""
+    if not Path(path).expanduser().is_absolute():
+        where = f"relative paths are resolved from the working directory {Path.cwd()}; "
+    return f" ({where}`mmrl config validate --no-check-files` skips this check)"
+
+
+def _check_environment(config: Config) -> None:
+    """What this machine must have for the config: the resume checkpoint, wandb when it is asked for."""
+    resume = config.resume
+    if resume not in (None, "auto"):
+        path = Path(resume).expanduser()
+        if not path.is_dir():
+            raise ConfigError(f"resume: checkpoint folder not found: {resume}{_path_hint(resume)}; resume=auto "
+                              f"continues from the latest checkpoint in output_dir")
+        if not (path / "state.json").is_file():
+            hint = (f"; it is a run folder: resume=auto with output_dir={resume} continues it"
+                    if (path / "checkpoints").is_dir() else "")
+            raise ConfigError(f"resume: {resume} is not a complete checkpoint (no state.json){hint}")
+    if config.logging.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"logging.wandb_project={config.logging.wandb_project!r} needs wandb, which is not "
+                          f"installed: `pip install wandb` (or `pip install 'mmrl-align[wandb]'`), or set "
+                          f"logging.wandb_project=null")
+
+
 def validate(config: Config, *, check_files: bool = True) -> None:
-    """Range checks that types alone cannot express, and (``check_files``) that named input files exist.
-    Raises :class:`ConfigError`."""
+    """Range checks that types alone cannot express, and (``check_files``) what this machine must have: the
+    named input files (relative paths from the working directory), the ``resume`` checkpoint, wandb when
+    ``logging.wandb_project`` is set. Raises :class:`ConfigError`."""
     s, d, t, a = config.sampling, config.data, config.train, config.algorithm
+    m, o, log, g = config.model, config.optim, config.logging, config.generation
+    flow = m.family != "qwen_vl"
+    for key in _non_finite_floats(config):
+        raise ConfigError(f"{key}: must be a finite number, got {_get(config, key)!r}")
     checks = [
+        (0 <= config.seed < 2**63, "seed must be in [0, 2**63)"),
+        (bool(config.output_dir.strip()), "output_dir must not be empty"),
+        (bool(m.pretrained.strip()), "model.pretrained must name a model: a hub id, a local folder or tiny:<kind>"),
+        (not m.use_lora or m.lora_rank >= 1, "model.lora_rank must be >= 1 (or model.use_lora: false)"),
+        (not m.use_lora or m.lora_alpha > 0, "model.lora_alpha must be > 0"),
+        (0.0 <= m.lora_dropout < 1.0, "model.lora_dropout must be in [0, 1)"),
+        (all(isinstance(x, str) and x for x in m.lora_target_modules),
+         "model.lora_target_modules must be a list of module names (strings)"),
+        (not flow or m.resolution >= 16, "model.resolution must be >= 16"),
+        (s.eval_num_steps >= 1, "sampling.eval_num_steps must be >= 1"),
+        (s.max_sequence_length >= 1, "sampling.max_sequence_length must be >= 1"),
+        (s.time_shift is None or s.time_shift > 0, "sampling.time_shift must be > 0 (or null)"),
+        (s.adaptive_noise_rate >= 0, "sampling.adaptive_noise_rate must be >= 0"),
+        (all(_is_number(x) and x >= 0 for x in s.noise_schedule),
+         "sampling.noise_schedule must be a list of noise levels >= 0"),
+        (o.lr > 0, "optim.lr must be > 0"),
+        (len(o.betas) == 2 and all(_is_number(b) and 0.0 <= b < 1.0 for b in o.betas),
+         "optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.999]"),
+        (o.weight_decay >= 0, "optim.weight_decay must be >= 0"),
+        (o.adam_eps > 0, "optim.adam_eps must be > 0"),
+        (o.max_grad_norm >= 0, "optim.max_grad_norm must be >= 0 (0 disables clipping)"),
+        (o.warmup_steps >= 0, "optim.warmup_steps must be >= 0"),
+        (t.sample_batch_size >= 1, "train.sample_batch_size must be >= 1"),
+        (t.reward_batch_size >= 1, "train.reward_batch_size must be >= 1"),
+        (log.eval_every >= 0, "logging.eval_every must be >= 0 (0 turns evaluation off)"),
+        (log.save_every >= 0, "logging.save_every must be >= 0 (0 saves only at the end)"),
+        (log.wandb_project is None or bool(log.wandb_project.strip()),
+         "logging.wandb_project must be a project name (or null)"),
+        (d.num_eval_prompts >= 1, "data.num_eval_prompts must be >= 1"),
+        (all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**63 for x in d.eval_seeds),
+         "data.eval_seeds must be a list of integer seeds >= 0"),
+        (not flow or not log.eval_every or bool(d.eval_seeds),
+         "data.eval_seeds must not be empty while logging.eval_every > 0 (they are the grid's columns)"),
+        (all(isinstance(x, str) and x.strip() for x in d.prompt_list),
+         "data.prompt_list must be a list of non-empty strings"),
+        (all(isinstance(x, str) and x.strip() for x in d.eval_prompts),
+         "data.eval_prompts must be a list of non-empty strings"),
+        (flow or not d.eval_prompts, "data.eval_prompts is for flow policies; a VLM run evaluates the first "
+                                     "data.num_eval_prompts samples of data.dataset"),
+        (a.advantage_clamp is None or a.advantage_clamp > 0, "algorithm.advantage_clamp must be > 0 (or null)"),
+        (a.beta >= 0, "algorithm.beta must be >= 0"),
+        (a.value_anchor_weight >= 0, "algorithm.value_anchor_weight must be >= 0"),
+        (0.0 <= a.evidence_floor <= 1.0, "algorithm.evidence_floor must be in [0, 1]"),
+        (a.token_weight_max >= 1.0, "algorithm.token_weight_max must be >= 1 (token weights run from 1 to it)"),
+        (a.temporal_contrast_alpha >= 0 and a.temporal_contrast_mu >= 0,
+         "algorithm.temporal_contrast_alpha and temporal_contrast_mu must be >= 0"),
         (s.num_steps >= 2, "sampling.num_steps must be >= 2"),
         (0.0 < s.timestep_fraction <= 1.0, "sampling.timestep_fraction must be in (0, 1]"),
         (s.noise_level >= 0.0, "sampling.noise_level must be >= 0"),
@@ -497,18 +638,40 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         if d.dataset is None:
             raise ConfigError("data.dataset: a VLM run needs a JSONL dataset (see mmrl.data.vlm)")
         if check_files and not d.dataset.startswith("tiny:") and not Path(d.dataset).is_file():
-            raise ConfigError(f"data.dataset: file not found: {d.dataset}")
-        g = config.generation
+            raise ConfigError(f"data.dataset: file not found: {d.dataset}{_path_hint(d.dataset)}")
         if not (g.temperature > 0 and 0 < g.top_p <= 1 and g.max_new_tokens >= 1 and g.max_prompt_length >= 1):
             raise ConfigError("generation: temperature > 0, 0 < top_p <= 1, max_new_tokens >= 1 and "
                               "max_prompt_length >= 1 are required")
+        generation_checks = [
+            (g.top_k >= 0, "generation.top_k must be >= 0 (0 disables top-k)"),
+            (g.min_pixels is None or g.min_pixels >= 1, "generation.min_pixels must be >= 1 (or null)"),
+            (g.max_pixels is None or g.max_pixels >= 1, "generation.max_pixels must be >= 1 (or null)"),
+            (g.min_pixels is None or g.max_pixels is None or g.min_pixels <= g.max_pixels,
+             "generation.min_pixels must be <= generation.max_pixels"),
+            (g.video_fps is None or g.video_fps > 0, "generation.video_fps must be > 0 (or null)"),
+            (g.video_nframes is None or g.video_nframes >= 2, "generation.video_nframes must be >= 2 (or null)"),
+            (g.video_max_frames >= 2, "generation.video_max_frames must be >= 2"),
+            (g.video_max_pixels is None or g.video_max_pixels >= 1,
+             "generation.video_max_pixels must be >= 1 (or null)"),
+        ]
+        for ok, message in generation_checks:
+            if not ok:
+                raise ConfigError(message)
+        try:
+            g.question_template.format(question="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ConfigError(f"generation.question_template: only {{question}} may be in braces (write {{{{ and "
+                              f"}}}} for literal braces); got {g.question_template!r} ({type(exc).__name__}: "
+                              f"{exc})") from None
         if "{question}" not in g.question_template:
             raise ConfigError("generation.question_template must contain {question}")
     else:
         if d.prompts is None and not d.prompt_list:
             raise ConfigError("data: set data.prompts (a .txt or .jsonl file) or data.prompt_list")
         if check_files and d.prompts is not None and not Path(d.prompts).is_file():
-            raise ConfigError(f"data.prompts: prompt file not found: {d.prompts}")
+            raise ConfigError(f"data.prompts: prompt file not found: {d.prompts}{_path_hint(d.prompts)}")
+    if check_files:
+        _check_environment(config)
     samples = d.prompts_per_step * d.group_size
     if samples % t.batch_size:
         raise ConfigError(f"train.batch_size={t.batch_size} must divide the {samples} samples of an update "
@@ -535,17 +698,42 @@ def validate(config: Config, *, check_files: bool = True) -> None:
             raise ConfigError(f"rewards.{key}: {exc}") from None
 
 
-def describe(cls: type = Config, prefix: str = "") -> list[str]:
-    """Lines ``key = default  # help`` for every field (``mmrl config show``)."""
+#: The header of ``mmrl config show --help-fields`` (YAML comments, so the whole listing parses as YAML).
+FIELDS_HEADER = (
+    "# Every config field with its default and what it does. Keys a config file leaves out take these defaults,\n"
+    "# which are the SD3.5-Medium / Flow-GRPO GPU settings, NOT the tiny CPU run: `mmrl train` without a CONFIG\n"
+    "# uses the embedded mmrl/default.yaml (a copy: configs/tiny/flow_grpo.yaml), which sets its own values.\n"
+    "# Values are YAML literals (null, true, false, [lists]): the listing parses as YAML to exactly these values.\n"
+    "# Relative paths in a config are resolved from the working directory."
+)
+
+
+def yaml_literal(value: Any) -> str:
+    """``value`` as one line of YAML that reads back as the same value (``null``, ``true``, ``[0.9, 0.999]``)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=float("inf"), allow_unicode=True).strip()
+    if text.endswith("\n..."):
+        text = text[: -len("\n...")]
+    elif text.endswith("..."):
+        text = text[: -len("...")].strip()
+    return text
+
+
+def describe(cls: type = Config, prefix: str = "", values: Any = None) -> list[str]:
+    """Lines ``key: default  # help`` for every field (``mmrl config show --help-fields``), nested sections
+    indented, defaults as YAML literals: the lines (with :data:`FIELDS_HEADER`) parse as YAML to the defaults.
+    ``values``: a config instance whose values are shown instead of the defaults."""
     lines = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
             lines.append(f"{prefix}{f.name}:  # {f.metadata.get('help', '')}")
-            lines.extend(describe(hints[f.name], prefix + "  "))
+            lines.extend(describe(hints[f.name], prefix + "  ", None if values is None else getattr(values, f.name)))
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if values is not None:
+            default = getattr(values, f.name)
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         choices = f.metadata.get("choices")
-        suffix = f" [{' | '.join(map(str, choices))}]" if choices else ""
-        lines.append(f"{prefix}{f.name}: {default!r}  # {f.metadata.get('help', '')}{suffix}")
+        suffix = f" [{' | '.join(yaml_literal(c) for c in choices)}]" if choices else ""
+        lines.append(f"{prefix}{f.name}: {yaml_literal(default)}  # {f.metadata.get('help', '')}{suffix}")
     return lines

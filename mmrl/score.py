@@ -52,6 +52,13 @@ class ImageRecord:
     metadata: dict = field(default_factory=dict)
 
 
+def json_error_text(exc: json.JSONDecodeError) -> str:
+    """``"Expecting value at column 1"``: json's message with its column (some messages, e.g. "Invalid control
+    character at" and "Unterminated string starting at", end in "at" themselves: not doubled)."""
+    msg = exc.msg[: -len(" at")] if exc.msg.endswith(" at") else exc.msg
+    return f"{msg} at column {exc.colno}"
+
+
 def _resolve(images_dir: Path, name: str) -> Path:
     path = Path(name).expanduser()
     return path if path.is_absolute() else images_dir / path
@@ -96,9 +103,9 @@ def load_records(prompts_file: str | Path, images_dir: str | Path) -> list[Image
                 if not text.strip():
                     continue
                 try:
-                    obj = json.loads(text)
+                    obj = json.loads(text.rstrip("\r\n"))  # the line end is not part of a value
                 except json.JSONDecodeError as exc:
-                    raise ScoreError(f"{path}, line {line}: not valid JSON ({exc.msg})") from None
+                    raise ScoreError(f"{path}, line {line}: not valid JSON ({json_error_text(exc)})") from None
                 if not isinstance(obj, dict) or not isinstance(obj.get("image"), str) or not obj["image"].strip():
                     raise ScoreError(f"{path}, line {line}: expected an object with a string \"image\" field")
                 prompt = obj.get("prompt")
@@ -268,6 +275,9 @@ def run_score(config: str | None, rewards: str | None, images: str, prompts: str
     text_only = [k for k, (r, _) in getattr(reward, "components", {}).items() if not getattr(r, "scores_images", True)]
     if text_only:
         raise ScoreError(f"rewards {text_only} judge text (a VLM's completions), not images; mmrl score scores images")
+    from mmrl.rewards.remote import probe_remote_rewards
+
+    probe_remote_rewards(reward)  # a dead reward server: one error now, not one per batch
 
     def progress(done: int, total: int) -> None:
         if not quiet:

@@ -40,7 +40,9 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.output_dir / "tensorboard"))
+            # on resume, drop the events a killed run logged after its checkpoint (they are redone)
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=purge)
         self._wandb = None
         if wandb_project:
             try:

@@ -27,7 +27,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
-from mmrl.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from mmrl.checkpoint import (COMPLETE_MARKER, latest_checkpoint, load_checkpoint, load_trainable, rng_state,
+                             save_checkpoint, set_rng_state)
 from mmrl.config import Config, ConfigError, config_to_dict, dump_config
 from mmrl.core.advantages import PerPromptStatTracker, combine_rewards
 from mmrl.core.credit import (
@@ -39,6 +40,7 @@ from mmrl.core.credit import (
 from mmrl.core.losses import policy_loss
 from mmrl.core.noise import adapt_noise_levels
 from mmrl.ema import EMA
+from mmrl.health import RunHealth
 from mmrl.core.variants import (
     evidence_weighted_advantages,
     select_informative_groups,
@@ -53,6 +55,52 @@ logger = logging.getLogger(__name__)
 
 def _update_seed(seed: int, update: int, rank: int) -> int:
     return (seed * 1_000_003 + update * 7_919 + rank * 104_729) % (2**63 - 1)
+
+
+#: config fields a resume cannot change: they define what the checkpoint's weights and data position mean
+#: (another model, LoRA shape or trainable set, prompt set or data order). Everything else applies on resume.
+FIXED_ON_RESUME = ("model.family", "model.pretrained", "model.revision", "model.use_lora", "model.lora_rank",
+                   "model.lora_alpha", "model.lora_target_modules", "model.freeze_vision", "data.dataset",
+                   "data.prompts", "data.prompt_list", "data.shuffle", "seed", "sampling.num_steps")
+
+
+def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key != "rewards":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def resume_changes(saved: dict | None, now: dict, path) -> dict[str, tuple[Any, Any]]:
+    """``{field: (checkpoint value, configured value)}`` for every field a resume changes; a
+    :class:`ConfigError` listing them when any is in :data:`FIXED_ON_RESUME`. ``saved`` is the checkpoint's
+    config (``None`` for checkpoints written before configs were saved in them: nothing to compare)."""
+    if saved is None:
+        return {}
+    before, after = _flatten(saved), _flatten(now)
+    changes = {k: (before.get(k), after.get(k)) for k in sorted(set(before) | set(after))
+               if before.get(k) != after.get(k) and k not in ("resume", "output_dir")}
+    fixed = [k for k in changes if k in FIXED_ON_RESUME]
+    if fixed:
+        diff = "; ".join(f"{k}: {changes[k][0]!r} in the checkpoint, {changes[k][1]!r} now" for k in fixed)
+        raise ConfigError(f"cannot resume {path} with a changed {', '.join(fixed)} ({diff}): these define what the "
+                          f"checkpoint's weights and data position mean; start a new output_dir instead")
+    return changes
+
+
+def check_resume(config: Config) -> None:
+    """Before anything is built: a resume whose config changes a field the checkpoint fixes is a
+    :class:`ConfigError` now, not after the model has loaded (:func:`resume_changes`)."""
+    if not config.resume:
+        return
+    directory = Path(config.output_dir) / "checkpoints"
+    path = latest_checkpoint(directory) if config.resume == "auto" else Path(config.resume)
+    if path is None or not (path / COMPLETE_MARKER).is_file():
+        return
+    resume_changes(json.loads((path / COMPLETE_MARKER).read_text()).get("config"), config_to_dict(config), path)
 
 
 def build_lr_scheduler(optimizer, name: str, warmup: int, total: int):
@@ -159,7 +207,8 @@ class Trainer:
             if self.ema is not None:
                 objects["ema"] = self.ema.state_dict()
             state = {"update": self.update, "optimizer_steps": self.optimizer_steps,
-                     "data": self.prompts.state_dict(), "tracker": self.tracker.state_dict()}
+                     "data": self.prompts.state_dict(), "tracker": self.tracker.state_dict(),
+                     "config": config_to_dict(self.config)}
             if self.value_anchor:
                 state["value_anchor"] = self.value_anchor
             if hasattr(self.policy, "step_noise_levels"):
@@ -175,16 +224,14 @@ class Trainer:
         if path is None:
             return None
         trainable, state, objects = load_checkpoint(path)
-        params = self.policy.named_trainable_parameters()
-        missing = set(params) - set(trainable)
-        if missing:
-            raise ValueError(f"checkpoint {path} lacks {len(missing)} trainable tensors (e.g. {sorted(missing)[0]}): "
-                             f"was it written with another model or LoRA setup?")
-        with torch.no_grad():
-            for name, param in params.items():
-                param.copy_(trainable[name])
+        self.resume_changes = resume_changes(state.get("config"), config_to_dict(self.config), path)
+        try:
+            load_trainable(self.policy.named_trainable_parameters(), trainable, path)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self.optimizer.load_state_dict(objects["optimizer"])
         self.lr_scheduler.load_state_dict(objects["lr_scheduler"])
+        self._apply_optimizer_config()
         if self.ema is not None and "ema" in objects:
             self.ema.load_state_dict(objects["ema"], self.policy.named_trainable_parameters())
         set_rng_state(objects["rng"])
@@ -196,6 +243,18 @@ class Trainer:
         if "noise_levels" in state:
             self.policy.step_noise_levels = torch.tensor(state["noise_levels"])
         return self.update
+
+    def _apply_optimizer_config(self) -> None:
+        """After loading a checkpoint's optimizer and scheduler: the configured hyperparameters win (a resume with
+        ``optim.lr=...`` really trains at the new rate). The scheduler's base rate becomes ``optim.lr`` and the
+        current rate is recomputed from its (configured) schedule at the restored step."""
+        o = self.config.optim
+        for group in self.optimizer.param_groups:
+            group.update(betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.adam_eps)
+        self.lr_scheduler.base_lrs = [o.lr for _ in self.optimizer.param_groups]
+        for group, lr_lambda in zip(self.optimizer.param_groups, self.lr_scheduler.lr_lambdas):
+            group["lr"] = o.lr * lr_lambda(self.lr_scheduler.last_epoch)
+        self.lr_scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     # ------------------------------------------------------------------------------------------- steps
 
@@ -513,46 +572,141 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- loop
 
+    def summary(self, resumed: int | None) -> str:
+        """The startup summary the main process prints: where, on what, how much per update, from where."""
+        c, acc = self.config, self.accelerator
+        params = self.policy.trainable_parameters()
+        trainable = sum(p.numel() for p in params)
+        model = getattr(self.policy, "model", None)
+        total = sum(p.numel() for p in model.parameters()) if isinstance(model, torch.nn.Module) else None
+        per_process = c.data.prompts_per_step * c.data.group_size
+        minibatches = self._micro_batches_per_epoch()
+        per_step = min(c.train.gradient_accumulation_steps, minibatches) * c.train.batch_size
+        steps = -(-minibatches // c.train.gradient_accumulation_steps) * c.train.inner_epochs
+        how = (f"LoRA r{c.model.lora_rank} alpha {c.model.lora_alpha}" if c.model.use_lora else "full fine-tuning")
+        lines = [
+            f"mmrl train -> {self.output_dir}",
+            f"  model     {c.model.family} {c.model.pretrained} ({c.model.dtype} frozen weights, fp32 trainable), "
+            f"{how}: {trainable:,} trainable parameters" + (f" of {total:,}" if total else ""),
+            f"  device    {acc.device}, {acc.num_processes} process(es), mixed precision {c.train.mixed_precision}",
+            f"  update    {c.data.prompts_per_step} prompts x {c.data.group_size} samples = {per_process} per process, "
+            f"{per_process * acc.num_processes} in all; {steps} optimizer steps of {per_step} samples per process "
+            f"({c.train.inner_epochs} inner epoch(s) of {minibatches} minibatches of {c.train.batch_size})",
+            f"  schedule  {c.train.steps} updates, lr {c.optim.lr:g} ({c.optim.lr_scheduler})",
+            "  start     " + (f"resumed at update {resumed} of {c.train.steps}" if resumed is not None
+                               else "a new run"),
+        ]
+        for key, (before, after) in sorted(getattr(self, "resume_changes", {}).items()):
+            lines.append(f"  changed   {key}: {before!r} -> {after!r} (applied from update {resumed})")
+        return "\n".join(lines)
+
+    def _write_config(self, resumed: int | None) -> None:
+        """``config.yaml`` is the run's original config and is never overwritten; each resume writes its own
+        resolved config beside it (``config.resume_<update>.yaml``)."""
+        original = self.output_dir / "config.yaml"
+        if resumed is None or not original.exists():
+            dump_config(self.config, original)
+        if resumed is not None:
+            dump_config(self.config, self.output_dir / f"config.resume_{resumed}.yaml")
+
+    def _install_stop_signals(self):
+        """SIGINT / SIGTERM (Ctrl-C, a cluster preemption) ask the loop to stop at the next safe point (after the
+        current update), checkpoint and return; a second SIGINT interrupts at once. Returns a restore function.
+        Only from the main thread (signal handlers cannot be set elsewhere)."""
+        import signal
+        import threading
+
+        self.stop_signal = None
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+        def handler(signum, frame):
+            if self.stop_signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.stop_signal = signal.Signals(signum).name
+            print(f"mmrl: {self.stop_signal} received: stopping after update {self.update + 1} with a checkpoint "
+                  f"(Ctrl-C again to stop at once, without one)", flush=True)
+
+        for sig in previous:
+            signal.signal(sig, handler)
+
+        def restore():
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+        return restore
+
+    def _stop_requested(self) -> bool:
+        """Whether any process received a stop signal (all processes stop at the same update)."""
+        acc = self.accelerator
+        flag = torch.tensor(float(getattr(self, "stop_signal", None) is not None), device=acc.device)
+        return float(acc.reduce(flag, reduction="max") if acc.num_processes > 1 else flag) > 0
+
     def train(self) -> list[dict[str, float]]:
         c, acc = self.config, self.accelerator
         if not c.resume and latest_checkpoint(self.output_dir / "checkpoints") is not None:
             raise ConfigError(f"{self.output_dir} already holds a run with checkpoints: set resume=auto to continue it "
                               f"or choose another output_dir (nothing was overwritten)")
         resumed = self.resume(c.resume) if c.resume else None
-        if resumed is not None and acc.is_main_process:
-            print(f"resumed from update {resumed} of {c.train.steps}")
         self.logger = None
         if acc.is_main_process:
+            print(self.summary(resumed), flush=True)
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            dump_config(c, self.output_dir / "config.yaml")
+            self._write_config(resumed)
             self.logger = MetricsLogger(self.output_dir, tensorboard=c.logging.tensorboard,
                                         wandb_project=c.logging.wandb_project, config=config_to_dict(c),
                                         resume_step=resumed)
         history: list[dict[str, float]] = []
+        health = RunHealth(warn=self._warn)
         progress = None
         if acc.is_main_process and c.logging.progress_bar:
             from tqdm.auto import tqdm
 
             progress = tqdm(total=c.train.steps, initial=self.update, desc="mmrl train", dynamic_ncols=True)
-        if self.update == 0 and c.logging.eval_every:
-            self._evaluate()
-        while self.update < c.train.steps:
-            metrics = self.step()
-            if c.logging.eval_every and self.update % c.logging.eval_every == 0:
-                metrics.update(self._evaluate())
-            history.append(metrics)
-            if self.logger is not None:
-                self.logger.log(metrics)
+        restore_signals = self._install_stop_signals()
+        self.stopped_by = None
+        try:
+            if self.update == 0 and c.logging.eval_every:
+                self._evaluate()
+            while self.update < c.train.steps:
+                metrics = self.step()
+                if c.logging.eval_every and self.update % c.logging.eval_every == 0:
+                    metrics.update(self._evaluate())
+                metrics.update(health.check(metrics))
+                history.append(metrics)
+                if self.logger is not None:
+                    self.logger.log(metrics)
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix(reward=f"{metrics['reward/mean']:.4g}", loss=f"{metrics.get('loss', 0):.3g}")
+                stop = self._stop_requested()
+                if stop or (c.logging.save_every and self.update % c.logging.save_every == 0) or \
+                        self.update == c.train.steps:
+                    self.save()
+                if stop and self.update < c.train.steps:
+                    self.stopped_by = self.stop_signal or "a signal on another process"
+                    if acc.is_main_process:
+                        print(f"mmrl: stopped by {self.stopped_by} after update {self.update} of {c.train.steps}; "
+                              f"checkpoint {self.output_dir / 'checkpoints' / f'step_{self.update}'} written: "
+                              f"`mmrl train {self.output_dir / 'config.yaml'} resume=auto` continues from it",
+                              flush=True)
+                    break
+        finally:
+            restore_signals()
             if progress is not None:
-                progress.update(1)
-                progress.set_postfix(reward=f"{metrics['reward/mean']:.4g}", loss=f"{metrics.get('loss', 0):.3g}")
-            if (c.logging.save_every and self.update % c.logging.save_every == 0) or self.update == c.train.steps:
-                self.save()
-        if progress is not None:
-            progress.close()
-        if self.logger is not None:
-            self.logger.close()
+                progress.close()
+            if self.logger is not None:
+                self.logger.close()
         return history
+
+    def _warn(self, message: str) -> None:
+        """A run-health warning, printed on the main process (above the progress bar); ``health/*`` metrics log it."""
+        logger.info(message)
+        if self.accelerator.is_main_process:
+            from tqdm.auto import tqdm
+
+            tqdm.write(f"mmrl: warning: {message}")
 
     def _weights(self) -> dict[str, float]:
         """Reward components entering the advantage (the reward's own, plus T-GRPO's bonus when on); with a dense

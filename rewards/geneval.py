@@ -202,15 +202,24 @@ def select_detections(
 ) -> dict[str, list[Detection]]:
     """GenEval's filtering: per class, confidence ``> threshold`` (``counting_threshold`` for
     ``tag == "counting"``), most confident first, at most ``max_objects``, then greedy NMS at IoU
-    ``max_overlap`` (1.0 = none). Classes with no detection are absent."""
-    cut = counting_threshold if tag == "counting" else threshold
+    ``max_overlap`` (1.0 = none). Classes with no detection are absent.
+
+    Exactly as the official ``evaluate_images.py``: per class the order is numpy's
+    ``argsort(scores)[::-1]`` over the detector's outputs of that class in output order (so among exactly equal
+    scores the later output comes first), and the threshold is compared in float32, as on mmdetection's float32
+    arrays (a score of ``float32(0.3)`` is not above 0.3)."""
+    cut = np.float32(counting_threshold if tag == "counting" else threshold)
     by_class: dict[str, list[Detection]] = {}
     for det in detections:
-        if det.score > cut:
-            by_class.setdefault(canonical_class(det.label), []).append(det)
+        by_class.setdefault(canonical_class(det.label), []).append(det)
     out: dict[str, list[Detection]] = {}
     for name, dets in by_class.items():
-        ordering = sorted(dets, key=lambda d: -d.score)[:max_objects]
+        scores = np.asarray([d.score for d in dets], dtype=np.float32)
+        order = np.argsort(scores)[::-1]
+        order = order[scores[order] > cut][:max_objects]
+        ordering = [dets[i] for i in order.tolist()]
+        if not ordering:
+            continue
         kept: list[Detection] = []
         while ordering:
             best = ordering.pop(0)

@@ -45,6 +45,11 @@ timeout or a 5xx is retried ``retries`` times with exponential ``backoff``; afte
 for a 4xx, it raises :class:`RewardServerError` naming the url and the last failure: a dead server
 is an error within about ``(retries + 1) * timeout + backoff * (2 ** retries - 1)`` seconds (a
 refused connection costs only the backoff sleeps: 3 s with the defaults), never a hang.
+
+At startup (``mmrl train``, ``mmrl score``) every remote reward is probed with :meth:`RemoteReward.probe`
+(one ``GET /health``, each attempt at most :data:`PROBE_TIMEOUT_S` seconds; with ``startup_wait: S`` it
+polls for up to S seconds, for a server that is still loading its models) before the policy is loaded,
+so a dead or wrong URL is a one-line error at once rather than after the model has loaded.
 """
 from __future__ import annotations
 
@@ -72,6 +77,8 @@ from ._base import ImageBatch, Reward, register_reward
 __all__ = [
     "RemoteReward",
     "RewardServerError",
+    "find_remote_rewards",
+    "probe_remote_rewards",
     "RewardServer",
     "ScoringQueue",
     "create_app",
@@ -84,6 +91,9 @@ __all__ = [
 log = logging.getLogger("mmrl.rewards.remote")
 
 _DTYPES = {"uint8": (torch.uint8, 1), "float32": (torch.float32, 4)}
+
+#: Longest wait for one attempt of the startup probe (:meth:`RemoteReward.probe`).
+PROBE_TIMEOUT_S = 10.0
 
 
 class RewardServerError(RuntimeError):
@@ -664,6 +674,7 @@ class RemoteReward(Reward):
         wire_dtype: str = "uint8",
         image_format: str = "raw",
         check: bool = False,
+        startup_wait: float = 0.0,
     ):
         """Args:
         url: the server, e.g. ``http://reward-host:8000`` (``/score`` and ``/health`` are appended).
@@ -674,6 +685,8 @@ class RemoteReward(Reward):
         wire_dtype: ``"uint8"`` (``round(x * 255)``, 4x smaller) or ``"float32"`` (exact) for tensors.
         image_format: ``"raw"`` (array bytes) or ``"png"`` for tensor batches; PIL lists always go as PNG.
         check: call ``/health`` now and raise :class:`RewardServerError` if the server is not there.
+        startup_wait: seconds :meth:`probe` (the trainer's startup check) waits for a server that is not up
+            yet; 0 = one check (with ``retries``).
         """
         super().__init__()
         parsed = urllib.parse.urlparse(url)
@@ -685,6 +698,9 @@ class RemoteReward(Reward):
             raise ValueError(f"image_format must be 'raw' or 'png', got {image_format!r}")
         if timeout <= 0 or retries < 0 or backoff < 0:
             raise ValueError("timeout must be > 0, retries and backoff >= 0")
+        if not startup_wait >= 0:
+            raise ValueError(f"startup_wait must be >= 0 seconds, got {startup_wait!r}")
+        self.startup_wait = float(startup_wait)
         self.url = url.rstrip("/")
         self.timeout = float(timeout)
         self.retries = int(retries)
@@ -693,6 +709,7 @@ class RemoteReward(Reward):
         self.image_format = image_format
         # no proxies: a reward server is reached directly (and loopback must never go through one)
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self._probing = False  # the startup probe's failed attempts are logged at DEBUG: its error says it all
         if check:
             self.health()
 
@@ -725,7 +742,8 @@ class RemoteReward(Reward):
                 last = f"{type(reason).__name__}: {reason}" if not isinstance(reason, str) else reason
                 if isinstance(reason, (socket.timeout, TimeoutError)):
                     last = f"no answer within the {self.timeout:g}s timeout ({last})"
-            log.warning("reward server %s: attempt %d/%d failed: %s", url, attempt + 1, attempts, last)
+            log.log(logging.DEBUG if getattr(self, "_probing", False) else logging.WARNING,
+                    "reward server %s: attempt %d/%d failed: %s", url, attempt + 1, attempts, last)
         raise RewardServerError(
             f"reward server {url} failed {attempts} attempt(s) over {time.monotonic() - start:.1f}s; "
             f"last failure: {last}. Is `mmrl serve-rewards` running there and reachable?"
@@ -734,6 +752,26 @@ class RemoteReward(Reward):
     def health(self) -> dict:
         """The server's ``GET /health`` answer (reward names, weights, batching stats)."""
         return self._request("/health")
+
+    def probe(self) -> dict:
+        """The startup check: ``GET /health`` answers ``{"status": "ok", ...}`` (each attempt at most
+        :data:`PROBE_TIMEOUT_S` seconds, ``retries`` retries; with ``startup_wait`` polled that long).
+        Raises :class:`RewardServerError` saying what failed and how to start the server."""
+        saved = self.timeout
+        self.timeout = min(self.timeout, PROBE_TIMEOUT_S)
+        self._probing = True
+        try:
+            info = self.wait_ready(self.startup_wait) if self.startup_wait > 0 else self.health()
+        except RewardServerError as exc:
+            raise RewardServerError(f"{exc} (checked at startup; the reward's kwargs startup_wait: SECONDS wait "
+                                    f"for a server still loading its models)") from None
+        finally:
+            self.timeout = saved
+            self._probing = False
+        if not isinstance(info, dict) or info.get("status") != "ok":
+            raise RewardServerError(f"{self.url}/health did not answer like an mmrl reward server: "
+                                    f"{str(info)[:200]}")
+        return info
 
     def wait_ready(self, timeout: float = 60.0, interval: float = 0.2) -> dict:
         """Poll ``/health`` until the server answers (raises :class:`RewardServerError` after ``timeout``)."""
@@ -831,3 +869,38 @@ class RemoteReward(Reward):
 
     def __repr__(self) -> str:
         return f"RemoteReward(url={self.url!r})"
+
+
+def find_remote_rewards(reward, *, _path: str = "", _seen: set | None = None) -> list[tuple[str, RemoteReward]]:
+    """Every :class:`RemoteReward` inside ``reward`` (a composition, task routes, a wrapping reward such as
+    ``video_segmental``), as ``(dotted key, reward)``: ``[("remote", <RemoteReward>)]``."""
+    seen = set() if _seen is None else _seen
+    if id(reward) in seen:
+        return []
+    seen.add(id(reward))
+    if isinstance(reward, RemoteReward):
+        return [(_path or getattr(reward, "name", "remote"), reward)]
+    found: list[tuple[str, RemoteReward]] = []
+    if isinstance(reward, Mapping):
+        for key, value in reward.items():
+            found += find_remote_rewards(value, _path=f"{_path}.{key}" if _path else str(key), _seen=seen)
+    elif isinstance(reward, (list, tuple)):
+        for value in reward:
+            found += find_remote_rewards(value, _path=_path, _seen=seen)
+    elif type(reward).__module__.startswith("mmrl.rewards") and hasattr(reward, "__dict__"):
+        for attr, value in vars(reward).items():  # only mmrl's own reward classes: never into models
+            if isinstance(value, (Mapping, list, tuple)) or type(value).__module__.startswith("mmrl.rewards"):
+                found += find_remote_rewards(value, _path=_path, _seen=seen)
+    return found
+
+
+def probe_remote_rewards(reward, where: str = "rewards") -> int:
+    """:meth:`RemoteReward.probe` every remote reward in ``reward`` (see :func:`find_remote_rewards`); raises
+    :class:`RewardServerError` naming the config key of the first unreachable one. Returns how many were probed."""
+    remotes = find_remote_rewards(reward)
+    for key, remote in remotes:
+        try:
+            remote.probe()
+        except RewardServerError as exc:
+            raise RewardServerError(f"{where}.{key}: {exc}") from None
+    return len(remotes)

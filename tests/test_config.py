@@ -1,8 +1,15 @@
 """Typed configs: YAML + dotted overrides, nearest-key errors, type and range checks, round trip."""
 
-import pytest
+import dataclasses
+import importlib.util
+import os
+from pathlib import Path
 
-from mmrl.config import Config, ConfigError, config_from_dict, config_to_dict, describe, dump_config, load_config
+import pytest
+import yaml
+
+from mmrl.config import (FIELDS_HEADER, Config, ConfigError, config_from_dict, config_to_dict, describe, dump_config,
+                         load_config)
 
 
 def test_defaults_follow_flow_grpo_and_overrides_apply():
@@ -18,9 +25,10 @@ def test_defaults_follow_flow_grpo_and_overrides_apply():
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["train.stpes=3"], "did you mean 'steps'"),
-        (["sampling.nois_level=0.3"], "did you mean 'noise_level'"),
+        (["train.stpes=3"], "did you mean 'train.steps'"),
+        (["sampling.nois_level=0.3"], "did you mean 'sampling.noise_level'"),
         (["modle.family=sd3"], "did you mean 'model'"),
+        (["optim.zzz=3"], "valid keys in optim: adam_eps, betas"),
         (["train.steps=abc"], "train.steps: expected int"),
         (["train.steps=1.5"], "train.steps: expected int"),
         (["model.use_lora=3"], "expected true or false"),
@@ -58,3 +66,184 @@ def test_missing_or_broken_file(tmp_path):
     bad.write_text("train: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_unknown_key_names_the_full_dotted_key():
+    with pytest.raises(ConfigError, match=r"unknown config key 'train\.stpes'; did you mean 'train\.steps'\?"):
+        load_config(None, ["train.stpes=3"])
+    with pytest.raises(ConfigError, match=r"did you mean 'generation\.max_new_tokens'"):
+        load_config(None, ["generation.max_new_token=3"])
+
+
+RANGE_ERRORS = [
+    (["optim.lr=0"], "optim.lr must be > 0"),
+    (["optim.lr=-1e-4"], "optim.lr must be > 0"),
+    (["model.lora_rank=0"], "model.lora_rank must be >= 1"),
+    (["model.lora_alpha=0"], "model.lora_alpha must be > 0"),
+    (["model.lora_dropout=1.0"], r"model.lora_dropout must be in \[0, 1\)"),
+    (["model.lora_dropout=-0.1"], r"model.lora_dropout must be in \[0, 1\)"),
+    (["model.lora_target_modules=[3]"], "lora_target_modules must be a list of module names"),
+    (["model.resolution=0"], "model.resolution must be >= 16"),
+    (["model.pretrained=''"], "model.pretrained must name a model"),
+    (["optim.max_grad_norm=-1"], "optim.max_grad_norm must be >= 0"),
+    (["optim.weight_decay=-0.1"], "optim.weight_decay must be >= 0"),
+    (["optim.warmup_steps=-1"], "optim.warmup_steps must be >= 0"),
+    (["optim.adam_eps=0"], "optim.adam_eps must be > 0"),
+    (["optim.betas=[0.9]"], "optim.betas must be two numbers"),
+    (["optim.betas=[0.9, 1.0]"], "optim.betas must be two numbers"),
+    (["train.sample_batch_size=0"], "train.sample_batch_size must be >= 1"),
+    (["train.reward_batch_size=0"], "train.reward_batch_size must be >= 1"),
+    (["sampling.eval_num_steps=0"], "sampling.eval_num_steps must be >= 1"),
+    (["sampling.max_sequence_length=0"], "sampling.max_sequence_length must be >= 1"),
+    (["sampling.time_shift=0"], "sampling.time_shift must be > 0"),
+    (["sampling.adaptive_noise_rate=-1"], "adaptive_noise_rate must be >= 0"),
+    (["sampling.num_steps=3", "sampling.noise_schedule=[0.1, -0.2, 0.3]"], "noise_schedule must be a list of noise"),
+    (["sampling.noise_level=.nan"], "sampling.noise_level: must be a finite number"),
+    (["optim.lr=.inf"], "optim.lr: must be a finite number"),
+    (["logging.eval_every=-1"], "logging.eval_every must be >= 0"),
+    (["logging.save_every=-1"], "logging.save_every must be >= 0"),
+    (["data.num_eval_prompts=0"], "data.num_eval_prompts must be >= 1"),
+    (["data.eval_seeds=[]"], "data.eval_seeds must not be empty"),
+    (["data.eval_seeds=[a]"], "data.eval_seeds must be a list of integer seeds"),
+    (["data.prompt_list=[3]"], "data.prompt_list must be a list of non-empty strings"),
+    (["algorithm.advantage_clamp=0"], "algorithm.advantage_clamp must be > 0"),
+    (["algorithm.beta=-0.1"], "algorithm.beta must be >= 0"),
+    (["algorithm.evidence_floor=2"], r"algorithm.evidence_floor must be in \[0, 1\]"),
+    (["algorithm.token_weight_max=0.5"], "algorithm.token_weight_max must be >= 1"),
+    (["seed=-1"], r"seed must be in \[0, 2\*\*63\)"),
+    (["output_dir=''"], "output_dir must not be empty"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", RANGE_ERRORS, ids=[o[0] for o, _ in RANGE_ERRORS])
+def test_values_that_would_crash_later_are_rejected(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_lora_fields_are_not_checked_without_lora():
+    config = load_config(None, ["model.use_lora=false", "model.lora_rank=0"])
+    assert config.model.lora_rank == 0
+
+
+VLM = Path(__file__).parents[1] / "configs/tiny/vlm_grounding.yaml"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["generation.top_k=-1"], "generation.top_k must be >= 0"),
+    (["generation.min_pixels=1000", "generation.max_pixels=10"], "min_pixels must be <= generation.max_pixels"),
+    (["generation.video_fps=0"], "generation.video_fps must be > 0"),
+    (["generation.video_nframes=1"], "generation.video_nframes must be >= 2"),
+    (["generation.question_template='{question} {oops}'"], r"only \{question\} may be in braces"),
+    (["data.eval_prompts=[a cat]"], "data.eval_prompts is for flow policies"),
+])
+def test_vlm_generation_values_are_checked(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(VLM, overrides, check_files=False)
+
+
+def test_every_numeric_field_has_a_range_check_or_is_unbounded():
+    """Guard for new fields: each int/float field is named in validate() or listed here as free."""
+    import inspect
+
+    import mmrl.config as module
+
+    free = {"seed", "guidance_scale", "merge_threshold", "merge_groups", "noise_level", "timestep_fraction",
+            "window_size", "window_shift_every", "eps", "std_ddof", "clip_low", "clip_high", "value_anchor_scale",
+            "max_sampling_rounds", "ema_decay", "ema_update_interval", "keep_last", "steps", "inner_epochs",
+            "batch_size", "gradient_accumulation_steps", "timestep_chunk", "num_steps", "group_size",
+            "prompts_per_step", "temperature", "top_p", "max_new_tokens", "max_prompt_length", "resolution"}
+    source = inspect.getsource(module.validate)
+
+    def fields(cls):
+        for f in dataclasses.fields(cls):
+            hint = module.typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(hint):
+                yield from fields(hint)
+            elif module._type_names(hint) & {"int", "float"}:
+                yield f.name
+
+    unchecked = [name for name in fields(Config) if f".{name}" not in source and name not in free]
+    assert unchecked == []
+
+
+def test_wandb_project_without_wandb_is_a_config_error(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"logging.wandb_project='demo' needs wandb.*`pip install wandb`"):
+        load_config(None, ["logging.wandb_project=demo"])
+    # a machine-dependent check: skipped with check_files=False (`mmrl config validate --no-check-files`)
+    assert load_config(None, ["logging.wandb_project=demo"], check_files=False).logging.wandb_project == "demo"
+
+
+def test_resume_path_must_be_a_complete_checkpoint(tmp_path):
+    with pytest.raises(ConfigError, match="resume: checkpoint folder not found"):
+        load_config(None, [f"resume={tmp_path / 'nope'}"])
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="not a complete checkpoint .*resume=auto with output_dir="):
+        load_config(None, [f"resume={tmp_path / 'run'}"])
+
+
+def test_help_fields_are_yaml_literals_that_parse_back_to_the_defaults():
+    text = FIELDS_HEADER + "\n" + "\n".join(describe())
+    assert yaml.safe_load(text) == config_to_dict(Config())
+    lines = describe()
+    assert "  revision: null  # " in "\n".join(lines) and "  use_lora: true  # " in "\n".join(lines)
+    assert any(line.startswith("  betas: [0.9, 0.999]  #") for line in lines)
+    assert not any(": None  #" in line or ": True  #" in line or ": False  #" in line for line in lines)
+    assert all(line.startswith("# ") for line in FIELDS_HEADER.splitlines())
+    header = " ".join(FIELDS_HEADER.split())
+    assert "Keys a config file leaves out take these defaults" in header
+    assert "SD3.5-Medium / Flow-GRPO GPU settings, NOT the tiny CPU run" in header
+    assert "mmrl/default.yaml" in header
+
+
+def test_help_fields_with_values_show_a_configs_values():
+    config = load_config(VLM, check_files=False)
+    assert yaml.safe_load("\n".join(describe(values=config))) == config_to_dict(config)
+
+
+def test_load_config_documents_where_defaults_come_from():
+    doc = " ".join(load_config.__doc__.split())
+    assert "Keys a config file leaves out take the dataclass defaults" in doc
+    assert "SD3.5-Medium / Flow-GRPO GPU settings, not the tiny CPU ones" in doc
+
+
+def test_yaml_errors_are_one_line_with_line_and_column(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: 3\n bad: x\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    message = str(info.value)
+    assert "\n" not in message and "at at" not in message
+    assert message.startswith(f"{bad}: not valid YAML: line 3, column 2: ")
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.steps=["])
+    message = str(info.value)
+    assert message.startswith("override 'train.steps=[': the value is not valid YAML (line 1, column 2")
+    assert "\n" not in message
+    with pytest.raises(ConfigError, match="is not a dotted key"):
+        load_config(None, ["train.=3"])
+
+
+def test_missing_files_say_how_relative_paths_resolve(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        load_config(VLM, ["data.dataset=data/x.jsonl"])
+    assert (f"data.dataset: file not found: data/x.jsonl (relative paths are resolved from the working directory "
+            f"{Path.cwd()}; `mmrl config validate --no-check-files` skips this check)") in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["data.prompts=prompts/p.txt"])
+    assert "data.prompts: prompt file not found: prompts/p.txt (relative paths are resolved from" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"data.prompts={tmp_path / 'abs.txt'}"])
+    assert "relative paths" not in str(info.value) and "--no-check-files` skips this check" in str(info.value)
+    # relative to the working directory, not to the config file's folder
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "p.txt").write_text("a cat\n")
+    config_file = tmp_path / "sub" / "c.yaml"
+    config_file.write_text("data: {prompts: p.txt}\nrewards: {brightness: 1.0}\n")
+    assert load_config(config_file).data.prompts == "p.txt"
+    os.chdir(tmp_path / "sub")
+    with pytest.raises(ConfigError, match="prompt file not found: p.txt"):
+        load_config(config_file)

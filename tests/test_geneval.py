@@ -112,6 +112,23 @@ def test_select_detections_thresholds_sorting_and_cap():
     assert len(select_detections(many, max_objects=5)["dog"]) == 5
 
 
+def test_select_detections_tie_order_and_float32_threshold_as_official():
+    """evaluate_images.py: ``np.argsort(scores)[::-1]`` per class (equal scores: the later detector output first)
+    and ``scores > threshold`` on float32 arrays (a float32 score of exactly 0.3 is not above 0.3)."""
+    tied = [det("cat", 0.5, (0, 0, 10, 10)), det("cat", 0.5, (20, 0, 30, 10)), det("cat", 0.7, (40, 0, 50, 10)),
+            det("cat", 0.5, (60, 0, 70, 10))]
+    kept = select_detections(tied)["cat"]
+    # argsort([.5, .5, .7, .5]) = [0, 1, 3, 2] (stable for short arrays); reversed: 2, 3, 1, 0
+    assert [d.box[0] for d in kept] == [40.0, 60.0, 20.0, 0.0]
+    assert len(select_detections(tied, max_objects=2)["cat"]) == 2
+    assert [d.box[0] for d in select_detections(tied, max_objects=2)["cat"]] == [40.0, 60.0]
+    at = float(np.float32(0.3))  # what a float32 detector score of 0.3 reads as in Python: 0.30000001192...
+    assert at > 0.3  # a float64 comparison would keep it
+    assert "cat" not in select_detections([det("cat", at)])
+    assert len(select_detections([det("cat", 0.3000001)])["cat"]) == 1
+    assert "cat" not in select_detections([det("cat", float(np.float32(0.9)))], tag="counting")
+
+
 def test_select_detections_optional_nms():
     dets = [det("cat", 0.9, (0, 0, 10, 10)), det("cat", 0.8, (1, 0, 11, 10)), det("cat", 0.7, (50, 50, 60, 60))]
     assert len(select_detections(dets)["cat"]) == 3  # GenEval default: max_overlap 1.0, no NMS

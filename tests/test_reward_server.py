@@ -421,3 +421,74 @@ def test_load_reward_spec(tmp_path):
         load_reward_spec(str(tmp_path / "none.yaml"))
     with pytest.raises(ValueError, match="either"):
         load_reward_spec(str(config), "{a: 1}")
+
+
+# --------------------------------------------------------------------------------------------
+# The startup probe (`mmrl train` / `mmrl score` check remote rewards before loading a model)
+# --------------------------------------------------------------------------------------------
+
+
+def _dead_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def test_probe_answers_on_a_live_server(server):
+    info = RemoteReward(server.url, timeout=5).probe()
+    assert info["status"] == "ok" and "brightness" in info["rewards"]
+
+
+def test_probe_fails_fast_in_one_message_on_nothing_listening(caplog):
+    port = _dead_port()
+    remote = RemoteReward(f"http://{LOOPBACK}:{port}", timeout=120, retries=1, backoff=0.05)
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="mmrl.rewards.remote"):
+        with pytest.raises(RewardServerError, match=rf"{LOOPBACK}:{port}/health failed 2 attempt.*checked at startup"):
+            remote.probe()
+    assert time.monotonic() - start < 5
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]  # the error says it all
+    assert remote.timeout == 120  # the probe's shorter timeout is not kept
+
+
+def test_probe_with_startup_wait_waits_for_a_server_that_starts_late(pixel_reward):
+    late = RewardServer(pixel_reward, LOOPBACK, 0)  # the port is bound but nothing answers yet
+    timer = threading.Timer(0.5, late.start)
+    timer.start()
+    try:
+        info = RemoteReward(late.url, retries=0, startup_wait=30).probe()
+        assert info["status"] == "ok"
+    finally:
+        timer.join()
+        late.stop()
+    with pytest.raises(ValueError, match="startup_wait"):
+        RemoteReward(late.url, startup_wait=-1)
+    check_reward_arguments("remote", {"url": "http://h:1", "startup_wait": 60})
+
+
+def test_probe_rejects_a_server_that_is_not_an_mmrl_reward_server():
+    remote = RemoteReward(f"http://{LOOPBACK}:1", retries=0)
+    remote.health = lambda: {"hello": "world"}
+    with pytest.raises(RewardServerError, match="did not answer like an mmrl reward server"):
+        remote.probe()
+
+
+def test_remote_rewards_are_found_inside_compositions_and_routes():
+    from mmrl.rewards.remote import find_remote_rewards, probe_remote_rewards
+
+    port = _dead_port()
+    url = f"http://{LOOPBACK}:{port}"
+    composed = build_rewards({
+        "brightness": 1.0,
+        "judge": {"reward": "remote", "kwargs": {"url": url, "retries": 0}},
+        "routed": {"reward": "task_routed", "kwargs": {"routes": {
+            "grounding": {"remote": {"weight": 1.0, "kwargs": {"url": url + "/", "retries": 0}}}}}},
+    })
+    found = find_remote_rewards(composed)
+    assert [key for key, _ in found] == ["judge", "routed.remote"]
+    assert all(isinstance(r, RemoteReward) for _, r in found)
+    with pytest.raises(RewardServerError, match=rf"^rewards\.judge: reward server {url}/health"):
+        probe_remote_rewards(composed)
+    assert probe_remote_rewards(build_rewards({"brightness": 1.0})) == 0

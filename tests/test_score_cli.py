@@ -208,3 +208,31 @@ def test_async_scorer_copy_protects_against_in_place_edits():
         x.zero_()
         gate.set()
         assert torch.equal(future.result(timeout=5)["m"], torch.ones(2))
+
+
+def test_json_errors_name_the_column_once(folder, tmp_path, capsys):
+    for text, words in (('{"image": "red.png", "prompt": "unterminated', "Unterminated string starting at column"),
+                        ('{"image": "red.png", "prompt": "tab\there"}', "Invalid control character at column"),
+                        ("{oops", "Expecting property name enclosed in double quotes at column 2")):
+        bad = write_jsonl(tmp_path / "b.jsonl", [text])
+        code = main(["score", "--rewards", REWARDS, "--images", str(folder), "--prompts", str(bad), "--out",
+                     str(tmp_path / "o.csv")])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith(f"mmrl: error: {bad}, line 1: not valid JSON (") and words in err, err
+        assert "at at" not in err and err.count("\n") == 1
+    assert not (tmp_path / "o.csv").exists()
+
+
+def test_a_dead_remote_reward_is_one_error_before_any_image_is_read(folder, tmp_path, capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "o.csv"
+    code = main(["score", "--rewards", f"{{remote: {{kwargs: {{url: 'http://127.0.0.1:{port}', retries: 0}}}}}}",
+                 "--images", str(folder), "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"mmrl: error: rewards.remote: reward server http://127.0.0.1:{port}/health failed")
+    assert not out.exists()

@@ -139,7 +139,7 @@ def test_nonfinite_loss_is_skipped_and_logged(tmp_path, tiny_path, monkeypatch):
 
 def test_bad_inputs_give_one_clear_error(tmp_path, tiny_path, capsys):
     assert main(["train", f"output_dir={tmp_path}", "train.stpes=3"]) == 2
-    assert "did you mean 'steps'" in capsys.readouterr().err
+    assert "did you mean 'train.steps'" in capsys.readouterr().err
     assert main(["train", f"output_dir={tmp_path}", "rewards={pickscroe: 1.0}"]) == 2
     assert "pickscore" in capsys.readouterr().err
     assert main(["train", f"output_dir={tmp_path}", f"data.prompts={tmp_path}/missing.txt"]) == 2

@@ -5,7 +5,8 @@ import torch
 from fixtures import frame_colour, nearest_frame, truncate_file, write_garbage, write_video
 
 from mmrl.data.prompts import DataError
-from mmrl.data.video import budget_size, num_sampled_frames, plan_frames, read_video, sample_frame_indices
+from mmrl.data.video import (_reason, budget_size, num_sampled_frames, plan_frames, probe_video, read_video,
+                             sample_frame_indices)
 
 # ------------------------------------------------------------------------------------------- the rule
 
@@ -194,3 +195,55 @@ def test_garbage_and_one_frame_videos(tmp_path):
     one = write_video(tmp_path / "one.mp4", num_frames=1)
     with pytest.raises(DataError, match=r"one.mp4.*\[2, 1\]"):
         read_video(one)
+
+
+# ------------------------------------------------------------------------------------------- probing
+
+
+def test_probe_video_reads_metadata_and_the_first_frame(video_40, monkeypatch):
+    import decord
+
+    decoded = []
+    real = decord.VideoReader.__getitem__
+    monkeypatch.setattr(decord.VideoReader, "__getitem__", lambda self, i: decoded.append(i) or real(self, i))
+    info = probe_video(video_40)
+    assert (info.total_frames, info.video_fps, info.width, info.height) == (40, 10.0, 64, 48)
+    assert info.duration == 4.0 and info.path == str(video_40)
+    assert decoded == [0]  # one frame, not the video
+
+
+def test_probe_video_errors_name_the_file(tmp_path):
+    with pytest.raises(DataError) as info:
+        probe_video(tmp_path / "nowhere.mp4")
+    assert str(info.value) == f"video not found: {tmp_path / 'nowhere.mp4'}"
+    junk = write_garbage(tmp_path / "junk.mp4")
+    with pytest.raises(DataError) as info:
+        probe_video(junk)
+    assert str(info.value).startswith(f"cannot read video {junk}: ")
+    cut = truncate_file(write_video(tmp_path / "cut.mp4", num_frames=40), fraction=0.6)
+    with pytest.raises(DataError) as info:
+        probe_video(cut)
+    assert str(info.value) == f"cannot read video {cut}: ffmpeg cannot open it (truncated, or not a video file)"
+    one = write_video(tmp_path / "one.mp4", num_frames=1)
+    with pytest.raises(DataError) as info:
+        probe_video(one)
+    assert str(info.value) == f"video {one} has 1 frame(s): at least 2 are needed"
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("[09:51:26] /github/workspace/src/video/ffmpeg/threaded_decoder.cc:292: [09:51:26] /github/workspace/src/video/"
+     "ffmpeg/threaded_decoder.cc:218: Check failed: avcodec_send_packet(dec_ctx_.get(), pkt.get()) >= 0 "
+     "(-1094995529 vs. 0) Thread worker: Error sending packet.", "Thread worker: Error sending packet."),
+    ("[09:51:26] /github/workspace/src/video/video_reader.cc:151: Check failed: st_nb >= 0 (-1381258232 vs. 0) "
+     "ERROR cannot find video stream with wanted index: -1", "ERROR cannot find video stream with wanted index: -1"),
+    ('[09:51:26] /github/workspace/src/video/ffmpeg/filter_graph.cc:61: Check failed: avfilter_graph_create_filter('
+     '&buffersrc_ctx_, buffersrc, "in", args, __null, filter_graph_.get()) >= 0 (-22 vs. 0) Cannot create buffer '
+     'source', "Cannot create buffer source"),
+    ("[09:51:26] /github/workspace/src/video/video_reader.cc:486: Error: av_read_frame failed with 1094995529",
+     "Error: av_read_frame failed with 1094995529 (invalid data found when processing input)"),
+    ("Error reading /data/v/cut.mp4...", "ffmpeg cannot open it (truncated, or not a video file)"),
+    ("first line\nStack trace:\n  [bt] (0) libdecord.so", "first line"),
+    ("", "RuntimeError"),
+])
+def test_decord_reasons_read_cleanly(raw, expected):
+    assert _reason(RuntimeError(raw)) == expected

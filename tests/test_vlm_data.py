@@ -152,11 +152,156 @@ def test_corrupt_video_checked_at_read_or_load(media):
     bad = truncate_file(write_video(media / "videos" / "cut.mp4"), fraction=0.5)
     path = write_jsonl(media / "d.jsonl", [{"question": "q", "solution": "s"},
                                            {"video": "videos/cut.mp4", "question": "q", "solution": "s"}])
-    with pytest.raises(DataError, match=r"d.jsonl:2: corrupt video .*cut.mp4"):
-        read_vlm_jsonl(path, verify_videos=True)
-    sample = read_vlm_jsonl(path)[1]  # not opened by default: the error comes on load, with the line
-    with pytest.raises(DataError, match=rf"d.jsonl:2: cannot read video {bad}"):
+    expected = f"{path}:2: cannot read video {bad}: ffmpeg cannot open it (truncated, or not a video file)"
+    with pytest.raises(DataError) as info:
+        read_vlm_jsonl(path)  # every video is probed when the file is read
+    assert str(info.value) == expected
+    sample = read_vlm_jsonl(path, verify_videos=False)[1]  # not probed: the same error comes on load
+    with pytest.raises(DataError) as info:
         load_video(sample, nframes=4)
+    assert str(info.value) == expected
+
+
+def damage_tail(path, fraction=0.5):
+    """Overwrite the bytes of ``path`` from ``fraction`` on (a faststart mp4: its index survives, later frames
+    do not)."""
+    data = bytearray(path.read_bytes())
+    start = int(len(data) * fraction)
+    data[start:] = bytes((i * 7 + 3) % 256 for i in range(len(data) - start))
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("skip_bad", [False, True])
+def test_bad_videos_probed_at_read(media, caplog, skip_bad):
+    """Garbage, a truncated file and a one-frame clip are found when the file is read, before any training."""
+    write_garbage(media / "videos" / "junk.mp4")
+    truncate_file(write_video(media / "videos" / "cut.mp4", faststart=True), fraction=0.6)
+    write_video(media / "videos" / "one.mp4", num_frames=1)
+    path = write_jsonl(media / "d.jsonl", [
+        {"video": "videos/v.mp4", "question": "q1", "solution": "s"},
+        {"video": "videos/junk.mp4", "question": "q2", "solution": "s"},
+        {"video": "videos/cut.mp4", "question": "q3", "solution": "s"},
+        {"video": "videos/one.mp4", "question": "q4", "solution": "s"},
+    ])
+    videos = media / "videos"
+    if not skip_bad:
+        with pytest.raises(DataError) as info:
+            read_vlm_jsonl(path)
+        assert str(info.value).startswith(f"{path}:2: cannot read video {videos / 'junk.mp4'}: ")
+        return
+    with caplog.at_level(logging.WARNING, logger="mmrl.data.vlm"):
+        samples = read_vlm_jsonl(path, skip_bad=True)
+    assert [s.question for s in samples] == ["q1"] and samples.skipped == 3
+    assert samples.problems[0].startswith(f"{path}:2: cannot read video {videos / 'junk.mp4'}: ")
+    assert samples.problems[1].startswith(f"{path}:3: cannot read video {videos / 'cut.mp4'}: ")
+    assert samples.problems[2] == f"{path}:4: video {videos / 'one.mp4'} has 1 frame(s): at least 2 are needed"
+    assert "[" not in samples.problems[1]  # decord's timestamps and source locations are gone
+    assert any("skipped 3 bad line(s), kept 1 sample(s)" in r.getMessage() for r in caplog.records)
+
+
+def test_probe_reads_the_first_frame_only(media):
+    """The probe at read time is one open and one frame: damage further in is found when the frames are decoded
+    (at load time, or by mmrl config validate)."""
+    damage_tail(write_video(media / "videos" / "late.mp4", num_frames=40, faststart=True), 0.5)
+    path = write_jsonl(media / "d.jsonl", [{"video": "videos/late.mp4", "question": "q", "solution": "s"}])
+    sample = read_vlm_jsonl(path)[0]  # passes the probe
+    with pytest.raises(DataError, match=rf"^{path}:1: cannot decode frames 0\.\.39 of video .*late.mp4 "):
+        load_video(sample, nframes=40)
+
+
+def test_media_checks_on_threads_keep_the_order(media):
+    from mmrl.data.vlm import check_all_media
+
+    write_garbage(media / "imgs" / "bad.png")
+    write_garbage(media / "videos" / "junk.mp4")
+    records = []
+    for i in range(24):
+        records.append({"image": "imgs/bad.png" if i % 5 == 1 else "imgs/a.png", "question": f"q{i}", "solution": "s"})
+        if i % 7 == 3:
+            records[-1] = {"video": "videos/junk.mp4", "question": f"q{i}", "solution": "s"}
+    path = write_jsonl(media / "d.jsonl", records)
+    samples = read_vlm_jsonl(path, verify_images=False, verify_videos=False)
+    serial = check_all_media(samples, workers=1)
+    threaded = check_all_media(samples, workers=4)
+    assert threaded == serial
+    assert [bool(p) for p in serial] == [i % 5 == 1 or i % 7 == 3 for i in range(24)]
+    skipped = read_vlm_jsonl(path, skip_bad=True)
+    assert [p.split(": ")[0] for p in skipped.problems] == [f"{path}:{i + 1}" for i in range(24)
+                                                             if i % 5 == 1 or i % 7 == 3]
+
+
+def test_first_bad_line_raises_without_opening_later_media(media, monkeypatch):
+    """Without skip_bad the first bad line is the error, as before; media after it are not opened."""
+    import mmrl.data.vlm as vlm
+
+    opened = []
+    real = vlm._image_problem
+    monkeypatch.setattr(vlm, "_image_problem", lambda p, **k: opened.append(p) or real(p, **k))
+    path = write_jsonl(media / "d.jsonl", [{"image": "imgs/a.png", "question": "q", "solution": "s"},
+                                           "{oops", {"image": "imgs/b.jpg", "question": "q", "solution": "s"}])
+    with pytest.raises(DataError, match=rf"^{path}:2: not valid JSON"):
+        read_vlm_jsonl(path)
+    assert opened == [str(media / "imgs" / "a.png")]
+
+
+# ------------------------------------------------------------------------------------------- messages
+
+
+@pytest.mark.parametrize("line, expected", [
+    ('{"question": "q", "solution": "unterminated}', "not valid JSON (Unterminated string starting at column 31)"),
+    ('{"question": "tab\there", "solution": "s"}', "not valid JSON (Invalid control character at column 18)"),
+    ('{"question": "q", "solution": "s"', "not valid JSON (Expecting ',' delimiter at column 34)"),
+    ('{"question": "q", "solution": "s"} extra', "not valid JSON (Extra data at column 36)"),
+    ('{"question": "q" "solution": "s"}', "not valid JSON (Expecting ',' delimiter at column 18)"),
+    ('{"question": "q", "solution": "\\x"}', "not valid JSON (Invalid \\escape at column 32)"),
+    (b'{"question": "caf\xe9", "solution": "s"}', "not UTF-8 text (byte 17)"),
+    ({"question": 3, "solution": "s"}, "field 'question' must be a non-empty string, got int 3"),
+    ({"question": "q"}, "missing required field 'solution' (a non-empty string)"),
+    ({"question": "q", "solution": "s", "boxes": [[10, 0, 5, 5]]},
+     "boxes[0] [10, 0, 5, 5] is empty or reversed: expected x2 > x1 and y2 > y1"),
+])
+def test_line_messages_read_once(media, caplog, line, expected):
+    """Each message names the file and line once and reads cleanly (no "at at column", no doubled prefix), in the
+    error, in the skip warning and in ``problems``."""
+    path = write_jsonl(media / "m.jsonl", [{"question": "fine", "solution": "ok"}, line])
+    with pytest.raises(DataError) as info:
+        read_vlm_jsonl(path)
+    assert str(info.value) == f"{path}:2: {expected}"
+    with caplog.at_level(logging.WARNING, logger="mmrl.data.vlm"):
+        kept = read_vlm_jsonl(path, skip_bad=True)
+    assert kept.problems == [f"{path}:2: {expected}"]
+    assert f"skipping {path}:2: {expected}" in [r.getMessage() for r in caplog.records]
+
+
+def test_load_time_messages_name_the_line_once(media):
+    truncate_file(write_gradient_image(media / "imgs" / "cut.jpg", 64, 48), fraction=0.8)  # passes verify()
+    path = write_jsonl(media / "d.jsonl", [{"image": "imgs/cut.jpg", "question": "q", "solution": "s"}])
+    sample = read_vlm_jsonl(path)[0]
+    with pytest.raises(DataError) as info:
+        load_images(sample)
+    assert str(info.value) == (f"{path}:1: corrupt image {media / 'imgs' / 'cut.jpg'}: OSError: image file is "
+                               f"truncated (1 bytes not processed)")
+    assert str(info.value).count(f"{path}:1") == 1
+
+
+def test_build_source_probes_videos_before_training(media, caplog):
+    from pathlib import Path
+
+    from mmrl.build import build_source
+    from mmrl.config import load_config
+
+    write_garbage(media / "videos" / "junk.mp4")
+    path = write_jsonl(media / "d.jsonl", [{"video": "videos/v.mp4", "question": "q1", "solution": "s"},
+                                           {"video": "videos/junk.mp4", "question": "q2", "solution": "s"}])
+    recipe = Path(__file__).resolve().parent.parent / "configs" / "tiny" / "vlm_video_tg.yaml"
+    with pytest.raises(DataError, match=rf"^{path}:2: cannot read video .*junk.mp4: "):
+        build_source(load_config(recipe, [f"data.dataset={path}"]))
+    with caplog.at_level(logging.WARNING, logger="mmrl.data.vlm"):
+        source = build_source(load_config(recipe, [f"data.dataset={path}", "data.skip_bad_samples=true"]))
+    assert [s.question for s in source.items] == ["q1"]
+    assert source.skipped == 1 and source.problems[0].startswith(f"{path}:2: cannot read video ")
+    assert any(r.getMessage().startswith(f"skipping {path}:2: ") for r in caplog.records)
 
 
 # ------------------------------------------------------------------------------------------- loading

@@ -26,28 +26,60 @@ class PromptItem:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def read_prompts(path: str | Path) -> list[PromptItem]:
-    """``.txt``: one prompt per non-empty line. ``.jsonl``: one object per line with a string ``prompt``; the other
-    fields are kept as metadata for rewards (GenEval ``include`` clauses, OCR targets, ...)."""
+def json_error(exc: json.JSONDecodeError) -> str:
+    """``"not valid JSON (<reason> at column <n>)"``, read once.
+
+    ``json``'s own reasons for strings end in ``"at"`` (``"Unterminated string starting at"``, ``"Invalid control
+    character '\\t' at"``), the column being where the string starts: that ``at`` is the one used.
+    """
+    reason = exc.msg[:-3] if exc.msg.endswith(" at") else exc.msg
+    return f"not valid JSON ({reason} at column {exc.colno})"
+
+
+def iter_prompt_file(path: str | Path):
+    """``(where, item, problem)`` for every non-blank line of a prompt file (``item`` or ``problem`` is None);
+    the parser behind :func:`read_prompts` and :func:`mmrl.data.validate.check_data`. Format in
+    :func:`read_prompts`; a missing file is a :class:`DataError`."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"prompt file not found: {path}")
-    items: list[PromptItem] = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    jsonl = path.suffix.lower() == ".jsonl"
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.rstrip(b"\r\n").decode("utf-8-sig" if number == 1 else "utf-8")  # tolerate a BOM
+            except UnicodeDecodeError as exc:
+                yield where, None, f"not UTF-8 text (byte {exc.start})"
+                continue
             if not line.strip():
                 continue
-            if path.suffix == ".jsonl":
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-                if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                    raise DataError(f"{path}:{number}: expected an object with a string 'prompt' field")
-                prompt = record.pop("prompt")
-                items.append(PromptItem(prompt.strip(), record))
-            else:
-                items.append(PromptItem(line.strip()))
+            if not jsonl:
+                yield where, PromptItem(line.strip()), None
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield where, None, json_error(exc)
+                continue
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                got = type(record).__name__ if not isinstance(record, dict) else (
+                    "no 'prompt'" if "prompt" not in record else f"'prompt' of type {type(record['prompt']).__name__}")
+                yield where, None, f"expected an object with a string 'prompt' field, got {got}"
+                continue
+            prompt = record.pop("prompt")
+            yield where, PromptItem(prompt.strip(), record), None
+
+
+def read_prompts(path: str | Path) -> list[PromptItem]:
+    """``.txt``: one prompt per non-empty line. ``.jsonl``: one object per line with a string ``prompt``; the other
+    fields are kept as metadata for rewards (GenEval ``include`` clauses, OCR targets, ...). UTF-8 (a BOM is
+    allowed). A bad line is a :class:`DataError` ``"<file>:<line>: <what>"``."""
+    items: list[PromptItem] = []
+    for where, item, problem in iter_prompt_file(path):
+        if problem is not None:
+            raise DataError(f"{where}: {problem}")
+        items.append(item)
     if not items:
         raise DataError(f"prompt file is empty: {path}")
     return items

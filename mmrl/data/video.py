@@ -17,11 +17,18 @@ was trained with:
 
 Frames are resized per video to a pixel budget with Qwen's ``smart_resize`` (transformers' own): each side
 a multiple of ``factor`` (28 for Qwen2/2.5-VL, 32 for Qwen3-VL), ``H * W <= max_pixels``, aspect kept.
+
+:func:`probe_video` is the cheap check run on every video when a data set is read for training: open with
+decord, read the metadata (frame count, frame rate, size) and decode the first frame only. It costs about one
+open plus one frame decode (milliseconds for a short clip, tens of milliseconds for a 30 s 360p one), not a
+decode of the video; damage after the first frame is found when :func:`read_video` decodes the sampled frames
+(``mmrl config validate`` without ``--quick`` does that for every video before a run).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,6 +191,57 @@ class VideoClip:
         return [i / self.video_fps for i in self.indices]
 
 
+@dataclass(frozen=True)
+class VideoInfo:
+    """What :func:`probe_video` read: the metadata decord reports, and the first frame decoded."""
+
+    path: str
+    total_frames: int
+    video_fps: float
+    width: int
+    height: int
+
+    @property
+    def duration(self) -> float:
+        return self.total_frames / self.video_fps
+
+
+def _open_video(path: Path):
+    """``(decord reader, frame count, average fps)``, or a :class:`DataError` naming the file."""
+    import decord
+
+    if not path.is_file():
+        raise DataError(f"video not found: {path}")
+    try:
+        reader = decord.VideoReader(str(path), ctx=decord.cpu(0))
+        return reader, len(reader), float(reader.get_avg_fps())
+    except Exception as exc:  # decord raises RuntimeError / DECORDError with ffmpeg's reason
+        raise DataError(f"cannot read video {path}: {_reason(exc)}") from None
+
+
+def probe_video(path: str | Path) -> VideoInfo:
+    """Open ``path`` with decord, read its metadata and decode its first frame (not the others).
+
+    A :class:`DataError` naming the file when it is missing, cannot be opened, has fewer than the
+    ``FRAME_FACTOR`` (2) frames every frame plan needs, reports no frame rate, or its first frame does not
+    decode. The messages are the ones :func:`read_video` gives for the same faults.
+    """
+    path = Path(path)
+    reader, total_frames, video_fps = _open_video(path)
+    try:
+        if total_frames < FRAME_FACTOR:
+            raise DataError(f"video {path} has {total_frames} frame(s): at least {FRAME_FACTOR} are needed")
+        if not _is_number(video_fps) or video_fps <= 0:
+            raise DataError(f"video {path} reports no frame rate (fps={video_fps})")
+        try:
+            height, width = reader[0].shape[:2]
+        except Exception as exc:
+            raise DataError(f"cannot decode the first frame of video {path} (corrupt?): {_reason(exc)}") from None
+    finally:
+        del reader
+    return VideoInfo(str(path), total_frames, video_fps, int(width), int(height))
+
+
 def read_video(path: str | Path, *, fps: float | None = None, nframes: float | None = None, min_frames: int = 4,
                max_frames: int = 768, max_pixels: int | None = None, min_pixels: int | None = None,
                start: float | None = None, end: float | None = None, factor: int = IMAGE_FACTOR,
@@ -194,16 +252,8 @@ def read_video(path: str | Path, *, fps: float | None = None, nframes: float | N
     qwen-vl-utils); with neither the frames keep their stored size. ``start``/``end`` (seconds) restrict the
     sampled range. A missing, unreadable or too-short video is a :class:`DataError` naming the file.
     """
-    import decord
-
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"video not found: {path}")
-    try:
-        reader = decord.VideoReader(str(path), ctx=decord.cpu(0))
-        total_frames, video_fps = len(reader), float(reader.get_avg_fps())
-    except Exception as exc:  # decord raises RuntimeError / DECORDError with ffmpeg's reason
-        raise DataError(f"cannot read video {path}: {_reason(exc)}") from None
+    reader, total_frames, video_fps = _open_video(path)
     try:
         plan = plan_frames(total_frames, video_fps, fps=fps, nframes=nframes, min_frames=min_frames,
                            max_frames=max_frames, start=start, end=end, temporal_patch_size=temporal_patch_size)
@@ -229,10 +279,32 @@ def read_video(path: str | Path, *, fps: float | None = None, nframes: float | N
                      video_fps=video_fps, total_frames=total_frames, original_size=(int(width), int(height)))
 
 
+_DECORD_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+?:\d+: ")
+_CHECK_FAILED = re.compile(r"^Check failed: .*? \(-?\d+ vs\. -?\d+\) ")
+_FFMPEG_CODES = {1094995529: "invalid data found when processing input", 541478725: "end of file"}
+
+
 def _reason(exc: Exception) -> str:
-    """decord's messages carry a C++ source location and a stack trace; keep the first meaningful line."""
+    """The readable part of a decord message.
+
+    decord prefixes each nested failure with ``[hh:mm:ss] <source file>:<line>: `` and its checks with
+    ``Check failed: <expression> (<a> vs. <b>)``; what is left is ffmpeg's reason. ffmpeg's common error codes
+    are named, and decord's ``"Error reading <path>..."`` (the file did not open) says why in words. For
+    example ``"[09:51:26] .../threaded_decoder.cc:292: [09:51:26] .../threaded_decoder.cc:218: Check failed:
+    avcodec_send_packet(...) >= 0 (-1094995529 vs. 0) Thread worker: Error sending packet."`` reads
+    ``"Thread worker: Error sending packet."``.
+    """
     text = str(exc).strip() or type(exc).__name__
-    line = text.splitlines()[0]
-    if "] " in line and line.startswith("["):
-        line = line.split("] ", 1)[1]
+    line = text.splitlines()[0].strip()
+    if line.startswith("Error reading ") and line.endswith("..."):  # decord's open failure names only the path
+        return "ffmpeg cannot open it (truncated, or not a video file)"
+    while True:
+        stripped = _DECORD_PREFIX.sub("", line, count=1)
+        if stripped == line:
+            break
+        line = stripped
+    line = _CHECK_FAILED.sub("", line, count=1).strip() or line
+    match = re.search(r"failed with (-?\d+)$", line)
+    if match and abs(int(match.group(1))) in _FFMPEG_CODES:
+        line += f" ({_FFMPEG_CODES[abs(int(match.group(1)))]})"
     return line[:300]

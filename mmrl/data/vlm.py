@@ -31,10 +31,14 @@ the first image as stored, for rescaling predicted boxes), ``image_sizes`` (all 
 ``input_sizes`` (after the pixel budget); :func:`load_video` adds ``sample_fps``, ``second_per_grid_ts``,
 ``video_fps``, ``num_frames`` and ``duration`` (the decoded duration, unless the line gave one).
 
-Bad input: a line that is not JSON, a missing or ill-typed field, a missing image or video file, or an image
-Pillow cannot verify is a :class:`DataError` ``"<file>:<line>: <what was expected>"``. With
-``skip_bad=True`` the line is skipped with a ``logging`` warning instead, and counted: the returned
-:class:`SampleList` is a plain list with ``skipped`` (the count) and ``problems`` (the messages).
+Bad input: a line that is not JSON, a missing or ill-typed field, a missing image or video file, an image
+Pillow cannot verify, or a video whose probe fails (decord cannot open it, it has under 2 frames, or its first
+frame does not decode) is a :class:`DataError` ``"<file>:<line>: <what was expected>"``, so a bad file stops a
+run before its first update, not halfway. With ``skip_bad=True`` the line is skipped with a ``logging`` warning
+instead, and counted: the returned :class:`SampleList` is a plain list with ``skipped`` (the count) and
+``problems`` (the messages). Reading checks each file's structure, not all its pixels (startup stays at about
+one open plus one frame per video); :func:`mmrl.data.validate.check_data` (``mmrl config validate``) decodes
+everything training will read and lists every problem at once.
 """
 
 from __future__ import annotations
@@ -43,15 +47,17 @@ import io
 import json
 import logging
 import math
+import os
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from PIL import Image
 
-from mmrl.data.prompts import DataError, OrderedSource
-from mmrl.data.video import IMAGE_FACTOR, VideoClip, budget_size, read_video
+from mmrl.data.prompts import DataError, OrderedSource, json_error
+from mmrl.data.video import IMAGE_FACTOR, VideoClip, budget_size, probe_video, read_video
 
 logger = logging.getLogger(__name__)
 
@@ -166,23 +172,66 @@ def _resolve(value: str, base: Path, key: str) -> Path:
     return path
 
 
-def _verify_image(path: Path) -> None:
+def _image_problem(path: str, *, decode: bool) -> str | None:
+    """``None`` when the image opens and ``verify()`` passes (and, with ``decode``, its pixels load)."""
     try:
         with Image.open(path) as image:
             image.verify()
+        if decode:  # verify() checks the structure (PNG chunks and CRCs); load() decodes every pixel
+            with Image.open(path) as image:
+                image.load()
+    except FileNotFoundError:
+        return f"image file not found: {path}"
     except Exception as exc:
-        raise _Bad(f"corrupt image {path}: {type(exc).__name__}: {exc}") from None
+        return f"corrupt image {path}: {type(exc).__name__}: {exc}"
+    return None
 
 
-def _verify_video(path: Path) -> None:
-    import decord
-
+def _video_problem(path: str, *, decode: bool, frames: Mapping[str, Any] | None) -> str | None:
+    """``None`` when :func:`mmrl.data.video.probe_video` passes (with ``decode``: :func:`read_video` decodes the
+    frames ``frames`` plans, the ``fps`` / ``nframes`` / ``max_frames`` training uses, without resizing)."""
     try:
-        reader = decord.VideoReader(str(path))
-        if len(reader) == 0:
-            raise RuntimeError("no frames")
-    except Exception as exc:
-        raise _Bad(f"corrupt video {path}: {str(exc).strip().splitlines()[0][:200]}") from None
+        if decode:
+            read_video(path, **dict(frames or {}))
+        else:
+            probe_video(path)
+    except DataError as exc:
+        return str(exc)
+    return None
+
+
+def check_media(sample: VLMSample, *, images: bool = True, videos: bool = True, decode: bool = False,
+                video_frames: Mapping[str, Any] | None = None) -> list[str]:
+    """Every problem with the sample's media files, as messages without the sample's location (``[]``: fine).
+
+    ``images``: open and ``verify()`` each image (with ``decode``: also decode its pixels). ``videos``: probe the
+    video (:func:`mmrl.data.video.probe_video`: metadata and the first frame; with ``decode``: decode the frames
+    ``video_frames`` (``read_video`` keyword arguments) selects). In-memory images (Hugging Face rows) are not
+    checked here: they were decoded when the rows were converted.
+    """
+    problems = []
+    if images and not sample.images:
+        problems += [p for p in (_image_problem(path, decode=decode) for path in sample.image_paths) if p]
+    if videos and sample.video_path is not None:
+        problem = _video_problem(sample.video_path, decode=decode, frames=video_frames)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def media_workers() -> int:
+    """Threads for checking media files (decord and Pillow release the GIL while decoding): up to 8."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def check_all_media(samples: list[VLMSample], *, workers: int | None = None, **kwargs) -> list[list[str]]:
+    """:func:`check_media` for every sample (keyword arguments as there), in order, on ``workers`` threads."""
+    workers = media_workers() if workers is None else max(1, int(workers))
+    with_media = sum(1 for s in samples if s.image_paths or s.video_path)
+    if workers == 1 or with_media < 2 * workers:
+        return [check_media(s, **kwargs) for s in samples]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mmrl-media") as pool:
+        return list(pool.map(lambda s: check_media(s, **kwargs), samples))
 
 
 def _media_paths(record: Mapping) -> tuple[list[str], str | None]:
@@ -204,8 +253,9 @@ def _media_paths(record: Mapping) -> tuple[list[str], str | None]:
     return images, video
 
 
-def _build(record, *, default_id: str, source: str, base: Path, verify_images: bool, verify_videos: bool,
+def _build(record, *, default_id: str, source: str, base: Path,
            in_memory: list[Image.Image] | None = None) -> VLMSample:
+    """One record -> a sample: fields checked, media paths resolved and checked to exist (not opened)."""
     if not isinstance(record, Mapping):
         raise _Bad(f"expected a JSON object with 'question' and 'solution', got {_type_name(record)}")
     question = _text(record, "question", required=True)
@@ -219,15 +269,74 @@ def _build(record, *, default_id: str, source: str, base: Path, verify_images: b
     video_path = _resolve(video_value, base, "video") if video_value is not None else None
     meta = _check_task_fields(record)
     meta["task"], meta["id"] = task, str(sample_id)
-    if verify_images:
-        for path in image_paths:
-            _verify_image(path)
-    if verify_videos and video_path is not None:
-        _verify_video(video_path)
     return VLMSample(id=str(sample_id), question=question, solution=solution,
                      image_paths=[str(p) for p in image_paths],
                      video_path=None if video_path is None else str(video_path),
                      task=task, metadata=meta, source=source, images=list(in_memory or []))
+
+
+@dataclass
+class Entry:
+    """One non-blank line (or row) as parsed: its sample, or the problem that kept it from being one."""
+
+    where: str  # "<file>:<line>" or "<dataset>:<row>"
+    sample: VLMSample | None
+    problem: str | None  # without the location
+
+
+def parse_vlm_jsonl(path: str | Path, *, media_root: str | Path | None = None) -> list[Entry]:
+    """Every non-blank line of a VLM JSONL file parsed and checked (fields, media files exist), media unopened.
+
+    The one parser behind :func:`read_vlm_jsonl` and :func:`mmrl.data.validate.check_data`. A missing file is a
+    :class:`DataError`; a bad line is an :class:`Entry` with its ``problem``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"VLM data file not found: {path}")
+    base = Path(media_root).expanduser().absolute() if media_root is not None else path.absolute().parent
+    entries: list[Entry] = []
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                try:
+                    # tolerate a BOM; without the line end, an error's column is on this line
+                    record = json.loads(raw.rstrip(b"\r\n").decode("utf-8-sig"))
+                except UnicodeDecodeError as exc:
+                    raise _Bad(f"not UTF-8 text (byte {exc.start})") from None
+                except json.JSONDecodeError as exc:
+                    raise _Bad(json_error(exc)) from None
+                entries.append(Entry(where, _build(record, default_id=f"{path.name}:{number}", source=where,
+                                                   base=base), None))
+            except _Bad as exc:
+                entries.append(Entry(where, None, str(exc)))
+    return entries
+
+
+def _finish(entries: list[Entry], *, name: str, unit: str, skip_bad: bool, verify_images: bool,
+            verify_videos: bool) -> SampleList:
+    """Check the media of the parsed samples, then raise on (or skip and count) every bad entry, in order."""
+    first_bad = next((i for i, e in enumerate(entries) if e.problem is not None), len(entries))
+    # without skip_bad the first bad entry raises: media after it need not be opened
+    checked = [e for e in (entries if skip_bad else entries[:first_bad]) if e.sample is not None]
+    media = check_all_media([e.sample for e in checked], images=verify_images, videos=verify_videos)
+    media_problems = {id(e): found for e, found in zip(checked, media) if found}
+    samples: list[VLMSample] = []
+    problems: list[str] = []
+    for entry in entries:
+        problem = entry.problem or "; ".join(media_problems.get(id(entry), ()))
+        if problem:
+            _keep_or_raise(f"{entry.where}: {problem}", skip_bad, problems)
+        else:
+            samples.append(entry.sample)
+    if problems:
+        logger.warning("%s: skipped %d bad %s(s), kept %d sample(s)", name, len(problems), unit, len(samples))
+    if not samples:
+        skipped = f" ({len(problems)} bad {unit}s skipped)" if problems else ""
+        raise DataError(f"no usable samples in {name}{skipped}")
+    return SampleList(samples, problems)
 
 
 def _keep_or_raise(problem: str, skip_bad: bool, problems: list[str]) -> None:
@@ -241,42 +350,21 @@ def _keep_or_raise(problem: str, skip_bad: bool, problems: list[str]) -> None:
 
 
 def read_vlm_jsonl(path: str | Path, *, skip_bad: bool = False, media_root: str | Path | None = None,
-                   verify_images: bool = True, verify_videos: bool = False) -> SampleList:
+                   verify_images: bool = True, verify_videos: bool = True) -> SampleList:
     """Read a VLM JSONL file (format in the module docstring) into :class:`VLMSample` s.
 
-    ``media_root``: folder for relative media paths (default: the JSONL file's folder). ``verify_images``:
-    open and ``verify()`` every image now (cheap; a truncated image can still fail later, in
-    :func:`load_images`). ``verify_videos``: open every video with decord now (slower; off by default, a
-    corrupt video then fails in :func:`load_video`). ``skip_bad``: skip and count bad lines instead of
-    raising. A file with no usable sample is always an error.
+    ``media_root``: folder for relative media paths (default: the JSONL file's folder). Every media file must
+    exist. ``verify_images``: open and ``verify()`` every image now (its structure, not a decode of its pixels: a
+    truncated image can still fail later, in :func:`load_images`). ``verify_videos``: probe every video now
+    (:func:`mmrl.data.video.probe_video`: open with decord, read the metadata, decode the first frame; not the
+    other frames, so damage further in fails later, in :func:`load_video`). Media are checked on up to 8
+    threads. ``skip_bad``: skip and count bad lines instead of raising on the first. A file with no usable
+    sample is always an error. ``mmrl config validate`` (:func:`mmrl.data.validate.check_data`) decodes every
+    image and the frames training reads from every video, and lists every problem at once.
     """
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"VLM data file not found: {path}")
-    base = Path(media_root).expanduser().absolute() if media_root is not None else path.absolute().parent
-    samples: list[VLMSample] = []
-    problems: list[str] = []
-    with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                try:
-                    record = json.loads(raw.decode("utf-8-sig"))  # tolerate a BOM
-                except UnicodeDecodeError as exc:
-                    raise _Bad(f"not UTF-8 text (byte {exc.start})") from None
-                except json.JSONDecodeError as exc:
-                    raise _Bad(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-                samples.append(_build(record, default_id=f"{path.name}:{number}", source=where, base=base,
-                                      verify_images=verify_images, verify_videos=verify_videos))
-            except _Bad as exc:
-                _keep_or_raise(f"{where}: {exc}", skip_bad, problems)
-    if problems:
-        logger.warning("%s: skipped %d bad line(s), kept %d sample(s)", path, len(problems), len(samples))
-    if not samples:
-        raise DataError(f"no usable samples in {path}" + (f" ({len(problems)} bad lines skipped)" if problems else ""))
-    return SampleList(samples, problems)
+    return _finish(parse_vlm_jsonl(path, media_root=media_root), name=str(path), unit="line", skip_bad=skip_bad,
+                   verify_images=verify_images, verify_videos=verify_videos)
 
 
 def _hf_images(value) -> tuple[list[str], list[Image.Image]]:
@@ -308,14 +396,16 @@ def _hf_images(value) -> tuple[list[str], list[Image.Image]]:
 def samples_from_hf(dataset, *, image_column: str = "image", video_column: str = "video",
                     question_column: str = "question", solution_column: str = "solution",
                     task_column: str = "task", id_column: str = "id", media_root: str | Path | None = None,
-                    skip_bad: bool = False, verify_images: bool = True, name: str | None = None) -> SampleList:
+                    skip_bad: bool = False, verify_images: bool = True, verify_videos: bool = True,
+                    name: str | None = None) -> SampleList:
     """Convert a Hugging Face ``datasets.Dataset`` (one split), or any iterable of row dicts, into samples.
 
     The image column may hold a PIL image (the ``Image`` feature), a list of them, paths, or
     ``{"bytes", "path"}`` dicts (``Image(decode=False)``); the video column a path. Columns are renamed to
     the JSONL field names (``question_column`` -> ``question``, ...); the other columns are task fields
-    and metadata, checked as in the JSONL format. Relative paths resolve against ``media_root`` (default:
-    the working directory). Errors name ``"<name>:<row>"`` (``name`` defaults to the dataset's name).
+    and metadata, checked as in the JSONL format (``verify_images`` / ``verify_videos`` as in
+    :func:`read_vlm_jsonl`). Relative paths resolve against ``media_root`` (default: the working directory).
+    Errors name ``"<name>:<row>"`` (``name`` defaults to the dataset's name).
     ``datasets`` itself is not needed: nothing is imported from it.
     """
     if isinstance(dataset, Mapping):
@@ -326,8 +416,7 @@ def samples_from_hf(dataset, *, image_column: str = "image", video_column: str =
     base = Path(media_root) if media_root is not None else Path.cwd()
     renames = {question_column: "question", solution_column: "solution", task_column: "task", id_column: "id",
                image_column: "image", video_column: "video"}
-    samples: list[VLMSample] = []
-    problems: list[str] = []
+    entries: list[Entry] = []
     for index, row in enumerate(dataset):
         where = f"{name}:{index}"
         try:
@@ -340,13 +429,12 @@ def samples_from_hf(dataset, *, image_column: str = "image", video_column: str =
                 paths, in_memory = _hf_images(image_value)
                 if paths:
                     record["images"] = paths
-            samples.append(_build(record, default_id=where, source=where, base=base, verify_images=verify_images,
-                                  verify_videos=False, in_memory=in_memory))
+            entries.append(Entry(where, _build(record, default_id=where, source=where, base=base,
+                                               in_memory=in_memory), None))
         except _Bad as exc:
-            _keep_or_raise(f"{where}: {exc}", skip_bad, problems)
-    if not samples:
-        raise DataError(f"no usable samples in {name}" + (f" ({len(problems)} bad rows skipped)" if problems else ""))
-    return SampleList(samples, problems)
+            entries.append(Entry(where, None, str(exc)))
+    return _finish(entries, name=name, unit="row", skip_bad=skip_bad, verify_images=verify_images,
+                   verify_videos=verify_videos)
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -435,7 +523,17 @@ def load_video(sample: VLMSample, *, fps: float | None = None, nframes: float | 
 
 class VLMSampleSource(OrderedSource[VLMSample]):
     """Endless, seeded, resumable order over VLM samples (the same ordering as ``PromptSource``):
-    ``next_batch(per_process, rank=, world=)``, ``state_dict()`` / ``load_state_dict()`` by position."""
+    ``next_batch(per_process, rank=, world=)``, ``state_dict()`` / ``load_state_dict()`` by position.
+    ``problems``: the lines skipped when the data set was read (``SampleList.problems``), ``skipped`` their count."""
 
     noun = "samples"
     collection = "VLM dataset"
+
+    def __init__(self, items: list[VLMSample], *, seed: int = 0, shuffle: bool = True,
+                 problems: list[str] | None = None):
+        super().__init__(items, seed=seed, shuffle=shuffle)
+        self.problems = list(problems if problems is not None else getattr(items, "problems", []))
+
+    @property
+    def skipped(self) -> int:
+        return len(self.problems)

@@ -356,34 +356,118 @@ def ensure_tiny(kind: str, cache_dir: str | Path | None = None) -> Path:
     return ensure_built(f"tiny-{kind}-{TINY_VERSION}", _BUILDERS[kind], cache_dir)
 
 
+#: A ``.<name>.tmp-*`` / ``.<name>.stale-*`` folder older than this whose builder is gone is removed by the next build.
+STALE_AFTER_S = 3600.0
+
+
+@contextmanager
+def _build_lock(parent: Path, name: str):
+    """An exclusive ``fcntl.flock`` on ``parent/.<name>.lock``, held by one builder at a time across processes and
+    torchrun ranks (the kernel releases it if the holder dies). The holder deletes the file before unlocking, so
+    the cache keeps no lock files; a waiter that then gets the lock of the deleted file sees that the path no
+    longer names it and locks afresh (the usual pattern for removable lock files). Without fcntl: no lock."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    path = parent / f".{name}.lock"
+    while True:
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+            if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                break
+        except FileNotFoundError:  # deleted by the previous holder between our open and our lock
+            pass
+        handle.close()
+    try:
+        yield
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+        handle.close()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _remove_stale_siblings(parent: Path, name: str, max_age_s: float = STALE_AFTER_S) -> list[Path]:
+    """Remove ``.<name>.tmp-*`` and ``.<name>.stale-*`` folders left by builds that were killed: older than
+    ``max_age_s`` and, when the folder names its builder (``.<name>.tmp-<pid>-...``), that process is gone.
+    Called with the build lock held, so no live build of this version owns them. Returns what was removed."""
+    import time
+
+    removed = []
+    now = time.time()
+    for prefix in (f".{name}.tmp-", f".{name}.stale-"):
+        for path in parent.glob(f"{prefix}*"):
+            try:
+                age = now - path.lstat().st_mtime
+            except FileNotFoundError:
+                continue
+            if age < max_age_s:
+                continue
+            pid = path.name[len(prefix):].split("-", 1)[0]
+            if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            if not path.exists():
+                removed.append(path)
+    return removed
+
+
 def ensure_built(name: str, builder, cache_dir: str | Path | None = None) -> Path:
     """``cache_dir/name`` (default ``$MMRL_CACHE`` or ``~/.cache/mmrl``), made once by ``builder(path)``.
 
-    It is built into a temporary directory next to it and moved into place with ``os.replace``, so the
-    directory is either absent or complete (a marker file certifies it); concurrent callers may both
-    build, the first rename wins and the other's copy is discarded. An existing complete build is reused.
+    A complete build carries a marker file and is never moved or changed again, so a caller that found the
+    marker can load from it while others run. Building happens under an exclusive lock (``.<name>.lock``,
+    ``fcntl.flock``, removed afterwards): concurrent callers (torchrun ranks, parallel test processes) wait
+    for the first, find its marker and reuse its build; only the lock holder ever builds, sets an unmarked
+    ``name`` folder aside or renames into place. The build goes into ``.<name>.tmp-<pid>-*`` next to it and
+    is moved into place with ``os.replace`` (atomic), so ``name`` is either absent or complete. Temporary
+    and set-aside folders that killed builds left behind (older than :data:`STALE_AFTER_S`, builder gone)
+    are removed when building.
     """
     parent = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir()
     final = parent / name
     if (final / _COMPLETE_MARKER).is_file():
         return final
     parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
-    try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache entry should read like a normal dir
-        builder(tmp)
-        (tmp / _COMPLETE_MARKER).write_text(f"mmrl {name} seed=0\n")
-        if final.exists() and not (final / _COMPLETE_MARKER).is_file():
-            # Not ours to trust (left by something other than this function): set it aside.
-            stale = Path(tempfile.mkdtemp(prefix=f".{final.name}.stale-", dir=parent))
-            os.replace(final, stale / "old")
-            shutil.rmtree(stale, ignore_errors=True)
+    with _build_lock(parent, final.name):
+        if (final / _COMPLETE_MARKER).is_file():  # another process built it while we waited for the lock
+            return final
+        _remove_stale_siblings(parent, final.name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=parent))
         try:
-            os.replace(tmp, final)
-        except OSError:
-            # Another process moved a complete build into place first; use theirs.
-            if not (final / _COMPLETE_MARKER).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache entry should read like a normal dir
+            builder(tmp)
+            (tmp / _COMPLETE_MARKER).write_text(f"mmrl {name} seed=0\n")
+            if (final / _COMPLETE_MARKER).is_file():
+                return final  # a builder that takes no lock (an older mmrl) finished first: use its build
+            if final.exists() or final.is_symlink():
+                # Not ours to trust (no marker: left by something other than this function): set it aside. A
+                # marked build is never moved, so a caller that found the marker can load from it.
+                stale = Path(tempfile.mkdtemp(prefix=f".{final.name}.stale-{os.getpid()}-", dir=parent))
+                os.replace(final, stale / "old")
+                shutil.rmtree(stale, ignore_errors=True)
+            try:
+                os.replace(tmp, final)
+            except OSError:
+                if not (final / _COMPLETE_MARKER).is_file():  # not a complete build that appeared meanwhile
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return final

@@ -355,7 +355,8 @@ class QwenVLPolicy:
             except Exception as exc:
                 if not self.skip_bad_samples:
                     raise
-                self._skip("bad_media", f"{getattr(item, 'source', i)}: {exc}")
+                source, text = getattr(item, "source", i), str(exc)  # data errors already name their line
+                self._skip("bad_media", text if text.startswith(f"{source}: ") else f"{source}: {text}")
                 continue
             texts.append(self.processor.apply_chat_template(self.messages(item, len(item_images), video is not None),
                                                             add_generation_prompt=True, tokenize=False))

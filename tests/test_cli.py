@@ -1,0 +1,481 @@
+"""The ``mmrl`` command line: one-line errors (exit code 2) found before any model loads, free argument order,
+``--version`` / ``python -m mmrl``, ``mmrl sample`` for image and VLM runs, reward-server probes, Ctrl-C, quiet
+library loading, the tiny-model cache under concurrency, and the credit-curves benchmark's output folder."""
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from PIL import Image
+
+import mmrl.build
+import mmrl.cli
+from mmrl.cli import main
+from mmrl.config import Config, config_to_dict
+
+REPO = Path(__file__).parents[1]
+VLM_CONFIG = REPO / "configs/tiny/vlm_grounding.yaml"
+GPU_CONFIG = REPO / "configs/gpu/qwen25vl3b_rec_grpo.yaml"  # names data files this machine does not have
+TINY = ["sampling.num_steps=4", "sampling.eval_num_steps=4", "sampling.max_sequence_length=16",
+        "data.prompts_per_step=2", "data.group_size=2", "train.batch_size=2", "logging.progress_bar=false",
+        "logging.tensorboard=false", "logging.eval_every=0"]
+VLM_FAST = ["train.steps=1", "logging.progress_bar=false", "logging.tensorboard=false", "logging.eval_every=0",
+            "generation.max_new_tokens=6"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A shared MMRL_CACHE for the tiny models and data sets of this module."""
+    path = tmp_path_factory.mktemp("mmrl-cache")
+    saved = os.environ.get("MMRL_CACHE")
+    os.environ["MMRL_CACHE"] = str(path)
+    yield path
+    if saved is None:
+        os.environ.pop("MMRL_CACHE", None)
+    else:
+        os.environ["MMRL_CACHE"] = saved
+
+
+@pytest.fixture(scope="module")
+def flow_run(cache, tmp_path_factory):
+    run = tmp_path_factory.mktemp("flow") / "run"
+    assert main(["train", f"output_dir={run}", "train.steps=1", *TINY]) == 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def vlm_run(cache, tmp_path_factory):
+    run = tmp_path_factory.mktemp("vlm") / "run"
+    assert main(["train", str(VLM_CONFIG), f"output_dir={run}", *VLM_FAST]) == 0
+    return run
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fails the test if a policy is built: the error must be found before any model is loaded."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the error was found")
+
+    monkeypatch.setattr(mmrl.build, "build_policy", refuse)
+
+
+def one_error(capsys, *words) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("mmrl: error: "), err
+    assert "Traceback" not in err
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------- errors, parsing
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["train", "train.stpes=3"], ["did you mean 'train.steps'"]),
+    (["train", "optim.lr=0"], ["optim.lr must be > 0"]),
+    (["train", "model.lora_rank=0"], ["model.lora_rank must be >= 1"]),
+    (["train", "train.steps=["], ["override 'train.steps=['", "not valid YAML (line 1, column 2"]),
+    (["train", "missing.yaml"], ["config file not found: missing.yaml"]),
+    (["config", "validate"], ["a CONFIG path is required"]),
+    (["config", "frobnicate"], ["invalid choice: 'frobnicate'", "mmrl config --help"]),
+    (["config", "validate", str(GPU_CONFIG)], ["data.dataset: file not found", "--no-check-files"]),
+    (["sample"], ["required: run"]),
+    ([], ["required: COMMAND"]),
+    (["nonsense"], ["invalid choice: 'nonsense'"]),
+])
+def test_mistakes_are_one_line_and_exit_code_2(argv, words, capsys, no_model, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    one_error(capsys, *words)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_bad_yaml_file_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    assert main(["config", "validate", str(bad)]) == 2
+    line = one_error(capsys, f"{bad}: not valid YAML: line 2, column 1:")
+    assert "at at" not in line
+
+
+def test_help_fields_print_yaml_that_parses_back_to_the_defaults(capsys):
+    assert main(["config", "show", "--help-fields"]) == 0
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out) == config_to_dict(Config())
+    header = " ".join(line.lstrip("# ") for line in out.splitlines() if line.startswith("#"))
+    assert "Keys a config file leaves out take these defaults" in header
+    assert "SD3.5-Medium / Flow-GRPO GPU settings, NOT the tiny CPU run" in header
+    assert "resolution: 512  #" in out and "revision: null  #" in out and "use_lora: true  #" in out
+
+
+def test_options_and_positionals_in_any_order(capsys):
+    for argv in (["config", "validate", "--no-check-files", str(GPU_CONFIG)],
+                 ["config", "validate", str(GPU_CONFIG), "--no-check-files", "train.steps=3"],
+                 ["config", "validate", str(GPU_CONFIG), "train.steps=3", "--no-check-files"]):
+        assert main(argv) == 0, argv
+        assert capsys.readouterr().out.strip() == f"{GPU_CONFIG}: ok (files not checked)"
+    assert main(["config", "show", "--help-fields", str(VLM_CONFIG), "train.steps=9"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["model"]["family"] == "qwen_vl" and shown["train"]["steps"] == 9
+    assert main(["config", "show", str(VLM_CONFIG), "--no-check-files", "train.steps=5"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["train"]["steps"] == 5
+
+
+def test_validate_checks_every_data_line_and_lists_the_problems(tmp_path, capsys, monkeypatch):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "a cat"}\n{"prompt": 3}\n{"prompt": "cut\n')
+    flow = str(REPO / "configs/tiny/flow_grpo.yaml")
+    assert main(["config", "validate", "--quick", flow, f"data.prompts={bad}"]) == 2
+    head, *listing = capsys.readouterr().err.strip().splitlines()
+    assert head.startswith(f"mmrl: error: {bad}: 2 problem(s) in 2 of 3 line(s)")
+    assert listing == [f"  {bad}:2: expected an object with a string 'prompt' field, got 'prompt' of type int",
+                       f"  {bad}:3: not valid JSON (Unterminated string starting at column 12)"]
+    import mmrl.data.validate
+
+    seen = []
+    real = mmrl.data.validate.check_data
+    monkeypatch.setattr(mmrl.data.validate, "check_data", lambda config, *, media=True: seen.append(media) or
+                        real(config, media=media))
+    assert main(["config", "validate", str(VLM_CONFIG), "--quick"]) == 0
+    assert main(["config", "validate", str(VLM_CONFIG)]) == 0
+    assert seen == [False, True]
+    assert capsys.readouterr().out.startswith(f"{VLM_CONFIG}: ok; data: tiny:grounding")
+    assert main(["config", "validate", "--quick", "--no-check-files", str(VLM_CONFIG)]) == 2
+    one_error(capsys, "--quick goes with `mmrl config validate` (without --no-check-files)")
+
+
+def test_train_with_overrides_and_no_config(monkeypatch):
+    seen = {}
+
+    def fake_train(args):
+        seen.update(config=args.config, overrides=args.overrides)
+        return 0
+
+    monkeypatch.setattr(mmrl.cli, "_cmd_train", fake_train)
+    assert main(["train", "train.steps=4", "seed=1"]) == 0
+    assert seen == {"config": None, "overrides": ["train.steps=4", "seed=1"]}
+    assert main(["train", str(VLM_CONFIG), "train.steps=4"]) == 0
+    assert seen == {"config": str(VLM_CONFIG), "overrides": ["train.steps=4"]}
+
+
+def test_version_and_python_dash_m(capsys):
+    from importlib import metadata
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"mmrl {metadata.version('mmrl-align')}"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "mmrl", "--version"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("mmrl ")
+    proc = subprocess.run([sys.executable, "-m", "mmrl", "config", "validate", "--no-check-files", str(GPU_CONFIG)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "mmrl", "train", "train.stpes=1"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 2 and "did you mean 'train.steps'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------- sample
+
+
+def test_sample_prompts_file_and_fresh_output_folders(flow_run, tmp_path, capsys):
+    txt = tmp_path / "p.txt"
+    txt.write_text("a red apple\n\na blue boat\n")
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "a cat", "tag": 1}\n')
+    assert main(["sample", str(flow_run), "--prompts", str(txt), "--seeds", "0", "1"]) == 0
+    first = flow_run / "sampled" / "step_1-1"
+    assert sorted(p.name for p in first.iterdir()) == ["grid.png", "p0_s0.png", "p0_s1.png", "p1_s0.png",
+                                                      "p1_s1.png", "prompts.txt"]
+    assert (first / "prompts.txt").read_text() == "a red apple\na blue boat\n"
+    assert Image.open(first / "grid.png").size == (2 * 32, 2 * 32)
+    before = (first / "grid.png").read_bytes()
+    # a second call never overwrites the first one's images
+    assert main(["sample", str(flow_run), "--prompt", "a dog", "--prompts", str(jsonl)]) == 0
+    second = flow_run / "sampled" / "step_1-2"
+    assert (second / "prompts.txt").read_text() == "a dog\na cat\n"
+    assert (first / "grid.png").read_bytes() == before
+    assert "step_1-2" in capsys.readouterr().out
+
+
+def test_sample_refuses_a_used_out_folder_unless_overwrite(flow_run, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with monkeypatch.context() as patch:
+        patch.setattr(mmrl.build, "build_policy", lambda *a, **k: pytest.fail("model loaded"))
+        assert main(["sample", str(flow_run), "--prompt", "a cat", "--out", str(out)]) == 2
+    one_error(capsys, f"--out {out} already holds files", "--overwrite")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert main(["sample", str(flow_run), "--prompt", "a cat", "--out", str(out), "--overwrite"]) == 0
+    assert (out / "grid.png").is_file() and (out / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--question", "what?"], ["--question: for vision-language runs", "--prompt TEXT or --prompts FILE"]),
+    (["--prompt", "a", "--image", "x.png"], ["--image: for vision-language runs"]),
+    ([], ["give the prompts to draw"]),
+    (["--prompts", "nope.txt"], ["prompt file not found: nope.txt"]),
+    (["--prompt", "a", "--steps", "0"], ["--steps must be >= 1"]),
+])
+def test_sample_flag_mistakes_on_an_image_run(flow_run, extra, words, capsys, no_model):
+    assert main(["sample", str(flow_run), *extra]) == 2
+    one_error(capsys, *words)
+
+
+def test_sample_with_overrides_that_change_the_lora_shape(flow_run, tmp_path, capsys):
+    out = tmp_path / "x"
+    assert main(["sample", str(flow_run), "--prompt", "a cat", "model.lora_rank=4", "--out", str(out)]) == 2
+    one_error(capsys, "have another shape than the policy's", "LoRA setup")
+    assert not out.exists()
+
+
+def test_sample_missing_run(tmp_path, capsys, no_model):
+    assert main(["sample", str(tmp_path / "nope"), "--prompt", "a"]) == 2
+    one_error(capsys, "no such run or checkpoint folder")
+    assert main(["sample", str(tmp_path), "--prompt", "a"]) == 2
+    one_error(capsys, "neither a checkpoint folder nor a run folder")
+
+
+def test_sample_vlm_answers_questions_about_images(vlm_run, tmp_path, capsys):
+    image = tmp_path / "red.png"
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(image)
+    assert main(["sample", str(vlm_run), "--question", "Where is the red box?", "--question", "What colour?",
+                 "--image", str(image)]) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in (vlm_run / "sampled" / "step_1-1" / "answers.jsonl").read_text().splitlines()]
+    assert [r["question"] for r in rows] == ["Where is the red box?", "What colour?"]
+    assert all(r["images"] == [str(image.absolute())] and r["video"] is None for r in rows)
+    assert all(isinstance(r["answer"], str) for r in rows)
+    assert "Q: Where is the red box?" in out and "answers.jsonl" in out
+    # greedy decoding: the same answers again, in a fresh folder
+    assert main(["sample", str(vlm_run), "--question", "Where is the red box?", "--image", str(image),
+                 "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "answers.jsonl").read_text())
+    assert again["answer"] == rows[0]["answer"]
+    # the checkpoint folder itself works too (items are mmrl.data.vlm.VLMSample, answered by sample_eval)
+    assert main(["sample", str(vlm_run / "checkpoints" / "step_1"), "--question", "Any box?"]) == 0
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--prompt", "a cat"], ["--prompt: for image-generation runs", "--question Q"]),
+    (["--question", "q", "--seeds", "1"], ["--seeds: for image-generation runs"]),
+    ([], ["give --question Q"]),
+    (["--question", "q", "--image", "nope.png"], ["--image nope.png: file not found"]),
+    (["--question", "q", "--video", "nope.mp4"], ["--video nope.mp4: file not found"]),
+])
+def test_sample_flag_mistakes_on_a_vlm_run(vlm_run, extra, words, capsys, no_model):
+    assert main(["sample", str(vlm_run), *extra]) == 2
+    one_error(capsys, *words)
+
+
+def test_sample_unreadable_image_on_a_vlm_run(vlm_run, tmp_path, capsys, no_model):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not a png")
+    assert main(["sample", str(vlm_run), "--question", "q", "--image", str(bad)]) == 2
+    one_error(capsys, f"--image {bad}: not a readable image")
+
+
+# ---------------------------------------------------------------------------------------------- reward server
+
+
+def test_dead_reward_server_is_found_before_the_model_loads(cache, tmp_path, capsys, no_model):
+    run = tmp_path / "run"
+    port = free_port()  # nothing listens there (127.0.0.1 only)
+    start = time.monotonic()
+    code = main(["train", f"output_dir={run}", *TINY, "train.steps=1",
+                 f"rewards={{remote: {{kwargs: {{url: 'http://127.0.0.1:{port}', retries: 0}}}}}}"])
+    assert code == 2
+    one_error(capsys, "rewards.remote:", f"http://127.0.0.1:{port}/health", "Connection refused")
+    assert time.monotonic() - start < 60
+    assert not run.exists()
+
+
+class _Boom:
+    name = "boom"
+    needs_prompts = False
+    last_info: dict = {}
+
+    def __call__(self, images, prompts=None, metadata=None):
+        raise RuntimeError("the reward model crashed")
+
+
+def test_reward_server_failing_mid_run_is_one_line(cache, tmp_path, capsys):
+    from mmrl.rewards.remote import RewardServer
+
+    with RewardServer(_Boom(), "127.0.0.1", 0) as server:  # /health answers, /score fails
+        code = main(["train", f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=1",
+                     f"rewards={{remote: {{kwargs: {{url: '{server.url}', retries: 0}}}}}}"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"mmrl: error: reward server {server.url}/score")
+    assert "the reward model crashed" in err
+
+
+# ---------------------------------------------------------------------------------------------- interrupts
+
+
+def test_ctrl_c_outside_the_trainer_prints_interrupted(monkeypatch, capsys):
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mmrl.build, "build_trainer", interrupted)
+    assert main(["train", "train.steps=1"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "mmrl: interrupted" and "Traceback" not in err
+
+
+@pytest.mark.parametrize("stopped,code", [("SIGTERM", 143), ("SIGINT", 130), ("a signal on another process", 130)])
+def test_a_run_stopped_by_a_signal_exits_with_its_code(monkeypatch, capsys, stopped, code):
+    class Stopped:
+        stopped_by = stopped
+        update = 3
+
+        def train(self):
+            return [{"reward/mean": 0.5}]
+
+    monkeypatch.setattr(mmrl.build, "build_trainer", lambda config: Stopped())
+    assert main(["train", "train.steps=10"]) == code
+    assert "done:" not in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------- progress bars
+
+
+def test_library_loading_bars_are_off_unless_mmrl_verbose(tmp_path, capsys, monkeypatch):
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    try:
+        monkeypatch.delenv("MMRL_VERBOSE", raising=False)
+        assert main(["tiny", "sd3", str(tmp_path / "quiet")]) == 0
+        assert "Writing model shards" not in capsys.readouterr().err
+        assert not transformers_logging.is_progress_bar_enabled()
+        assert not diffusers_logging.is_progress_bar_enabled()
+        transformers_logging.enable_progress_bar()
+        diffusers_logging.enable_progress_bar()
+        monkeypatch.setenv("MMRL_VERBOSE", "1")
+        assert main(["tiny", "sd3", str(tmp_path / "verbose")]) == 0
+        assert "Writing model shards" in capsys.readouterr().err
+    finally:
+        transformers_logging.enable_progress_bar()
+        diffusers_logging.enable_progress_bar()
+
+
+# ---------------------------------------------------------------------------------------------- tiny cache
+
+
+def test_stale_build_folders_are_removed_when_building(tmp_path):
+    from mmrl.pipelines.flow.tiny import ensure_built
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    old = time.time() - 2 * 3600
+    names = {
+        f".tiny-x-v1.tmp-{dead.pid}-abc": False,  # killed builder, two hours old: removed
+        ".tiny-x-v1.tmp-legacy": False,  # no pid in the name (older mmrl), two hours old: removed
+        f".tiny-x-v1.stale-{dead.pid}-def": False,  # a set-aside folder whose removal was killed: removed
+        f".tiny-x-v1.tmp-{os.getppid()}-ghi": True,  # its builder still runs: kept
+        f".tiny-y-v1.tmp-{dead.pid}-jkl": True,  # another entry's: not this build's business
+    }
+    for name in names:
+        (tmp_path / name / "sub").mkdir(parents=True)
+        (tmp_path / name / "sub" / "weights.bin").write_bytes(b"x")
+        os.utime(tmp_path / name, (old, old))
+    recent = tmp_path / f".tiny-x-v1.tmp-{dead.pid}-new"
+    recent.mkdir()  # under an hour old: kept (it may be a build on another machine sharing the cache)
+
+    final = ensure_built("tiny-x-v1", lambda path: (Path(path) / "config.json").write_text("{}"), tmp_path)
+    assert (final / "config.json").is_file()
+    for name, kept in names.items():
+        assert (tmp_path / name).exists() == kept, name
+    assert recent.exists()
+    assert not [p for p in tmp_path.glob(".tiny-x-v1.tmp-*") if p.name.endswith(("-abc", "legacy"))]
+
+
+RACE = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from mmrl.pipelines.flow.tiny import ensure_built
+
+    cache, log = sys.argv[1], sys.argv[2]
+
+    def builder(path):
+        with open(log, "a") as handle:
+            handle.write(f"{os.getpid()}\\n")
+        (Path(path) / "weights.bin").write_bytes(b"x" * 4096)
+        time.sleep(1.0)
+        (Path(path) / "config.json").write_text("{}")
+
+    for _ in range(20):  # load from the entry again and again, as ranks do
+        final = ensure_built("tiny-race-v1", builder, cache)
+        if not (final / "config.json").is_file():
+            sys.exit(f"{final} has no config.json")
+        time.sleep(0.02)
+    print(final)
+""")
+
+
+@pytest.mark.parametrize("leftover", [False, True])
+def test_concurrent_builds_build_once_and_never_expose_an_incomplete_folder(tmp_path, leftover):
+    cache, log = tmp_path / "cache", tmp_path / "builds.log"
+    if leftover:  # an unmarked folder where the build goes: set aside once, by the one builder
+        (cache / "tiny-race-v1").mkdir(parents=True)
+        (cache / "tiny-race-v1" / "partial.bin").write_bytes(b"?")
+    script = tmp_path / "race.py"
+    script.write_text(RACE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(cache), str(log)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    results = [p.communicate(timeout=300) for p in procs]
+    for proc, (out, err) in zip(procs, results):
+        assert proc.returncode == 0, err[-2000:]
+        assert out.strip() == str(cache / "tiny-race-v1")
+    assert len(log.read_text().splitlines()) == 1  # one build; the others waited for it and reused it
+    final = cache / "tiny-race-v1"
+    assert (final / "config.json").is_file() and not (final / "partial.bin").exists()
+    assert sorted(p.name for p in cache.iterdir()) == ["tiny-race-v1"]  # no temporary, set-aside or lock file
+
+
+# ---------------------------------------------------------------------------------------------- benchmark
+
+
+def test_credit_curves_writes_to_out_not_to_the_committed_results(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    spec = importlib.util.spec_from_file_location("credit_curves", REPO / "benchmarks" / "credit_curves.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = REPO / "benchmarks" / "results" / "credit_curves.csv"
+    before = results.read_bytes() if results.exists() else None
+
+    def fake_run(method, steps, seed, workdir):
+        return [{"method": method, "step": s + 1, "reward": 0.1 * s, "wall_s": float(s), "extra_nfe": 0.0,
+                 "reward_calls": 4.0} for s in range(steps)]
+
+    monkeypatch.setattr(module, "run", fake_run)
+    out = tmp_path / "bench"
+    module.main(["--steps", "3", "--methods", "outcome", "cosine", "--out", str(out)])
+    assert (out / "credit_curves.csv").read_text().splitlines()[0] == "method,step,reward,wall_s,extra_nfe,reward_calls"
+    assert (out / "credit_curves.png").is_file()
+    monkeypatch.chdir(tmp_path)
+    module.main(["--steps", "3", "--methods", "outcome"])  # the default: runs/credit_curves under the cwd
+    assert (tmp_path / "runs" / "credit_curves" / "credit_curves.csv").is_file()
+    assert (results.read_bytes() if results.exists() else None) == before

@@ -1,0 +1,220 @@
+"""Deep data validation (mmrl.data.validate.check_data, behind `mmrl config validate`) and prompt-file messages."""
+
+import inspect
+import logging
+from pathlib import Path
+
+import pytest
+from fixtures import truncate_file, write_garbage, write_gradient_image, write_image, write_jsonl, write_video
+
+from mmrl.config import load_config
+from mmrl.data.prompts import DataError, read_prompts
+from mmrl.data.validate import MAX_LISTED, DataReport, check_data
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+VLM_RECIPE = CONFIGS / "tiny" / "vlm_video_tg.yaml"
+
+
+def damage_tail(path, fraction=0.5):
+    """Overwrite the bytes from ``fraction`` on: a faststart mp4 still opens and decodes its first frame."""
+    data = bytearray(path.read_bytes())
+    start = int(len(data) * fraction)
+    data[start:] = bytes((i * 7 + 3) % 256 for i in range(len(data) - start))
+    path.write_bytes(bytes(data))
+    return path
+
+
+def vlm_config(dataset, *overrides, check_files=True):
+    return load_config(VLM_RECIPE, [f"data.dataset={dataset}", *overrides], check_files=check_files)
+
+
+@pytest.fixture
+def data(tmp_path):
+    """A JSONL with two good lines and one of every kind of problem, in file order."""
+    write_image(tmp_path / "imgs" / "a.png")
+    write_garbage(tmp_path / "imgs" / "junk.png")
+    truncate_file(write_gradient_image(tmp_path / "imgs" / "cut.jpg", 64, 48), fraction=0.8)  # passes verify()
+    write_video(tmp_path / "videos" / "v.mp4", num_frames=40)
+    write_garbage(tmp_path / "videos" / "junk.mp4")
+    damage_tail(write_video(tmp_path / "videos" / "late.mp4", num_frames=40, faststart=True))  # passes the probe
+    path = write_jsonl(tmp_path / "d.jsonl", [
+        {"image": "imgs/a.png", "question": "q1", "solution": "s"},            # 1 good
+        '{"question": "q2", "solution": "unterminated}',                       # 2 bad JSON
+        {"question": "q3"},                                                    # 3 missing field
+        {"image": "imgs/gone.png", "question": "q4", "solution": "s"},         # 4 missing image
+        {"images": ["imgs/junk.png", "imgs/cut.jpg"], "question": "q5", "solution": "s"},  # 5 two bad images
+        {"video": "videos/junk.mp4", "question": "q6", "solution": "s"},       # 6 unreadable video
+        {"video": "videos/late.mp4", "question": "q7", "solution": "s"},       # 7 damaged after frame 0
+        {"video": "videos/v.mp4", "question": "q8", "solution": "s"},          # 8 good
+    ])
+    return path
+
+
+def test_signature_is_the_cli_contract():
+    """`mmrl config validate CONFIG [--quick]` calls check_data(config, media=not args.quick)."""
+    params = inspect.signature(check_data).parameters
+    assert list(params) == ["config", "media"]
+    assert params["media"].kind is inspect.Parameter.KEYWORD_ONLY and params["media"].default is True
+
+
+def test_full_check_lists_every_problem(data):
+    with pytest.raises(DataError) as info:
+        check_data(vlm_config(data))
+    text = str(info.value)
+    head, *listed = text.splitlines()
+    assert head == (f"{data}: 7 problem(s) in 6 of 8 line(s) (data.skip_bad_samples=true skips and counts the bad "
+                    f"lines instead):")
+    where = [line.strip().split(": ")[0] for line in listed]
+    assert where == [f"{data}:{n}" for n in (2, 3, 4, 5, 5, 6, 7)]
+    folder = data.parent
+    assert listed[0] == f"  {data}:2: not valid JSON (Unterminated string starting at column 32)"
+    assert listed[1] == f"  {data}:3: missing required field 'solution' (a non-empty string)"
+    assert listed[2] == (f"  {data}:4: image file not found: {folder / 'imgs' / 'gone.png'} (from 'imgs/gone.png')")
+    assert listed[3].startswith(f"  {data}:5: corrupt image {folder / 'imgs' / 'junk.png'}: UnidentifiedImageError")
+    assert listed[4] == (f"  {data}:5: corrupt image {folder / 'imgs' / 'cut.jpg'}: OSError: image file is truncated "
+                         f"(1 bytes not processed)")
+    assert listed[5].startswith(f"  {data}:6: cannot read video {folder / 'videos' / 'junk.mp4'}: ")
+    assert listed[6].startswith(f"  {data}:7: cannot decode frames 0..39 of video {folder / 'videos' / 'late.mp4'}")
+    for line in listed:  # each location once, no decord timestamps or source locations
+        assert line.count(str(data)) == 1 and "/github/" not in line and " at at " not in line
+
+
+def test_quick_check_decodes_nothing(data):
+    with pytest.raises(DataError) as info:
+        check_data(vlm_config(data), media=False)
+    listed = str(info.value).splitlines()[1:]
+    assert [line.strip().split(": ")[0] for line in listed] == [f"{data}:{n}" for n in (2, 3, 4)]
+
+
+def test_skip_bad_returns_the_counts(data):
+    report = check_data(vlm_config(data, "data.skip_bad_samples=true"))
+    assert isinstance(report, DataReport) and report.checked and report.media and not report.ok
+    assert (report.kind, report.source) == ("vlm", str(data))
+    assert (report.records, report.usable, report.bad_records) == (8, 2, 6)
+    assert (report.images, report.videos) == (3, 3)  # media named by lines that parsed (not line 4's missing one)
+    assert len(report.problems) == 7
+    summary = report.summary()
+    assert summary.splitlines()[0] == (f"{data}: 8 line(s), 2 usable, 6 bad; 3 image(s) and 3 video(s) decoded; "
+                                       f"7 problem(s):")
+    quick = check_data(vlm_config(data, "data.skip_bad_samples=true"), media=False)
+    assert (quick.usable, quick.bad_records, quick.media) == (5, 3, False)
+    assert "found (not decoded: quick check)" in quick.summary()
+
+
+def test_clean_data_passes(tmp_path):
+    write_image(tmp_path / "a.png")
+    write_video(tmp_path / "v.mp4", num_frames=40)
+    path = write_jsonl(tmp_path / "d.jsonl", [{"image": "a.png", "question": "q", "solution": "s"},
+                                              {"video": "v.mp4", "question": "q", "solution": "s"}])
+    report = check_data(vlm_config(path))
+    assert report.ok and (report.records, report.usable, report.images, report.videos) == (2, 2, 1, 1)
+    assert report.summary() == f"{path}: 2 line(s), 2 usable, 0 bad; 1 image(s) and 1 video(s) decoded"
+
+
+def test_full_check_decodes_the_frames_training_reads(tmp_path):
+    """A 3-frame video probes fine, and the plan of generation.video_nframes=4 cannot be met: found before training."""
+    write_video(tmp_path / "short.mp4", num_frames=3)
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "solution": "s"},
+                                              {"video": "short.mp4", "question": "q", "solution": "s"}])
+    assert check_data(vlm_config(path, "generation.video_fps=null", "generation.video_nframes=2")).ok
+    with pytest.raises(DataError, match=rf"{path}:2: video .*short.mp4: 4 frames from a 3-frame video"):
+        check_data(vlm_config(path, "generation.video_fps=null", "generation.video_nframes=4"))
+
+
+def test_many_problems_are_capped(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "ok", "solution": "s"}] + ["{bad"] * (MAX_LISTED + 5))
+    with pytest.raises(DataError) as info:
+        check_data(vlm_config(path))
+    lines = str(info.value).splitlines()
+    assert len(lines) == 1 + MAX_LISTED + 1 and lines[-1] == "  ... and 5 more"
+    assert lines[1] == f"  {path}:2: not valid JSON (Expecting property name enclosed in double quotes at column 2)"
+
+
+def test_nothing_usable_is_an_error_even_when_skipping(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", ["{bad", {"question": "q"}])
+    with pytest.raises(DataError) as info:
+        check_data(vlm_config(path, "data.skip_bad_samples=true"))
+    assert str(info.value).splitlines()[0] == f"{path}: no usable samples: 2 problem(s) in 2 of 2 line(s):"
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataError, match="no usable samples in .*empty.jsonl: it has no non-blank line"):
+        check_data(vlm_config(tmp_path / "empty.jsonl"))
+    with pytest.raises(DataError) as info:
+        check_data(vlm_config(tmp_path / "nowhere.jsonl", check_files=False))
+    assert str(info.value) == f"VLM data file not found: {tmp_path / 'nowhere.jsonl'}"
+
+
+def test_synthetic_sets_are_not_checked(monkeypatch):
+    import mmrl.data.synthetic as synthetic
+
+    monkeypatch.setattr(synthetic, "ensure_synthetic", lambda *a, **k: pytest.fail("built a synthetic set"))
+    report = check_data(vlm_config("tiny:temporal_grounding"))
+    assert not report.checked and report.ok
+    assert report.summary() == "tiny:temporal_grounding: 0 line(s); nothing to check"
+
+
+def test_check_data_logs_no_skip_warnings(data, caplog):
+    with caplog.at_level(logging.WARNING):
+        check_data(vlm_config(data, "data.skip_bad_samples=true"), media=False)
+    assert not [r for r in caplog.records if "skipping" in r.getMessage()]
+
+
+# ------------------------------------------------------------------------------------------- prompt files
+
+
+def flow_config(prompts, check_files=True):
+    return load_config(None, [f"data.prompts={prompts}"], check_files=check_files)
+
+
+def test_prompt_file_problems_all_listed(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "a red apple", "tag": 1},
+        '{"prompt": "unterminated}',
+        {"prompt": 3},
+        {"text": "no prompt"},
+        [1, 2],
+        b'{"prompt": "caf\xe9"}',
+        {"prompt": "a blue cube"},
+    ])
+    with pytest.raises(DataError) as info:
+        check_data(flow_config(path))
+    assert str(info.value).splitlines() == [
+        f"{path}: 5 problem(s) in 5 of 7 line(s) (data.skip_bad_samples=true skips and counts the bad lines instead):",
+        f"  {path}:2: not valid JSON (Unterminated string starting at column 12)",
+        f"  {path}:3: expected an object with a string 'prompt' field, got 'prompt' of type int",
+        f"  {path}:4: expected an object with a string 'prompt' field, got no 'prompt'",
+        f"  {path}:5: expected an object with a string 'prompt' field, got list",
+        f"  {path}:6: not UTF-8 text (byte 15)",
+    ]
+    # read_prompts (training) stops at the first, with the same text
+    with pytest.raises(DataError) as info:
+        read_prompts(path)
+    assert str(info.value) == f"{path}:2: not valid JSON (Unterminated string starting at column 12)"
+
+
+def test_prompt_files_ok(tmp_path):
+    txt = tmp_path / "p.txt"
+    txt.write_bytes("\ufeffa red apple\n\n  a blue cube  \n".encode())
+    report = check_data(flow_config(txt))
+    assert (report.kind, report.records, report.usable, report.problems) == ("prompts", 2, 2, [])
+    assert [p.prompt for p in read_prompts(txt)] == ["a red apple", "a blue cube"]  # the BOM is not a prompt
+    jsonl = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x", "include": [{"class": "cat"}]}])
+    jsonl.write_bytes(b"\xef\xbb\xbf" + jsonl.read_bytes())
+    assert read_prompts(jsonl)[0].metadata == {"include": [{"class": "cat"}]}
+    inline = check_data(load_config(None))
+    assert not inline.checked and inline.source == "data.prompt_list"
+
+
+def test_prompt_file_missing_or_empty(tmp_path):
+    with pytest.raises(DataError) as info:
+        check_data(flow_config(tmp_path / "none.txt", check_files=False))
+    assert str(info.value) == f"prompt file not found: {tmp_path / 'none.txt'}"
+    (tmp_path / "empty.txt").write_text("\n \n")
+    with pytest.raises(DataError, match=r"no usable prompts in .*empty.txt: it has no non-blank line"):
+        check_data(flow_config(tmp_path / "empty.txt"))
+    with pytest.raises(DataError, match=r"prompt file is empty: .*empty.txt"):
+        read_prompts(tmp_path / "empty.txt")
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"fine\n\xff\xfe broken\n")
+    with pytest.raises(DataError) as info:
+        read_prompts(bad)
+    assert str(info.value) == f"{bad}:2: not UTF-8 text (byte 0)"

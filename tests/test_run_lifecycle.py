@@ -1,0 +1,156 @@
+"""What a run says and does at its edges: the startup summary, resuming with changed settings, run-health
+warnings, SIGTERM / SIGINT stopping cleanly with a checkpoint that resumes exactly, TensorBoard after a resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from mmrl.cli import main
+from mmrl.health import RunHealth, no_signal_cause
+from mmrl.pipelines.flow.tiny import build_tiny_sd3
+
+REPO = Path(__file__).parents[1]
+TINY = ["sampling.num_steps=4", "sampling.eval_num_steps=4", "sampling.max_sequence_length=16",
+        "data.prompts_per_step=2", "data.group_size=2", "train.batch_size=2", "data.eval_seeds=[0, 1]",
+        "data.num_eval_prompts=2", "logging.progress_bar=false", "logging.tensorboard=false",
+        "logging.eval_every=0", "optim.lr=1e-2", "algorithm.clip_low=0.01"]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return str(build_tiny_sd3(tmp_path_factory.mktemp("tiny") / "sd3"))
+
+
+def _train(run: Path, tiny_path: str, *extra: str) -> int:
+    return main(["train", f"output_dir={run}", f"model.pretrained={tiny_path}", *TINY, *extra])
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_startup_summary_says_what_the_run_does(tmp_path, tiny_path, capsys):
+    assert _train(tmp_path / "run", tiny_path, "train.steps=1", "train.gradient_accumulation_steps=2") == 0
+    out = capsys.readouterr().out
+    assert f"mmrl train -> {tmp_path / 'run'}" in out
+    assert "trainable parameters of" in out and "LoRA r16" in out
+    assert "device    cpu, 1 process(es), mixed precision no" in out
+    assert "2 prompts x 2 samples = 4 per process, 4 in all" in out
+    assert "2 optimizer steps of 4 samples per process (2 inner epoch(s) of 2 minibatches of 2)" in out
+    assert "start     a new run" in out
+
+
+def test_resume_applies_a_new_lr_and_keeps_the_original_config(tmp_path, tiny_path, capsys):
+    run = tmp_path / "run"
+    assert _train(run, tiny_path, "train.steps=2", "logging.save_every=2") == 0
+    original = (run / "config.yaml").read_text()
+    capsys.readouterr()
+    assert _train(run, tiny_path, "train.steps=3", "optim.lr=0.001") == 0
+    out = capsys.readouterr().out
+    assert "resumed at update 2 of 3" in out
+    assert "changed   optim.lr: 0.01 -> 0.001 (applied from update 2)" in out
+    assert "changed   train.steps: 2 -> 3" in out
+    assert (run / "config.yaml").read_text() == original  # never overwritten
+    assert yaml.safe_load((run / "config.resume_2.yaml").read_text())["optim"]["lr"] == 0.001
+    metrics = _metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert metrics[1]["lr"] == pytest.approx(0.01) and metrics[2]["lr"] == pytest.approx(0.001)  # really applied
+
+
+def test_resume_refuses_changes_the_checkpoint_cannot_take(tmp_path, tiny_path, capsys):
+    run = tmp_path / "run"
+    assert _train(run, tiny_path, "train.steps=1") == 0
+    before = (run / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert _train(run, tiny_path, "train.steps=2", "model.lora_rank=8", "data.prompt_list=[a cat]") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("mmrl: error: cannot resume") and "model.lora_rank: 16 in the checkpoint, 8 now" in err
+    assert "data.prompt_list" in err and "start a new output_dir" in err
+    assert (run / "metrics.jsonl").read_text() == before and not (run / "config.resume_1.yaml").exists()
+
+
+def test_health_warns_on_a_run_with_nothing_to_learn(tmp_path, monkeypatch, capsys):
+    """A random tiny VLM writes no parseable answer: every reward 0, nothing trained; the monitor says so and why."""
+    monkeypatch.setenv("MMRL_CACHE", str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    assert main(["train", str(REPO / "configs/tiny/vlm_grounding.yaml"), f"output_dir={run}", "train.steps=3",
+                 "logging.progress_bar=false", "logging.tensorboard=false", "logging.eval_every=0",
+                 "generation.max_new_tokens=8", "train.inner_epochs=1"]) == 0
+    err_out = capsys.readouterr()
+    text = err_out.out + err_out.err
+    assert "3 updates in a row with no trainable signal" in text and "no parseable answer" in text
+    metrics = _metrics(run)
+    assert [m["health/no_signal_streak"] for m in metrics] == [1.0, 2.0, 3.0]
+    assert [m["health/warnings"] for m in metrics] == [0.0, 0.0, 1.0]
+
+
+def test_health_rules_by_hand():
+    warnings = []
+    health = RunHealth(warn=warnings.append)
+    base = {"samples/trained": 8.0, "samples/zero_advantage": 0.0, "samples/nan_reward": 0.0, "clipfrac": 0.1,
+            "kl": 0.01, "grad_norm": 1.0}
+    for step in range(1, 6):
+        assert health.check({**base, "step": step})["health/warnings"] == 0
+    out = health.check({**base, "step": 6, "kl": 0.5, "grad_norm": 20.0, "clipfrac": 0.7})
+    assert out["health/kl_spike"] == out["health/grad_norm_spike"] == out["health/clipfrac_high"] == 1.0
+    assert out["health/warnings"] == 3 and len(warnings) == 3
+    nan = {**base, "samples/trained": 0.0, "samples/zero_advantage": 8.0, "samples/nan_reward": 8.0}
+    for step in range(7, 10):
+        out = health.check({**nan, "step": step})
+    assert out["health/nan_reward_streak"] == 3 and out["health/no_signal_streak"] == 3
+    assert any("more than half of the rewards NaN" in w for w in warnings)
+    assert "every reward is NaN" in no_signal_cause(nan)
+    assert "do not vary within any group" in no_signal_cause({**nan, "samples/nan_reward": 0.0})
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_at_an_update_boundary_with_a_checkpoint_that_resumes_exactly(tmp_path, tiny_path, sig):
+    common = ["train", f"model.pretrained={tiny_path}", *TINY, "logging.save_every=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    run = tmp_path / "stopped"
+    proc = subprocess.Popen([sys.executable, "-m", "mmrl.cli", *common, f"output_dir={run}", "train.steps=400"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text()):
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert "Traceback" not in err
+    done = len(_metrics(run))
+    assert 1 <= done < 400
+    assert f"stopped by {signal.Signals(sig).name} after update {done}" in out
+    assert (run / "checkpoints" / f"step_{done}" / "state.json").is_file()
+    # resume=auto continues from it and ends where an uninterrupted run ends
+    assert main([*common, f"output_dir={run}", f"train.steps={done + 1}"]) == 0
+    assert main([*common, f"output_dir={tmp_path / 'straight'}", f"train.steps={done + 1}"]) == 0
+    a = load_file(str(run / "checkpoints" / f"step_{done + 1}" / "trainable.safetensors"))
+    b = load_file(str(tmp_path / "straight" / "checkpoints" / f"step_{done + 1}" / "trainable.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tensorboard_drops_the_killed_runs_later_points_on_resume(tmp_path, tiny_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    assert _train(run, tiny_path, "train.steps=3", "logging.save_every=1", "logging.tensorboard=true") == 0
+    # as if killed after update 3's metrics but before its checkpoint: the newest checkpoint is step_2
+    import shutil
+
+    shutil.rmtree(run / "checkpoints" / "step_3")
+    assert _train(run, tiny_path, "train.steps=3", "logging.save_every=1", "logging.tensorboard=true") == 0
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("loss")]
+    assert steps == [1, 2, 3]  # update 3 once, not twice
