@@ -284,6 +284,24 @@ def _cmd_sample(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- eval
+
+
+def _cmd_eval(args) -> int:
+    from mmrl.build import cpu_threads_default
+    from mmrl.eval.runner import EvalError, run_eval
+
+    if args.config is None:
+        raise UsageError("mmrl eval: a CONFIG is required (a training config, or a run folder holding config.yaml)")
+    quiet_libraries()
+    cpu_threads_default()
+    try:
+        run_eval(args.config, args.overrides)
+    except EvalError as exc:
+        raise UsageError(str(exc)) from None
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- the rest
 
 
@@ -419,6 +437,18 @@ def make_parser() -> argparse.ArgumentParser:
     sample.add_argument("--overwrite", action="store_true", help="write into an --out folder that holds files")
     sample.add_argument("--no-ema", action="store_true", help="use the live weights even if the run kept an EMA")
     sample.set_defaults(func=_cmd_sample)
+
+    ev = command("eval", "evaluate an image-generation policy on benchmarks (ocr, geneval, reward:NAME[@SET])",
+                 epilog="Keys: checkpoint=PATH|base, benchmarks=[ocr,geneval,reward:NAME@SET], output_dir=DIR, "
+                        "limit=N, images_per_prompt=K, seed=S, num_steps=T, resolution=R, guidance=G, prompts=FILE, "
+                        "detector=DIR, clip_model=DIR, reward_kwargs={NAME: {...}}, ema=BOOL, progress=BOOL; dotted "
+                        "keys override the config. Writes samples.jsonl, images/, grids/, protocol.json and "
+                        "summary.json to output_dir (default RUN/eval/<checkpoint>); an existing output_dir is "
+                        "resumed.")
+    ev.add_argument("config", nargs="?", help="training config (YAML), or a run folder holding config.yaml")
+    ev.add_argument("overrides", nargs="*", help="eval keys (checkpoint=base, benchmarks=[ocr], limit=8, ...) and "
+                                                 "dotted config overrides")
+    ev.set_defaults(func=_cmd_eval)
 
     tiny = command("tiny", "build a tiny random model or a synthetic data set")
     tiny.add_argument("kind", choices=("sd3", "flux", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "grounding",

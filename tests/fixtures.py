@@ -101,3 +101,33 @@ def write_jsonl(path: str | Path, records: list) -> Path:
              for r in records]
     path.write_bytes(b"\n".join(lines) + b"\n")
     return path
+
+
+def tiny_clip(directory: str | Path, extra_tokens: tuple[str, ...] = ("-</w>", "-")):
+    """A tiny random transformers CLIP (16 wide, 32 px) and its processor with a letters-only BPE vocabulary written
+    into ``directory``: ``(model, processor)``, the same every call (seeded)."""
+    import string
+
+    import torch
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = {c: i for i, c in enumerate(string.ascii_lowercase)}
+    vocab.update({c + "</w>": len(vocab) + i for i, c in enumerate(string.ascii_lowercase)})
+    for token in (*extra_tokens, "<|startoftext|>", "<|endoftext|>"):
+        vocab[token] = len(vocab)
+    (directory / "vocab.json").write_text(json.dumps(vocab))
+    (directory / "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = CLIPTokenizer(vocab=str(directory / "vocab.json"), merges=str(directory / "merges.txt"))
+    processor = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
+                                                                 crop_size={"height": 32, "width": 32}),
+                              tokenizer=tokenizer)
+    text = dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=77, projection_dim=8,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+    vision = dict(image_size=32, patch_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, projection_dim=8)
+    torch.manual_seed(0)
+    return CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)).eval(), processor

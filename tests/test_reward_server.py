@@ -9,7 +9,6 @@ import math
 import os
 import queue
 import signal
-import string
 import subprocess
 import sys
 import threading
@@ -19,6 +18,8 @@ import urllib.request
 
 import pytest
 import torch
+
+from fixtures import tiny_clip
 from PIL import Image
 
 from mmrl.rewards import ComposedReward, Reward, build_reward, build_rewards, check_reward_arguments
@@ -114,25 +115,7 @@ def test_server_nan_reasons_come_back(server):
 
 
 def tiny_pickscore(tmp_path):
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
-
-    vocab = {c: i for i, c in enumerate(string.ascii_lowercase)}
-    vocab.update({c + "</w>": len(vocab) + i for i, c in enumerate(string.ascii_lowercase)})
-    vocab.update({"<|startoftext|>": len(vocab), "<|endoftext|>": len(vocab) + 1})
-    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
-    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
-    tokenizer = CLIPTokenizer(vocab=str(tmp_path / "vocab.json"), merges=str(tmp_path / "merges.txt"))
-    processor = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
-                                                                 crop_size={"height": 32, "width": 32}),
-                              tokenizer=tokenizer)
-    text = dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=2, max_position_embeddings=77, projection_dim=8,
-                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id)
-    vision = dict(image_size=32, patch_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                  num_attention_heads=2, projection_dim=8)
-    torch.manual_seed(0)
-    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)).eval()
+    model, processor = tiny_clip(tmp_path, extra_tokens=())
     return build_reward("pickscore", model=model, processor=processor, device="cpu")
 
 

@@ -183,9 +183,20 @@ class FlowPolicy:
         # (no gradients) calls the unwrapped transformer directly
         self.model = self.transformer
         self._negative: dict[str, Tensor] | None = None
-        self._use_cfg = family.name == "sd3" and guidance_scale > 1.0
-        if self._use_cfg:
-            self._negative = family.encode([negative_prompt])
+        self._use_cfg = False
+        self.set_guidance(guidance_scale, negative_prompt)
+
+    def set_guidance(self, guidance_scale: float, negative_prompt: str = "") -> None:
+        """Set the guidance of sampling and replayed steps: SD3 classifier-free guidance above 1 (the negative
+        prompt encoded once), FLUX's distilled-guidance input as given. ``mmrl eval`` uses it to apply a
+        benchmark protocol's guidance to a loaded policy."""
+        self.guidance_scale = guidance_scale
+        use_cfg = self.family.name == "sd3" and guidance_scale > 1.0
+        if use_cfg and (not self._use_cfg or self._negative is None):
+            self._negative = self.family.encode([negative_prompt])
+        elif not use_cfg:
+            self._negative = None
+        self._use_cfg = use_cfg
 
     # ----------------------------------------------------------------------------------- parameters
 
