@@ -197,7 +197,9 @@ class AlgorithmConfig:
                       "(TP-GRPO), 'cosine' (cosine-similarity credit); dense rewards are normalised per step "
                       "column within each group.", choices=("outcome", "step_gain", "turning_point", "cosine"))
     credit_balance: bool = opt(False, "TP-GRPO: balance turning points between trajectories that end better and "
-                               "worse than their ODE baseline, within the sampling batch.")
+                               "worse than their ODE baseline, within each sampling batch of "
+                               "train.sample_batch_size trajectories (as the anchor), so with it on "
+                               "sample_batch_size is part of the algorithm, not only a speed knob.")
     credit_consistency_filter: bool = opt(True, "TP-GRPO: require sign(d_t) sign(R_n - R_{t+1}) > 0 at a turning "
                                           "point.")
     value_anchor_weight: float = opt(0.0, "VGPO-style value-anchored advantages (mmrl.core.credit."

@@ -424,7 +424,7 @@ class Trainer:
         step_losses: list[float] = []
         skipped_steps = 0
 
-        ratio_min, ratio_max = [float("inf")], [float("-inf")]
+        ratio_min, ratio_max = float("inf"), float("-inf")  # true extremes over the update, not means
 
         def add(key: str, value: float, weight: float = 1.0) -> None:
             sums[key] = sums.get(key, 0.0) + value * weight
@@ -479,9 +479,9 @@ class Trainer:
                         active = float(mask[:, steps].sum())
                         for key, value in result.metrics.items():
                             if key == "ratio/min":
-                                ratio_min[0] = min(ratio_min[0], float(value)) if active else ratio_min[0]
+                                ratio_min = min(ratio_min, float(value)) if active else ratio_min
                             elif key == "ratio/max":
-                                ratio_max[0] = max(ratio_max[0], float(value)) if active else ratio_max[0]
+                                ratio_max = max(ratio_max, float(value)) if active else ratio_max
                             else:
                                 add(key, float(value), active)
                 step_losses.append(step_loss)
@@ -500,11 +500,11 @@ class Trainer:
                                   device=acc.device)
             packed = acc.reduce(packed, reduction="sum").cpu()
             sums, weights = dict(zip(keys, packed[0].tolist())), dict(zip(keys, packed[1].tolist()))
-            extremes = gather_object([(ratio_min[0], ratio_max[0])])
-            ratio_min[0], ratio_max[0] = min(e[0] for e in extremes), max(e[1] for e in extremes)
+            extremes = gather_object([(ratio_min, ratio_max)])
+            ratio_min, ratio_max = min(e[0] for e in extremes), max(e[1] for e in extremes)
         metrics = {k: sums[k] / weights[k] if weights[k] > 0 else 0.0 for k in sums}
-        if math.isfinite(ratio_min[0]):
-            metrics["ratio/min"], metrics["ratio/max"] = ratio_min[0], ratio_max[0]
+        if math.isfinite(ratio_min):
+            metrics["ratio/min"], metrics["ratio/max"] = ratio_min, ratio_max
         # the loss of an optimizer step is the sum of its micro-step losses (what the gradient is of); with several
         # processes DDP averages their gradients, so the logged loss is the mean over processes too
         loss_mean = sum(step_losses) / len(step_losses)
@@ -907,8 +907,10 @@ class Trainer:
         self.reward_counts: dict[str, float] = {}
         self.credit_stats: dict[str, float] = {}
         items = self.prompts.next_batch(c.data.prompts_per_step, rank=acc.process_index, world=acc.num_processes)
-        rollout, scores = self._sample_or_none(items, generator, timer)
-        rollout, scores = self._refill_skipped(rollout, scores, generator, timer)
+        if c.data.skip_bad_samples:  # skipped samples are replaced; without skipping a bad one is an error
+            rollout, scores = self._refill_skipped(*self._sample_or_none(items, generator, timer), generator, timer)
+        else:
+            rollout, scores = self._sample(items, generator, timer)
         sampling_stats = {}
         if c.algorithm.dynamic_sampling:
             rollout, scores, sampling_stats = self._dynamic_sampling(rollout, scores, generator, timer)

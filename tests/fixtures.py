@@ -131,3 +131,22 @@ def tiny_clip(directory: str | Path, extra_tokens: tuple[str, ...] = ("-</w>", "
                   num_attention_heads=2, projection_dim=8)
     torch.manual_seed(0)
     return CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)).eval(), processor
+
+
+def tiny_mask2former(names: list[str]):
+    """A tiny random transformers Mask2Former (Swin backbone, 20 queries) over the class ``names`` and its processor:
+    ``(model, processor)``, the same every call (seeded)."""
+    import torch
+    from transformers import (Mask2FormerConfig, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor,
+                              SwinConfig)
+
+    backbone = SwinConfig(image_size=64, patch_size=4, embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 2, 2],
+                          window_size=4, out_features=["stage1", "stage2", "stage3", "stage4"])
+    config = Mask2FormerConfig(
+        backbone_config=backbone, num_labels=len(names), id2label=dict(enumerate(names)),
+        label2id={n: i for i, n in enumerate(names)}, hidden_dim=32, mask_feature_size=32, feature_size=32,
+        encoder_layers=1, decoder_layers=2, num_queries=20, encoder_feedforward_dim=64, dim_feedforward=64,
+        num_attention_heads=2, common_stride=4, use_pretrained_backbone=False)
+    torch.manual_seed(0)
+    model = Mask2FormerForUniversalSegmentation(config).eval()
+    return model, Mask2FormerImageProcessor(size={"shortest_edge": 64, "longest_edge": 128})

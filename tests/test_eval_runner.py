@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fixtures import tiny_clip
+from fixtures import tiny_clip, tiny_mask2former
 import yaml
 from PIL import Image
 
@@ -95,23 +95,13 @@ def tiny_clip_dir(directory):
 
 
 def tiny_mask2former_dir(directory):
-    from transformers import (Mask2FormerConfig, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor,
-                              SwinConfig)
-
     from mmrl.rewards.geneval import GENEVAL_CLASSES
 
     names = [{"computer mouse": "mouse", "tv remote": "remote", "computer keyboard": "keyboard"}.get(n, n)
              for n in GENEVAL_CLASSES]
-    backbone = SwinConfig(image_size=64, patch_size=4, embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 2, 2],
-                          window_size=4, out_features=["stage1", "stage2", "stage3", "stage4"])
-    config = Mask2FormerConfig(
-        backbone_config=backbone, num_labels=80, id2label=dict(enumerate(names)),
-        label2id={n: i for i, n in enumerate(names)}, hidden_dim=32, mask_feature_size=32, feature_size=32,
-        encoder_layers=1, decoder_layers=2, num_queries=20, encoder_feedforward_dim=64, dim_feedforward=64,
-        num_attention_heads=2, common_stride=4, use_pretrained_backbone=False)
-    torch.manual_seed(0)
-    Mask2FormerForUniversalSegmentation(config).eval().save_pretrained(directory)
-    Mask2FormerImageProcessor(size={"shortest_edge": 64, "longest_edge": 128}).save_pretrained(directory)
+    model, processor = tiny_mask2former(names)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
     return directory
 
 

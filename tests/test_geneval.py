@@ -10,6 +10,8 @@ import string
 import numpy as np
 import pytest
 import torch
+
+from fixtures import tiny_mask2former as build_tiny_mask2former
 import torch.nn.functional as F
 from PIL import Image
 
@@ -271,20 +273,7 @@ CAT, DOG, MOUSE = COCO_NAMES.index("cat"), COCO_NAMES.index("dog"), COCO_NAMES.i
 
 @pytest.fixture(scope="module")
 def tiny_mask2former():
-    from transformers import (Mask2FormerConfig, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor,
-                              SwinConfig)
-
-    backbone = SwinConfig(image_size=64, patch_size=4, embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 2, 2],
-                          window_size=4, out_features=["stage1", "stage2", "stage3", "stage4"])
-    config = Mask2FormerConfig(
-        backbone_config=backbone, num_labels=80, id2label=dict(enumerate(COCO_NAMES)),
-        label2id={n: i for i, n in enumerate(COCO_NAMES)}, hidden_dim=32, mask_feature_size=32, feature_size=32,
-        encoder_layers=1, decoder_layers=2, num_queries=20, encoder_feedforward_dim=64, dim_feedforward=64,
-        num_attention_heads=2, common_stride=4, use_pretrained_backbone=False)
-    torch.manual_seed(0)
-    model = Mask2FormerForUniversalSegmentation(config).eval()
-    processor = Mask2FormerImageProcessor(size={"shortest_edge": 64, "longest_edge": 128})
-    return model, processor
+    return build_tiny_mask2former(COCO_NAMES)
 
 
 def write_tiny_bpe(directory) -> tuple[str, str]:
