@@ -2,34 +2,56 @@
 
 Backbone: open_clip ``ViT-H-14`` whose every weight is replaced by the HPS checkpoint
 (``HPS_v2.1_compressed.pt`` from the hub repo ``xswu/HPSv2``; a dict whose ``"state_dict"`` holds
-the CLIP weights). Conventions checked against the original (tgxs002/HPSv2, ``hpsv2/img_score.py``):
+the CLIP weights). Conventions checked against the original (tgxs002/HPSv2 866735e, ``hpsv2/img_score.py``,
+``hpsv2/src/open_clip/transform.py``):
 
-* preprocessing is the HPSv2 fork's ``image_transform(..., is_train=False, resize_longest_max=True)``:
-  ``ResizeMaxSize(224)``: scale so the **longest** side is 224 (new size ``round(side * 224 / max)``,
-  bicubic), then zero-pad to a 224x224 square, ``[w//2, h//2, w - w//2, h - h//2]`` for the
-  left/top/right/bottom pads - not a centre crop; then ToTensor and the OpenAI CLIP mean/std.
-  One deliberate difference: the original skips the pad when the longest side is already 224,
-  leaving a non-square input for non-square images; mmrl always pads to the square.
+* preprocessing is the HPSv2 fork's ``image_transform(224, is_train=False, resize_longest_max=True)``
+  (what ``create_model_and_transforms(..., light_augmentation=True)`` returns as ``preprocess_val``, used by
+  ``hpsv2.score``, ``hpsv2.evaluate`` and DanceGRPO's HPS reward):
+  ``Compose([_convert_to_rgb_or_rgba, ToTensor(), ResizeMaxSize(224, fill=0), normalize])``. In that order:
+
+  1. the image becomes a float32 tensor in ``[0, 1]`` (``uint8 / 255``) **before** any resize;
+  2. ``ResizeMaxSize``: ``scale = 224 / max(h, w)``; if ``scale != 1`` the tensor is resized to
+     ``(round(h * scale), round(w * scale))`` with torchvision's *tensor* ``F.resize`` (bicubic, on float32:
+     no uint8 rounding, no clamping, so values may overshoot [0, 1] a little), then padded with
+     ``F.pad(..., [w//2, h//2, w - w//2, h - h//2], fill=0)`` for the left/top/right/bottom pads
+     (``w``/``h`` here the missing width/height; the odd pixel goes right/bottom): the whole image,
+     centred on a black (``0.0``) canvas, not a centre crop;
+  3. ``Normalize`` with the OpenAI CLIP mean/std.
+
+  ``ResizeMaxSize`` calls ``F.resize`` without ``antialias``, so the antialiasing is torchvision's default:
+  ``True`` from torchvision 0.17 on (what the torchvision pinned here gives the official code), ``None`` =
+  off for tensors before. ``antialias=True`` (the default here) reproduces the former; ``antialias=False``
+  reproduces HPS scores computed with torchvision < 0.17. open_clip itself (open_clip_torch 3.x) has no
+  ``ResizeMaxSize``: its ``resize_mode="longest"`` resizes the PIL image before ``ToTensor`` (PIL bicubic,
+  uint8) with a centre ``CenterCropOrPad``, which is not this transform, so it is written out here.
+
+  Two deliberate differences, both where the original cannot run a batch: the original skips the pad when
+  the longest side is already 224 (a non-square input, which the ViT's fixed position embedding rejects);
+  mmrl always pads to the square. And ``_convert_to_rgb_or_rgba`` keeps an RGBA image's alpha (a
+  4-channel input the ViT rejects); mmrl converts every image to RGB (alpha dropped, as
+  ``Image.convert("RGB")``).
 * score = ``diag(image_features @ text_features.T)`` with the features L2-normalised by
   open_clip's ``forward``: the plain **cosine** similarity. The original's outputs include
   ``logit_scale`` but the score does **not** multiply by it (HPSv2.1 scores are ~0.2-0.35).
 * the original runs under CUDA fp16 autocast; mmrl runs in ``dtype`` (default float32) and
-  computes the cosine in float32, so values differ from the original by fp16 rounding only.
+  computes the cosine in float32, so values differ from the original by fp16 rounding.
 
-Tensor images are first quantised to uint8 (``round(x * 255)``) and resized as PIL images, as the
-original works on PIL images (``resize="pil"``, the default); ``resize="tensor"`` resizes the uint8
-tensor batch with torchvision's antialiased bicubic instead, on the tensor's device (no PIL round
-trip; it differs from PIL's by at most 1-2 uint8 steps on about 1% of pixels). Images whose longest
-side is already the input size need no resize and take the tensor path either way (exact). After
-the resize, padding, scaling and normalisation run batched on the stacked uint8 images, exactly
-:func:`hps_preprocess`'s arithmetic. The text tower runs once per unique prompt; images are batched.
+Inputs. PIL images go through exactly the steps above (``ToTensor`` = ``uint8 / 255``). A float tensor
+batch in [0, 1] (what the trainer passes) is first quantised to uint8, ``round(x * 255)`` clipped
+(:meth:`ImageBatch.uint8`), and then takes the same path: the official scorer only ever sees saved 8-bit
+images (``hpsv2.evaluate`` reads ``.jpg`` files; DanceGRPO's reward ``VaeImageProcessor.postprocess``-es
+the decoded image to a uint8 PIL image), so the score of a tensor equals the official score of that image
+saved losslessly (PNG). The steps run batched on tensors, on the images' device (CPU for PIL images, the
+trainer's GPU for its tensors), images of one size together; :func:`hps_preprocess_tensor` is the
+transform from ``ToTensor`` on, for uint8 or float tensors (a float tensor is used as given, without
+quantisation). The text tower runs once per unique prompt; images are batched.
 """
 from __future__ import annotations
 
 import os
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 from PIL import Image
 
@@ -43,8 +65,10 @@ from ._base import (
     resolve_device,
     resolve_dtype,
 )
+from ._images import float_to_uint8, pil_to_uint8
 
-__all__ = ["HPSv2", "hps_preprocess", "hps_preprocess_batch", "HPS_REPO", "HPS_FILES", "OPENAI_MEAN", "OPENAI_STD"]
+__all__ = ["HPSv2", "hps_preprocess", "hps_preprocess_batch", "hps_preprocess_tensor", "HPS_REPO", "HPS_FILES",
+           "OPENAI_MEAN", "OPENAI_STD"]
 
 HPS_REPO = "xswu/HPSv2"
 HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
@@ -53,49 +77,48 @@ OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def hps_preprocess(
-    image: Image.Image,
-    size: int = 224,
-    mean: tuple[float, ...] = OPENAI_MEAN,
-    std: tuple[float, ...] = OPENAI_STD,
-    fill: int = 0,
-) -> torch.Tensor:
-    """HPSv2's evaluation transform on one PIL image -> float32 ``[3, size, size]``.
-
-    Resize the longest side to ``size`` (bicubic, aspect kept, ``round`` for the other side),
-    pad with ``fill`` to a square (extra pixel on the right/bottom), scale to [0, 1], normalise.
-    """
-    import torchvision.transforms.functional as TF
-    from torchvision.transforms import InterpolationMode
-
-    image = image if image.mode == "RGB" else image.convert("RGB")
-    width, height = image.size
-    scale = size / float(max(height, width))
-    new_h, new_w = height, width
-    if scale != 1.0:
-        new_h, new_w = round(height * scale), round(width * scale)
-        image = TF.resize(image, [new_h, new_w], interpolation=InterpolationMode.BICUBIC)
-    pad_h, pad_w = size - new_h, size - new_w
-    if pad_h or pad_w:
-        image = TF.pad(image, [pad_w // 2, pad_h // 2, pad_w - pad_w // 2, pad_h - pad_h // 2], fill=fill)
-    return TF.normalize(TF.to_tensor(image), list(mean), list(std))
-
-
 def _hps_geometry(height: int, width: int, size: int) -> tuple[int, int, int, int]:
-    """``(new_h, new_w, top, left)`` of :func:`hps_preprocess`: longest side to ``size`` (``round``
-    for the other), then the pad's top/left offsets (the extra pixel goes right/bottom)."""
+    """``ResizeMaxSize``'s geometry, ``(new_h, new_w, top, left)``: ``scale = size / max(h, w)``; if it is not 1
+    the new size is ``round(side * scale)``; then the pad's top/left offsets (``missing // 2``; the odd pixel
+    goes to the right/bottom)."""
     scale = size / float(max(height, width))
     new_h, new_w = (round(height * scale), round(width * scale)) if scale != 1.0 else (height, width)
     return new_h, new_w, (size - new_h) // 2, (size - new_w) // 2
 
 
-def _normalise_uint8(canvas: torch.Tensor, mean, std) -> torch.Tensor:
-    """uint8 ``[N, 3, S, S]`` -> float32, ``x / 255`` then ``(x - mean) / std`` per channel: the same
-    float32 operations as torchvision's ``to_tensor`` + ``normalize`` on each image."""
-    x = canvas.to(torch.float32).div_(255)
-    mean_t = torch.as_tensor(mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
-    std_t = torch.as_tensor(std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
-    return x.sub_(mean_t).div_(std_t)
+def hps_preprocess_tensor(
+    images: torch.Tensor,
+    size: int = 224,
+    mean: tuple[float, ...] = OPENAI_MEAN,
+    std: tuple[float, ...] = OPENAI_STD,
+    fill: float = 0.0,
+    antialias: bool = True,
+) -> torch.Tensor:
+    """HPSv2's evaluation transform from ``ToTensor`` on, for a batch ``[N, 3, H, W]`` -> float32
+    ``[N, 3, size, size]`` on the batch's device.
+
+    ``images``: uint8 (scaled ``x / 255``, what ``ToTensor`` does to an 8-bit image) or float in [0, 1]
+    (used as given: no uint8 quantisation). Then ``ResizeMaxSize(size)``: torchvision's tensor bicubic
+    ``F.resize`` to the longest side ``size`` on float32 (``antialias`` as given; the official code gets
+    torchvision's default, ``True`` from torchvision 0.17), ``fill`` padding (on the [0, 1] scale, as the
+    official pad runs after ``ToTensor``; 0 = black) to the centred square, always (see the module doc);
+    then ``(x - mean) / std``.
+    """
+    import torchvision.transforms.functional as TF
+    from torchvision.transforms import InterpolationMode
+
+    if images.dim() != 4 or images.shape[1] != 3:
+        raise ValueError(f"expected images [N, 3, H, W], got shape {tuple(images.shape)}")
+    x = images.to(torch.float32).div(255) if images.dtype == torch.uint8 else images.to(torch.float32)
+    n, _, height, width = x.shape
+    new_h, new_w, top, left = _hps_geometry(height, width, size)
+    if (new_h, new_w) != (height, width):
+        x = TF.resize(x, [new_h, new_w], interpolation=InterpolationMode.BICUBIC, antialias=antialias)
+    if (new_h, new_w) != (size, size):
+        canvas = torch.full((n, 3, size, size), float(fill), dtype=torch.float32, device=x.device)
+        canvas[:, :, top : top + new_h, left : left + new_w] = x
+        x = canvas
+    return TF.normalize(x, list(mean), list(std), inplace=x is not images)
 
 
 def hps_preprocess_batch(
@@ -103,49 +126,36 @@ def hps_preprocess_batch(
     size: int = 224,
     mean: tuple[float, ...] = OPENAI_MEAN,
     std: tuple[float, ...] = OPENAI_STD,
-    fill: int = 0,
+    fill: float = 0.0,
+    antialias: bool = True,
 ) -> torch.Tensor:
-    """:func:`hps_preprocess` for a list of PIL images -> float32 ``[N, 3, size, size]``, bit-identical.
+    """HPSv2's evaluation transform for a list of PIL images -> float32 ``[N, 3, size, size]`` (CPU).
 
-    Each image is resized with PIL (bicubic) as there; the padded uint8 images are stacked and
-    scaled/normalised in one batched step instead of one tensor conversion per image.
+    Each image is converted to RGB and to its uint8 pixels; images of one size are transformed together by
+    :func:`hps_preprocess_tensor` (``ToTensor`` = ``/ 255``, tensor bicubic resize, pad, normalise).
     """
-    import torchvision.transforms.functional as TF
-    from torchvision.transforms import InterpolationMode
-
-    canvas = torch.full((len(images), 3, size, size), int(fill), dtype=torch.uint8)
-    planes = canvas.numpy()  # shares memory with canvas
+    out = torch.empty((len(images), 3, size, size), dtype=torch.float32)
+    by_size: dict[tuple[int, int], list[int]] = {}
     for i, image in enumerate(images):
-        image = image if image.mode == "RGB" else image.convert("RGB")
-        width, height = image.size
-        new_h, new_w, top, left = _hps_geometry(height, width, size)
-        if (new_h, new_w) != (height, width):
-            image = TF.resize(image, [new_h, new_w], interpolation=InterpolationMode.BICUBIC)
-        for c, band in enumerate(image.split()):  # pillow's planes: no H x W x 3 transpose
-            planes[i, c, top : top + new_h, left : left + new_w] = np.asarray(band)
-    return _normalise_uint8(canvas, mean, std)
+        by_size.setdefault(image.size, []).append(i)
+    for rows in by_size.values():
+        pixels = torch.stack([pil_to_uint8(images[i]) for i in rows])
+        out[rows] = hps_preprocess_tensor(pixels, size, mean, std, fill, antialias)
+    return out
 
 
-def hps_preprocess_uint8(
-    images: torch.Tensor,
+def hps_preprocess(
+    image: Image.Image,
     size: int = 224,
     mean: tuple[float, ...] = OPENAI_MEAN,
     std: tuple[float, ...] = OPENAI_STD,
-    fill: int = 0,
+    fill: float = 0.0,
+    antialias: bool = True,
 ) -> torch.Tensor:
-    """HPSv2's transform for a uint8 ``[N, 3, H, W]`` tensor batch, on its device. Without a resize
-    (longest side already ``size``) it equals :func:`hps_preprocess` exactly; otherwise the resize is
-    torchvision's antialiased bicubic on uint8, not PIL's (at most a step or two apart)."""
-    n, _, height, width = images.shape
-    new_h, new_w, top, left = _hps_geometry(height, width, size)
-    if (new_h, new_w) != (height, width):
-        from torchvision.transforms import InterpolationMode
-        from torchvision.transforms.v2 import functional as F2
-
-        images = F2.resize(images, [new_h, new_w], interpolation=InterpolationMode.BICUBIC, antialias=True)
-    canvas = torch.full((n, 3, size, size), int(fill), dtype=torch.uint8, device=images.device)
-    canvas[:, :, top : top + new_h, left : left + new_w] = images
-    return _normalise_uint8(canvas, mean, std)
+    """HPSv2's evaluation transform on one PIL image -> float32 ``[3, size, size]``: RGB, ``ToTensor``, tensor
+    bicubic resize of the longest side to ``size``, ``fill`` pad to the centred square, normalise (see
+    :func:`hps_preprocess_tensor` and the module doc)."""
+    return hps_preprocess_tensor(pil_to_uint8(image)[None], size, mean, std, fill, antialias)[0]
 
 
 def resolve_hps_checkpoint(checkpoint: str | os.PathLike | None, version: str = "v2.1") -> str:
@@ -217,7 +227,7 @@ class HPSv2(Reward):
         batch_size: int = 32,
         image_size: int | None = None,
         weights_only: bool = True,
-        resize: str = "pil",
+        antialias: bool = True,
     ):
         """Args:
         checkpoint: path to ``HPS_v2.1_compressed.pt`` (or a directory holding it); default: the
@@ -233,8 +243,10 @@ class HPSv2(Reward):
         batch_size: images per vision forward.
         image_size: square input size; default the model's ``visual.image_size`` (224).
         weights_only: ``torch.load(weights_only=...)``; only disable for a checkpoint you trust.
-        resize: ``"pil"`` (default): tensor images are resized as PIL images, as the original does;
-            ``"tensor"``: with torchvision on the uint8 tensor, on its device (see the module doc).
+        antialias: the bicubic resize's antialiasing. ``True`` (default) is what the official
+            ``ResizeMaxSize`` gets from torchvision >= 0.17 (the versions mmrl supports); ``False``
+            reproduces HPS scores computed with torchvision < 0.17, whose default was no antialiasing
+            for tensors.
         """
         super().__init__()
         import open_clip  # heavy: imported only when used
@@ -257,9 +269,9 @@ class HPSv2(Reward):
             image_size = size[0] if isinstance(size, (tuple, list)) else size
         self.image_size = int(image_size)
         self.batch_size = int(batch_size)
-        if resize not in ("pil", "tensor"):
-            raise ValueError(f"resize must be 'pil' or 'tensor', got {resize!r}")
-        self.resize = resize
+        if not isinstance(antialias, bool):
+            raise ValueError(f"antialias must be true or false, got {antialias!r}")
+        self.antialias = antialias
 
     @property
     def device(self) -> torch.device:
@@ -270,11 +282,12 @@ class HPSv2(Reward):
         return next(self.model.parameters()).dtype
 
     def preprocess(self, images) -> torch.Tensor:
-        """PIL images (as :func:`hps_preprocess`, batched) or a uint8 ``[N, 3, H, W]`` tensor (as
-        :func:`hps_preprocess_uint8`) -> ``[N, 3, S, S]`` float32."""
+        """PIL images (:func:`hps_preprocess_batch`) or a ``[N, 3, H, W]`` tensor batch -> ``[N, 3, S, S]``
+        float32 (:func:`hps_preprocess_tensor`, on the tensor's device). A float tensor in [0, 1] is quantised
+        to uint8 first (``round(x * 255)``, clipped), as the official scorer sees a saved 8-bit image."""
         if isinstance(images, torch.Tensor):
-            return hps_preprocess_uint8(images, self.image_size)
-        return hps_preprocess_batch(images, self.image_size)
+            return hps_preprocess_tensor(float_to_uint8(images), self.image_size, antialias=self.antialias)
+        return hps_preprocess_batch(images, self.image_size, antialias=self.antialias)
 
     @torch.inference_mode()
     def text_embeddings(self, prompts: list[str]) -> torch.Tensor:
@@ -284,13 +297,10 @@ class HPSv2(Reward):
 
     @torch.inference_mode()
     def image_embeddings(self, images) -> torch.Tensor:
-        """L2-normalised float32 image embeddings for a list of PIL images or an :class:`ImageBatch`
-        (a tensor batch skips PIL when no resize is needed, or with ``resize="tensor"``)."""
+        """L2-normalised float32 image embeddings for a list of PIL images, a tensor batch or an
+        :class:`ImageBatch` (a tensor batch as its uint8 quantisation, on its device: no PIL round trip)."""
         if isinstance(images, ImageBatch):
-            tensor_path = images.is_tensor and (
-                self.resize == "tensor" or max(images.uint8().shape[-2:]) == self.image_size
-            )
-            images = images.uint8() if tensor_path else images.pil()
+            images = images.uint8() if images.is_tensor else images.pil()
         chunks = []
         for start in range(0, len(images), self.batch_size):
             pixels = self.preprocess(images[start : start + self.batch_size]).to(self.device, self.dtype)

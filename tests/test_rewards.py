@@ -518,25 +518,95 @@ OPENAI_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
 OPENAI_STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)
 
 
+def official_hps_transform(image: Image.Image, size: int, antialias: bool | None = None, fill: float = 0) -> torch.Tensor:
+    """tgxs002/HPSv2 866735e ``hpsv2/src/open_clip/transform.py`` ``image_transform(size, is_train=False,
+    resize_longest_max=True)``, composed here from torchvision ops in its order: ``_convert_to_rgb_or_rgba``,
+    ``ToTensor()``, ``ResizeMaxSize(size, fill=fill)`` (its ``forward`` line by line), ``Normalize`` (OpenAI
+    mean/std). ``antialias=None`` calls ``F.resize`` as ResizeMaxSize does, without the argument (torchvision's
+    default). Then mmrl's one deviation: a non-square input the original leaves unpadded (longest side already
+    ``size``) is padded the same way. RGBA images are converted to RGB (the original keeps a 4th channel the ViT
+    cannot take)."""
+    import torchvision.transforms.functional as TF
+    from torchvision.transforms import InterpolationMode
+
+    img = image.convert("RGB")                                # _convert_to_rgb_or_rgba (RGBA: see above)
+    img = TF.to_tensor(img)                                   # ToTensor()
+    height, width = img.shape[1:]                             # ResizeMaxSize.forward, tensor branch
+    scale = size / float(max(height, width))
+    if scale != 1.0:
+        new_size = tuple(round(dim * scale) for dim in (height, width))
+        if antialias is None:
+            img = TF.resize(img, new_size, InterpolationMode.BICUBIC)
+        else:
+            img = TF.resize(img, new_size, InterpolationMode.BICUBIC, antialias=antialias)
+        pad_h = size - new_size[0]
+        pad_w = size - new_size[1]
+        img = TF.pad(img, padding=[pad_w // 2, pad_h // 2, pad_w - pad_w // 2, pad_h - pad_h // 2], fill=fill)
+    elif (height, width) != (size, size):                     # mmrl: pad to the square here too
+        pad_h, pad_w = size - height, size - width
+        img = TF.pad(img, padding=[pad_w // 2, pad_h // 2, pad_w - pad_w // 2, pad_h - pad_h // 2], fill=fill)
+    return TF.normalize(img, list(OPENAI_MEAN), list(OPENAI_STD))  # Normalize(OPENAI_DATASET_MEAN, _STD)
+
+
 def reference_hps_preprocess(image: Image.Image, size: int) -> torch.Tensor:
-    """Longest side -> size (bicubic, round), zero pad to a centred square, CLIP-normalise; pure PIL."""
-    w, h = image.size
-    s = size / max(w, h)
-    nw, nh = (round(w * s), round(h * s)) if s != 1.0 else (w, h)
-    resized = image.resize((nw, nh), Image.BICUBIC) if (nw, nh) != (w, h) else image
-    canvas = Image.new("RGB", (size, size), (0, 0, 0))
-    canvas.paste(resized, ((size - nw) // 2, (size - nh) // 2))
-    a = (np.asarray(canvas, dtype=np.float32) / 255.0 - OPENAI_MEAN) / OPENAI_STD
-    return torch.from_numpy(a).permute(2, 0, 1)
+    return official_hps_transform(image, size)
 
 
-@pytest.mark.parametrize("wh", [(100, 50), (37, 90), (224, 112), (300, 300), (61, 61), (224, 224), (10, 3)])
-def test_hps_preprocess_pads_to_square(wh):
-    rng = np.random.default_rng(sum(wh))
-    image = Image.fromarray(rng.integers(0, 256, (wh[1], wh[0], 3), dtype=np.uint8))
+def random_image(w: int, h: int, seed: int, mode: str = "RGB") -> Image.Image:
+    rng = np.random.default_rng(seed)
+    shape = {"RGB": (h, w, 3), "RGBA": (h, w, 4), "L": (h, w)}[mode]
+    return Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8))
+
+
+HPS_SIZES = [(512, 512), (640, 384), (384, 640), (100, 50), (37, 90), (224, 112), (300, 300), (61, 61),
+             (224, 224), (10, 3), (1000, 997)]
+
+
+def test_official_transform_premises():
+    # the pinned torchvision's F.resize antialiases by default: what the official ResizeMaxSize gets
+    import inspect
+    import torchvision.transforms.functional as TF
+
+    assert inspect.signature(TF.resize).parameters["antialias"].default is True
+    image = random_image(512, 320, 1)
+    torch.testing.assert_close(official_hps_transform(image, 224), official_hps_transform(image, 224, True),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("antialias", [True, False])
+@pytest.mark.parametrize("wh", HPS_SIZES)
+def test_hps_preprocess_matches_official_transform(wh, antialias):
+    image = random_image(*wh, seed=sum(wh))
+    expected = official_hps_transform(image, 224, antialias)
+    got = R.hps_preprocess(image, 224, antialias=antialias)
+    assert got.shape == expected.shape == (3, 224, 224) and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    # the tensor path from uint8 pixels gives the same
+    pixels = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)[None]
+    torch.testing.assert_close(R.hps.hps_preprocess_tensor(pixels, 224, antialias=antialias)[0], expected,
+                               rtol=0, atol=1e-6)
+
+
+def test_hps_preprocess_is_the_float_resize_not_pils():
+    # a 512 -> 224 resize on the float tensor: no uint8 rounding, no clamping (bicubic overshoots [0, 1]),
+    # and not PIL's bicubic on the uint8 image (the earlier mmrl preprocessing)
+    import torchvision.transforms.functional as TF
+
+    mean = torch.tensor(OPENAI_MEAN).view(3, 1, 1)
+    std = torch.tensor(OPENAI_STD).view(3, 1, 1)
+    edges = np.zeros((512, 512, 3), dtype=np.uint8)  # hard edges: bicubic rings past black and white
+    edges[:, 200:330] = 255
+    edges[150:360, :, 1] = 255
+    pixels = R.hps_preprocess(Image.fromarray(edges), 224) * std + mean
+    assert float(pixels.min()) < -0.05 and float(pixels.max()) > 1.03  # not clamped to [0, 1]
+    image = random_image(512, 512, 7)
     got = R.hps_preprocess(image, 224)
-    assert got.shape == (3, 224, 224)
-    torch.testing.assert_close(got, reference_hps_preprocess(image, 224), rtol=0, atol=1e-5)
+    pixels = got * std + mean
+    off_grid = (pixels * 255 - (pixels * 255).round()).abs()
+    assert float(off_grid.mean()) > 0.1  # not on the k / 255 grid: no uint8 rounding after the resize
+    pil_way = TF.normalize(TF.to_tensor(image.resize((224, 224), Image.BICUBIC)), list(OPENAI_MEAN), list(OPENAI_STD))
+    levels = ((got - pil_way) * std * 255).abs()  # in uint8 steps
+    assert float(levels.mean()) > 0.1 and float(levels.max()) > 1.5
 
 
 def test_hps_preprocess_is_not_a_centre_crop():
@@ -549,6 +619,10 @@ def test_hps_preprocess_is_not_a_centre_crop():
     torch.testing.assert_close(got[:, 223, 112], pad_value)  # bottom bar
     torch.testing.assert_close(got[:, 112, 0], white)  # left edge is image, not cropped away
     torch.testing.assert_close(got[:, 112, 223], white)
+    # 200 x 100 -> 224 x 112: pads of 56 on top and on the bottom
+    assert torch.equal(got[:, :56], pad_value.view(3, 1, 1).expand(3, 56, 224))
+    assert torch.equal(got[:, 168:], pad_value.view(3, 1, 1).expand(3, 56, 224))
+    torch.testing.assert_close(got[:, 56:168], white.view(3, 1, 1).expand(3, 112, 224))
 
 
 TINY_OPEN_CLIP = {
@@ -782,38 +856,54 @@ def test_pickscore_text_cache_invalidated_and_bounded(tiny_clip):
     assert len(off._text_cache) == 0
 
 
-@pytest.mark.parametrize("fill", [0, 9])
-def test_hps_batched_preprocess_bit_identical(fill):
-    rng = np.random.default_rng(fill)
-    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-              for w, h in [(100, 50), (37, 90), (224, 112), (300, 300), (224, 224), (10, 3)]]
-    images += [Image.fromarray(rng.integers(0, 256, (40, 50), dtype=np.uint8)),  # L
-               Image.fromarray(rng.integers(0, 256, (40, 50, 4), dtype=np.uint8))]  # RGBA
-    expected = torch.stack([R.hps.hps_preprocess(img, 224, fill=fill) for img in images])
-    assert torch.equal(R.hps.hps_preprocess_batch(images, 224, fill=fill), expected)
+@pytest.mark.parametrize("fill", [0, 0.5])
+def test_hps_batched_preprocess_matches_official(fill):
+    # fill is on the [0, 1] scale: the official pad runs after ToTensor
+    images = [random_image(w, h, seed=i) for i, (w, h) in enumerate(HPS_SIZES)]
+    images += [random_image(640, 384, 5), random_image(50, 40, 8, "L"), random_image(50, 40, 9, "RGBA")]
+    expected = torch.stack([official_hps_transform(img, 224, fill=fill) for img in images])
+    torch.testing.assert_close(R.hps.hps_preprocess_batch(images, 224, fill=fill), expected, rtol=0, atol=1e-6)
+    singles = torch.stack([R.hps.hps_preprocess(img, 224, fill=fill) for img in images])
+    torch.testing.assert_close(singles, expected, rtol=0, atol=1e-6)
 
 
 def test_hps_tensor_paths(tiny_open_clip):
-    from mmrl.rewards.hps import hps_preprocess, hps_preprocess_uint8
+    from mmrl.rewards.hps import hps_preprocess_tensor
 
-    # no resize needed (longest side = input size): the uint8 tensor path is exact
-    x = grid_images(3, 32, 20)
+    prompts = ["a", "b", "c"]
     reward = build_reward("hpsv2", model=tiny_open_clip)
-    u8 = R.prepare_batch(x, None).uint8()
-    expected = torch.stack([hps_preprocess(p, 32) for p in to_pils(x)])
-    assert torch.equal(hps_preprocess_uint8(u8, 32), expected)
-    torch.testing.assert_close(reward(x, ["a", "b", "c"])["hpsv2"],
-                               reference_hps(tiny_open_clip, to_pils(x), ["a", "b", "c"]), rtol=1e-5, atol=1e-5)
-    # resize="tensor": torchvision's antialiased bicubic, within a couple of uint8 steps of PIL's
-    y = grid_images(2, 100, 70)
-    u8 = R.prepare_batch(y, None).uint8()
-    pil = torch.stack([hps_preprocess(p, 32) for p in to_pils(y)])
-    step = 1 / 255 / min(R.hps.OPENAI_STD)
-    assert float((hps_preprocess_uint8(u8, 32) - pil).abs().max()) <= 3 * step + 1e-6
-    fast = build_reward("hpsv2", model=tiny_open_clip, resize="tensor")
-    torch.testing.assert_close(fast(y, ["a", "b"])["hpsv2"], reward(y, ["a", "b"])["hpsv2"], rtol=0, atol=0.02)
-    with pytest.raises(ValueError, match="resize"):
-        build_reward("hpsv2", model=tiny_open_clip, resize="lanczos")
+    for h, w in [(32, 20), (100, 70), (48, 48), (30, 90)]:  # no resize, landscape, square, portrait
+        x = torch.rand(3, 3, h, w, generator=torch.Generator().manual_seed(h))  # not on the k / 255 grid
+        pils = to_pils(x)  # round(x * 255): the image as saved losslessly
+        expected = torch.stack([official_hps_transform(p, 32) for p in pils])
+        # a float batch is quantised to uint8 first, then the official float path
+        torch.testing.assert_close(reward.preprocess(x), expected, rtol=0, atol=1e-6)
+        torch.testing.assert_close(reward.preprocess(pils), expected, rtol=0, atol=1e-6)
+        torch.testing.assert_close(reward(x, prompts)["hpsv2"], reference_hps(tiny_open_clip, pils, prompts),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(reward(x, prompts)["hpsv2"], reward(pils, prompts)["hpsv2"], rtol=0, atol=1e-6)
+    # hps_preprocess_tensor on a float batch: the transform from ToTensor on, with no quantisation at all
+    import torchvision.transforms.functional as TF
+    from torchvision.transforms import InterpolationMode
+
+    y = torch.rand(2, 3, 100, 70, generator=torch.Generator().manual_seed(3))
+    by_hand = TF.pad(TF.resize(y, (32, round(70 * 32 / 100)), InterpolationMode.BICUBIC), [5, 0, 5, 0], fill=0)
+    by_hand = TF.normalize(by_hand, list(OPENAI_MEAN), list(OPENAI_STD))
+    torch.testing.assert_close(hps_preprocess_tensor(y, 32), by_hand, rtol=0, atol=1e-6)
+    assert hps_preprocess_tensor(y, 32).shape == (2, 3, 32, 32)
+
+
+def test_hps_antialias_argument(tiny_open_clip):
+    # antialias=False: the official scores under torchvision < 0.17 (F.resize's tensor default then: off)
+    x = grid_images(2, 100, 70)
+    pils = to_pils(x)
+    old = build_reward("hpsv2", model=tiny_open_clip, antialias=False)
+    expected = torch.stack([official_hps_transform(p, 32, antialias=False) for p in pils])
+    torch.testing.assert_close(old.preprocess(x), expected, rtol=0, atol=1e-6)
+    new = build_reward("hpsv2", model=tiny_open_clip)
+    assert float((new.preprocess(x) - old.preprocess(x)).abs().max()) > 1e-2
+    with pytest.raises(ValueError, match="antialias"):
+        build_reward("hpsv2", model=tiny_open_clip, antialias="yes")
 
 
 # --------------------------------------------------------------------------------------------
