@@ -10,15 +10,27 @@ import os
 
 import torch
 
-from mmrl.config import Config
+from mmrl.config import Config, ConfigError
 from mmrl.data.prompts import DataError, PromptItem, PromptSource, read_prompts
+
+
+#: The collective timeout of a run with benchmarks during training (``eval.every``): the main process evaluates
+#: while the others wait in the next update's first collective, longer than NCCL's default 10 minutes allows.
+EVAL_COLLECTIVE_TIMEOUT_S = 3 * 3600
 
 
 def build_accelerator(config: Config):
     from accelerate import Accelerator
 
+    handlers = []
+    if config.eval.every:
+        from datetime import timedelta
+
+        from accelerate.utils import InitProcessGroupKwargs
+
+        handlers.append(InitProcessGroupKwargs(timeout=timedelta(seconds=EVAL_COLLECTIVE_TIMEOUT_S)))
     return Accelerator(mixed_precision=config.train.mixed_precision, cpu=not torch.cuda.is_available(),
-                       gradient_accumulation_steps=1)
+                       gradient_accumulation_steps=1, kwargs_handlers=handlers)
 
 
 def build_prompt_items(config: Config) -> list[PromptItem]:
@@ -178,6 +190,14 @@ def build_trainer(config: Config):
     from mmrl.trainer import Trainer, check_resume
 
     check_resume(config)  # a resume that changes what the checkpoint fixes: refused before anything loads
+    eval_plan = None
+    if config.eval.every:  # benchmarks during training: every file and key checked before anything loads
+        from mmrl.eval.runner import EvalError, plan_training_eval
+
+        try:
+            eval_plan = plan_training_eval(config)
+        except (EvalError, ValueError) as exc:
+            raise ConfigError(f"eval: {exc}") from None
     accelerator = build_accelerator(config)
     torch.manual_seed(config.seed + accelerator.process_index)
     prompts = build_source(config)
@@ -190,7 +210,9 @@ def build_trainer(config: Config):
         from mmrl.rewards.async_scoring import AsyncScorer
 
         scorer = AsyncScorer(reward_fn)
-    return Trainer(config, policy, reward_fn, prompts, accelerator, scorer=scorer)
+    trainer = Trainer(config, policy, reward_fn, prompts, accelerator, scorer=scorer)
+    trainer._eval_plan = eval_plan
+    return trainer
 
 
 def cpu_threads_default() -> None:

@@ -288,6 +288,15 @@ def _cmd_sample(args) -> int:
 
 
 def _cmd_eval(args) -> int:
+    if args.compare:  # a report of evaluations already made: no model, no config
+        from mmrl.eval.report import ReportError, run_compare
+
+        try:
+            run_compare([*([args.config] if args.config is not None else []), *args.overrides])
+        except ReportError as exc:
+            raise UsageError(str(exc)) from None
+        return 0
+
     from mmrl.build import cpu_threads_default
     from mmrl.eval.runner import EvalError, run_eval
 
@@ -438,16 +447,39 @@ def make_parser() -> argparse.ArgumentParser:
     sample.add_argument("--no-ema", action="store_true", help="use the live weights even if the run kept an EMA")
     sample.set_defaults(func=_cmd_sample)
 
-    ev = command("eval", "evaluate an image-generation policy on benchmarks (ocr, geneval, reward:NAME[@SET])",
-                 epilog="Keys: checkpoint=PATH|base, benchmarks=[ocr,geneval,reward:NAME@SET], output_dir=DIR, "
+    ev = command("eval", "evaluate a policy on benchmarks (image generators: ocr, geneval, t2i_compbench, dpg_bench, "
+                         "hpsv2, reward:NAME[@SET], fid, diversity; vision-language policies: rec, multi_object, "
+                         "temporal_grounding, charades_sta, multiple_choice, numeric), or --compare evaluations "
+                         "already made",
+                 epilog="Image generators: checkpoint=PATH|base, benchmarks=[ocr,geneval,t2i_compbench[:CAT+CAT],"
+                        "dpg_bench,hpsv2[:STYLE],reward:NAME[+NAME][@SET],fid[@SET],diversity[@SET]], output_dir=DIR, "
                         "limit=N, images_per_prompt=K, seed=S, num_steps=T, resolution=R, guidance=G, prompts=FILE, "
-                        "detector=DIR, clip_model=DIR, reward_kwargs={NAME: {...}}, ema=BOOL, progress=BOOL; dotted "
-                        "keys override the config. Writes samples.jsonl, images/, grids/, protocol.json and "
-                        "summary.json to output_dir (default RUN/eval/<checkpoint>); an existing output_dir is "
-                        "resumed.")
-    ev.add_argument("config", nargs="?", help="training config (YAML), or a run folder holding config.yaml")
+                        "detector=DIR, clip_model=DIR, reward_kwargs={NAME: {...}}, ema=BOOL, progress=BOOL; the "
+                        "benchmarks' own keys: t2i_split, blip_model, blip_image_size, np_num, noun_phrases, "
+                        "spacy_model, t2i_detector, t2i_detector_threshold, t2i_clip_model, official_quirks "
+                        "(T2I-CompBench, DPG-Bench), dpg_csv, dpg_vqa_model, dpg_grids, hpsv2_prompts, hps_model, "
+                        "hps_version, hpsv2_jpeg, reference_images, inception, fid_mode, kid_subsets, "
+                        "kid_subset_size, diversity_model, diversity_distance. "
+                        "Vision-language policies (model.family qwen_vl): checkpoint, benchmarks=[rec,multi_object,"
+                        "temporal_grounding,charades_sta,multiple_choice,numeric], data=FILE, video_dir=DIR, "
+                        "batch_size=N, greedy=BOOL, seed=S, max_new_tokens=N, blind=BOOL, coord_format, "
+                        "require_tags=BOOL, tg_convention=2d_tan|timezero, output_dir, limit, ema, progress. "
+                        "Dotted keys override the config. Writes samples.jsonl, protocol.json, summary.json, "
+                        "report.html (+ images/ and grids/ for generators) to output_dir (default "
+                        "RUN/eval/<checkpoint>); an existing output_dir is resumed. "
+                        "Compare: mmrl eval --compare DIR_A DIR_B ... [output_dir=DIR] [labels=[a,b,...]] writes "
+                        "a side-by-side report.html (+ report_files/) of evaluations already made, DIR_A the "
+                        "reference; a DIR is an evaluation folder (summary.json) or a run folder (its eval/step_N "
+                        "with the largest N, else its only eval/*/summary.json); default output_dir "
+                        "compare/<label>_vs_<label>... in the current folder. See the README's Evaluation section.")
+    ev.add_argument("config", nargs="?", help="training config (YAML), or a run folder holding config.yaml; with "
+                                              "--compare: the first (reference) evaluation or run folder")
     ev.add_argument("overrides", nargs="*", help="eval keys (checkpoint=base, benchmarks=[ocr], limit=8, ...) and "
-                                                 "dotted config overrides")
+                                                 "dotted config overrides; with --compare: the other folders and "
+                                                 "output_dir=, labels=")
+    ev.add_argument("--compare", action="store_true",
+                    help="no evaluation: write a side-by-side report.html of the given evaluation (or evaluated "
+                         "run) folders, the first the reference column")
     ev.set_defaults(func=_cmd_eval)
 
     tiny = command("tiny", "build a tiny random model or a synthetic data set")

@@ -283,6 +283,20 @@ class LoggingConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Benchmarks during training: ``mmrl eval``'s benchmarks on a subset, logged as ``eval/<benchmark>/<metric>``."""
+
+    every: int = opt(0, "Run eval.benchmarks every this many updates (and before the first update); 0 off. Files "
+                        "in output_dir/eval/update_<k>/, as `mmrl eval` writes them.")
+    benchmarks: list = opt([], "Benchmarks as `mmrl eval benchmarks=` takes them, e.g. [geneval, ocr, "
+                               "reward:pickscore@drawbench] (image policies) or the VLM ones.")
+    limit: int = opt(16, "Prompts (VLM: samples) per benchmark: the first ones of each set.")
+    options: dict = opt({}, "Other `mmrl eval` keys -> value (images_per_prompt, num_steps, resolution, guidance, "
+                            "detector, reward_kwargs, ...); benchmarks, limit, checkpoint and output_dir are set "
+                            "by the trainer.")
+
+
+@dataclass
 class Config:
     """A training run."""
 
@@ -300,6 +314,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "Optimizer."})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "The loop."})
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "Outputs."})
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "Benchmarks during training."})
 
 
 def _nearest(key: str, options: list[str], prefix: str = "") -> str:
@@ -537,6 +552,12 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         (t.sample_batch_size >= 1, "train.sample_batch_size must be >= 1"),
         (t.reward_batch_size >= 1, "train.reward_batch_size must be >= 1"),
         (log.eval_every >= 0, "logging.eval_every must be >= 0 (0 turns evaluation off)"),
+        (config.eval.every >= 0, "eval.every must be >= 0 (0 turns benchmarks during training off)"),
+        (config.eval.limit >= 1, "eval.limit must be >= 1"),
+        (not config.eval.every or bool(config.eval.benchmarks),
+         "eval.benchmarks must not be empty while eval.every > 0 (e.g. eval.benchmarks=[ocr])"),
+        (all(isinstance(b, str) and b.strip() for b in config.eval.benchmarks),
+         "eval.benchmarks must be a list of benchmark names (as `mmrl eval benchmarks=` takes them)"),
         (log.save_every >= 0, "logging.save_every must be >= 0 (0 saves only at the end)"),
         (log.wandb_project is None or bool(log.wandb_project.strip()),
          "logging.wandb_project must be a project name (or null)"),

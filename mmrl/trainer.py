@@ -185,6 +185,7 @@ class Trainer:
         self.reward_counts: dict[str, float] = {}  # per update: unparseable / NaN counts of the reward components
         self.credit_stats: dict[str, float] = {}  # per update: dense-credit costs and counts
         self.update = 0  # completed updates
+        self._eval_plan = None  # eval.benchmarks read once (mmrl.eval.runner.plan_training_eval)
         self.optimizer_steps = 0
 
     # ------------------------------------------------------------------------------------------ sizes
@@ -570,6 +571,31 @@ class Trainer:
         return {f"eval/reward/{k}": float(v[torch.isfinite(v)].mean()) if torch.isfinite(v).any() else float("nan")
                 for k, v in scores.items()}
 
+    def _benchmarks(self) -> dict[str, float]:
+        """``eval.benchmarks`` on the live policy (EMA weights when enabled), main process only, into
+        ``output_dir/eval/update_<k>/`` (:func:`mmrl.eval.runner.evaluate_policy`); the metrics
+        ``eval/<benchmark>/<metric>``."""
+        if not self.accelerator.is_main_process:
+            return {}
+        from mmrl.eval.runner import evaluate_policy, plan_training_eval, training_metrics
+
+        try:
+            if self._eval_plan is None:
+                self._eval_plan = plan_training_eval(self.config)
+            with self.ema_weights():
+                summary = evaluate_policy(self.policy, self.config, self.update,
+                                          self.output_dir / "eval" / f"update_{self.update}",
+                                          ema=self.ema is not None, planned=self._eval_plan,
+                                          echo=lambda line: self._warn(line[len("mmrl: warning: "):])
+                                          if line.startswith("mmrl: warning: ") else None)
+        except Exception as exc:
+            if self.update == 0:  # nothing trained yet: a benchmark that cannot run is the run's error
+                raise
+            self._warn(f"the benchmarks at update {self.update} failed ({type(exc).__name__}: {exc}); training goes "
+                       f"on, eval/failed = 1 is logged")
+            return {"eval/failed": 1.0}
+        return {**training_metrics(summary), "eval/failed": 0.0}
+
     # ------------------------------------------------------------------------------------------- loop
 
     def summary(self, resumed: int | None) -> str:
@@ -593,6 +619,8 @@ class Trainer:
             f"{per_process * acc.num_processes} in all; {steps} optimizer steps of {per_step} samples per process "
             f"({c.train.inner_epochs} inner epoch(s) of {minibatches} minibatches of {c.train.batch_size})",
             f"  schedule  {c.train.steps} updates, lr {c.optim.lr:g} ({c.optim.lr_scheduler})",
+            *([f"  eval      {', '.join(c.eval.benchmarks)} on {c.eval.limit} prompts each, every {c.eval.every} "
+               f"update(s) -> {self.output_dir / 'eval'}/update_<k>"] if c.eval.every else []),
             "  start     " + (f"resumed at update {resumed} of {c.train.steps}" if resumed is not None
                                else "a new run"),
         ]
@@ -669,10 +697,16 @@ class Trainer:
         try:
             if self.update == 0 and c.logging.eval_every:
                 self._evaluate()
+            if self.update == 0 and c.eval.every:  # the untrained model's numbers: the curves' first point
+                initial = self._benchmarks()
+                if self.logger is not None and initial:
+                    self.logger.log({"step": 0, **initial})
             while self.update < c.train.steps:
                 metrics = self.step()
                 if c.logging.eval_every and self.update % c.logging.eval_every == 0:
                     metrics.update(self._evaluate())
+                if c.eval.every and self.update % c.eval.every == 0:
+                    metrics.update(self._benchmarks())
                 metrics.update(health.check(metrics))
                 history.append(metrics)
                 if self.logger is not None:

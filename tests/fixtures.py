@@ -150,3 +150,38 @@ def tiny_mask2former(names: list[str]):
     torch.manual_seed(0)
     model = Mask2FormerForUniversalSegmentation(config).eval()
     return model, Mask2FormerImageProcessor(size={"shortest_edge": 64, "longest_edge": 128})
+
+
+# ------------------------------------------------------------------------------------------------ CLI helpers
+
+
+def one_error(capsys, *words) -> str:
+    """The single ``mmrl: error:`` line a failed command printed (asserting there is exactly one, holding every
+    one of ``words``)."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("mmrl: error: "), err
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
+def tiny_flow_config(base: Path, *, max_sequence_length: int = 16) -> Path:
+    """``base/tiny.yaml``: the repository's tiny CPU recipe (configs/tiny/flow_grpo.yaml) on a tiny random SD3 built in
+    ``base/sd3``, its runs in ``base/run``."""
+    import yaml
+
+    from mmrl.pipelines.flow.tiny import build_tiny_sd3
+
+    data = yaml.safe_load((Path(__file__).parents[1] / "configs/tiny/flow_grpo.yaml").read_text())
+    data["model"]["pretrained"] = str(build_tiny_sd3(base / "sd3"))
+    data["sampling"]["max_sequence_length"] = max_sequence_length
+    data["output_dir"] = str(base / "run")
+    path = base / "tiny.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def metrics_rows(run: Path) -> list[dict]:
+    """The rows of a run's ``metrics.jsonl``."""
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]

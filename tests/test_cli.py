@@ -20,6 +20,7 @@ import mmrl.build
 import mmrl.cli
 from mmrl.cli import main
 from mmrl.config import Config, config_to_dict
+from fixtures import one_error
 
 REPO = Path(__file__).parents[1]
 VLM_CONFIG = REPO / "configs/tiny/vlm_grounding.yaml"
@@ -68,14 +69,6 @@ def no_model(monkeypatch):
     monkeypatch.setattr(mmrl.build, "build_policy", refuse)
 
 
-def one_error(capsys, *words) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("mmrl: error: "), err
-    assert "Traceback" not in err
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-    return lines[0]
 
 
 def free_port() -> int:

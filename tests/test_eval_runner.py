@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fixtures import tiny_clip, tiny_mask2former
+from fixtures import one_error, tiny_clip, tiny_flow_config, tiny_mask2former
 import yaml
 from PIL import Image
 
@@ -27,13 +27,6 @@ FAST = ["resolution=32", "num_steps=2"]  # 32 px, 2 ODE steps: the tiny model in
 REPO_CONFIG = mmrl.eval.benchmarks.assets_dir().parent.parent / "configs/tiny/flow_grpo.yaml"
 
 
-def one_error(capsys, *words) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("mmrl: error: "), err
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-    return lines[0]
 
 
 def rows_of(out) -> list[dict]:
@@ -55,16 +48,7 @@ def pixels(path) -> np.ndarray:
 @pytest.fixture(scope="module")
 def config_file(tmp_path_factory):
     """The tiny CPU recipe on a tiny SD3 built here."""
-    from mmrl.pipelines.flow.tiny import build_tiny_sd3
-
-    base = tmp_path_factory.mktemp("eval-model")
-    data = yaml.safe_load(REPO_CONFIG.read_text())
-    data["model"]["pretrained"] = str(build_tiny_sd3(base / "sd3"))
-    data["sampling"]["max_sequence_length"] = 16
-    data["output_dir"] = str(base / "run")
-    path = base / "tiny.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return tiny_flow_config(tmp_path_factory.mktemp("eval-model"))
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +163,8 @@ def test_end_to_end_writes_every_file(e2e, run, scorers):
     run_dir, _, ema = run
     names = ["ocr", "geneval", "reward:pickscore+ocr", "reward:brightness@partiprompts"]
     folders = ["ocr", "geneval", "reward-pickscore+ocr", "reward-brightness@partiprompts"]
-    assert sorted(p.name for p in e2e.iterdir()) == ["grids", "images", "protocol.json", "samples.jsonl",
-                                                     "summary.json"]
+    assert sorted(p.name for p in e2e.iterdir()) == ["grids", "images", "protocol.json", "report.html",
+                                                     "report_files", "samples.jsonl", "summary.json"]
     rows = rows_of(e2e)
     assert [(r["benchmark"], r["prompt_index"], r["image_index"]) for r in rows] == [
         (b, i, k) for b in names for i in range(2) for k in range(2)]
@@ -449,7 +433,7 @@ VLM = REPO_CONFIG.parent / "vlm_grounding.yaml"
 @pytest.mark.parametrize("extra,words", [
     (["benchmarks=[reward:brightness]", "prompts=missing.txt"], ["prompt file not found: missing.txt"]),
     (["benchmarks=[genevel]"], ["unknown benchmark 'genevel'", "did you mean 'geneval'"]),
-    (["benchmarks=[t2i_compbench]"], ["T2I-CompBench is not in mmrl eval yet"]),
+    (["dpg_csv=dpg_bench.csv"], ["dpg_csv= is for the dpg_bench benchmark(s), none of which is requested"]),
     (["benchmarks=[reward:pickscore]"], ["needs prompts", "@drawbench", "prompts=FILE"]),
     (["benchmarks=[reward:brightness@coco]"], ["unknown prompt set 'coco'"]),
     (["benchmarks=[reward:nosuch@drawbench]"], ["unknown reward 'nosuch'"]),
@@ -469,9 +453,10 @@ def test_bad_input_is_one_line_before_any_model_loads(extra, words, config_file,
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
-def test_a_vlm_config_is_refused_in_one_line(capsys, no_model, tmp_path):
-    assert main(["eval", str(VLM), f"output_dir={tmp_path / 'out'}"]) == 2
-    one_error(capsys, "vision-language policies (model.family: qwen_vl) are not supported yet")
+def test_a_vlm_config_gets_the_vlm_evaluation(capsys, no_model, tmp_path):
+    # model.family qwen_vl goes to mmrl.eval.vlm (tested in tests/test_eval_vlm.py), with its own keys
+    assert main(["eval", str(VLM), "resolution=64", f"output_dir={tmp_path / 'out'}"]) == 2
+    one_error(capsys, "'resolution' is for image-generation policies", "model.family: qwen_vl")
     assert main(["eval", "checkpoint=base"]) == 2
     one_error(capsys, "a CONFIG is required")
 

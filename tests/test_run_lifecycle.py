@@ -3,7 +3,6 @@ warnings, SIGTERM / SIGINT stopping cleanly with a checkpoint that resumes exact
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ from safetensors.torch import load_file
 from mmrl.cli import main
 from mmrl.health import RunHealth, no_signal_cause
 from mmrl.pipelines.flow.tiny import build_tiny_sd3
+from fixtures import metrics_rows
 
 REPO = Path(__file__).parents[1]
 TINY = ["sampling.num_steps=4", "sampling.eval_num_steps=4", "sampling.max_sequence_length=16",
@@ -36,8 +36,7 @@ def _train(run: Path, tiny_path: str, *extra: str) -> int:
     return main(["train", f"output_dir={run}", f"model.pretrained={tiny_path}", *TINY, *extra])
 
 
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+_metrics = metrics_rows
 
 
 def test_startup_summary_says_what_the_run_does(tmp_path, tiny_path, capsys):

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from mmrl.cli import main
 from mmrl.config import load_config
 from mmrl.rewards import register_reward
+from fixtures import metrics_rows
 
 REPO = Path(__file__).parents[1]
 FAST = ["train.steps=2", "logging.progress_bar=false", "logging.tensorboard=false", "generation.max_new_tokens=12"]
@@ -21,8 +22,7 @@ def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("MMRL_CACHE", str(tmp_path_factory.getbasetemp() / "mmrl-cache"))
 
 
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+_metrics = metrics_rows
 
 
 @pytest.mark.parametrize("config,reward", [("vlm_grounding", "iou"), ("vlm_video_tg", "temporal_iou")])

@@ -181,7 +181,7 @@ class Protocol:
 
 def resolve_protocol(
     benchmark: str,
-    prompt_set: str,
+    prompt_set: str | Defaults,
     *,
     prompts_file: str | Path,
     pinned_sha256: str | None,
@@ -195,12 +195,13 @@ def resolve_protocol(
     family: str = "sd3",
     config_guidance: float | None = None,
 ) -> Protocol:
-    """The protocol of ``benchmark`` on ``prompt_set``: :data:`DEFAULTS` with the user's values
+    """The protocol of ``benchmark`` on ``prompt_set`` (a :data:`DEFAULTS` key, or a plug-in's own
+    :class:`Defaults`): its defaults with the user's values
     (``user``: eval keys of :data:`OVERRIDABLE`, ``None`` = not given) applied and recorded.
 
     ``scorer_defaults``: the scorer's default settings; a setting that differs is recorded as overridden.
     ``family="flux"`` takes the guidance default from ``config_guidance`` (FLUX.1's distilled guidance)."""
-    d = DEFAULTS[prompt_set]
+    d = prompt_set if isinstance(prompt_set, Defaults) else DEFAULTS[prompt_set]
     values: dict[str, Any] = {"images_per_prompt": d.images_per_prompt, "seed": d.seed, "resolution": d.resolution,
                               "num_steps": d.num_steps, "guidance_scale": float(d.guidance_scale)}
     source = d.source

@@ -1,11 +1,13 @@
 """``mmrl eval``: generation benchmarks of a flow policy (SD3 / FLUX), with pinned protocols and resume.
+(Vision-language policies: :mod:`mmrl.eval.vlm`; the report: :mod:`mmrl.eval.report`.)
 
-    mmrl eval CONFIG [checkpoint=PATH|base] [benchmarks=[ocr,geneval,reward:NAME@SET]] [output_dir=DIR]
+    mmrl eval CONFIG [checkpoint=PATH|base] [benchmarks=[ocr,geneval,reward:NAME@SET,...]] [output_dir=DIR]
                      [limit=N] [images_per_prompt=K] [seed=S] [num_steps=T] [resolution=R] [guidance=G]
                      [prompts=FILE] [detector=DIR] [clip_model=DIR] [reward_kwargs={NAME: {...}}]
                      [ema=true] [progress=true] [dotted.config=override ...]
 
-Benchmarks (this slice):
+Benchmarks (plus the plug-ins of :data:`PLUGINS`, each in its own module: T2I-CompBench, DPG-Bench, HPSv2,
+FID / KID and diversity):
 
 * ``ocr``: Flow-GRPO's 1018 OCR test prompts; rapidocr (its wheel's PP-OCR weights, through
   :class:`mmrl.rewards.ocr.OCRReward`'s engine) reads each image, :func:`mmrl.eval.scoring.ocr_accuracy` scores
@@ -58,8 +60,9 @@ EVAL_KEYS: dict[str, str] = {
     "checkpoint": "a run folder (its latest checkpoint), a checkpoint folder, or base (the untrained "
                   "model.pretrained); default: the latest checkpoint of CONFIG's run (the run folder CONFIG is "
                   "in, else the config's output_dir) if it has one, else base",
-    "benchmarks": "list of ocr, geneval, reward:NAME[+NAME...][@SET] (SET: drawbench, partiprompts, geneval, ocr; "
-                  "without @SET: prompts=FILE); default [geneval, ocr]",
+    "benchmarks": "list of ocr, geneval, t2i_compbench[:CAT+CAT...], dpg_bench, hpsv2[:STYLE], "
+                  "reward:NAME[+NAME...][@SET], fid[@SET], diversity[@SET] (SET: drawbench, partiprompts, geneval, "
+                  "ocr; without @SET: prompts=FILE); default [geneval, ocr]",
     "output_dir": "where samples.jsonl, images/, grids/, summary.json go; default RUN/eval/<checkpoint> or "
                   "<config output_dir>/eval/base; an existing one is resumed",
     "limit": "evaluate the first N prompts of each benchmark",
@@ -80,17 +83,69 @@ EVAL_KEYS: dict[str, str] = {
 
 #: Prompt sets a ``reward:NAME@SET`` benchmark can use.
 REWARD_SETS = ("drawbench", "partiprompts", "geneval", "ocr")
-#: Benchmarks of the issue that this slice does not run yet.
+#: Names that are not generation benchmarks of their own, and what to run instead.
 _NOT_YET = {
-    "t2i_compbench": "T2I-CompBench is not in mmrl eval yet",
-    "dpg_bench": "DPG-Bench is not in mmrl eval yet",
-    "hpsv2": "the HPSv2 benchmark is not in mmrl eval yet (score its prompts with reward:hpsv2 prompts=FILE)",
     "drawbench": "DrawBench has no metric of its own: score it with reward models, e.g. reward:pickscore@drawbench",
     "partiprompts": "PartiPrompts has no metric of its own: score it with reward models, e.g. "
                     "reward:pickscore@partiprompts",
-    "charades_sta": "grounding and VLM benchmarks are not in mmrl eval yet",
-    "refcoco": "grounding and VLM benchmarks are not in mmrl eval yet",
+    "charades_sta": "a video grounding benchmark for vision-language policies: evaluate a model.family qwen_vl config",
+    "refcoco": "a grounding benchmark for vision-language policies: evaluate a model.family qwen_vl config",
 }
+#: Benchmarks whose loader and scorer live in a module of their own: name (or ``name@SET`` / ``name:...`` prefix)
+#: -> module. A plug-in module defines (and imports nothing heavy at module level):
+#:
+#: * ``EVAL_KEYS: dict[str, str]``: its own eval keys and what they do (values parsed as YAML, checked by it);
+#:   they land in :attr:`EvalOptions.extra`;
+#: * ``benchmark(name, options) -> BenchmarkSpec``: check the name and every argument it needs (files exist,
+#:   values valid) without building a model; ``spec.kind`` = the plug-in's name;
+#: * ``load_items(spec, options) -> (items, file read, pinned sha256 or None)``: the prompts as :class:`EvalItem`;
+#: * ``defaults(spec) -> mmrl.eval.protocol.Defaults``: the protocol's official settings and their source;
+#: * ``make_scorer(spec, options) -> Scorer``;
+#: * ``main_keys(spec) -> list[str]``: the score keys whose ``None`` means an image was not judged.
+PLUGINS: dict[str, str] = {
+    "t2i_compbench": "mmrl.eval.t2i_compbench",
+    "dpg_bench": "mmrl.eval.dpg_bench",
+    "hpsv2": "mmrl.eval.hpsv2",
+    "fid": "mmrl.eval.distribution",
+    "diversity": "mmrl.eval.distribution",
+}
+
+
+def _plugin_name(name: str) -> str | None:
+    """The :data:`PLUGINS` key a benchmark name belongs to (``fid@drawbench`` -> ``fid``), or None."""
+    import re
+
+    head = re.split(r"[@:]", name, maxsplit=1)[0]
+    return head if head in PLUGINS else None
+
+
+def _plugin(key: str):
+    import importlib
+
+    return importlib.import_module(PLUGINS[key])
+
+
+def _plugin_keys_of(module_name: str) -> dict[str, str]:
+    """A plug-in module's eval keys (``{}`` when the module is not there)."""
+    import importlib
+
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        return {}
+    return dict(getattr(module, "EVAL_KEYS", {}))
+
+
+def _plugin_keys() -> dict[str, str]:
+    """Every plug-in's eval keys (a key two plug-ins share must mean the same there)."""
+    keys: dict[str, str] = {}
+    for module_name in dict.fromkeys(PLUGINS.values()):
+        keys.update(_plugin_keys_of(module_name))
+    return keys
+
+
 #: Config fields the protocol sets (use the eval key instead).
 _PROTOCOL_FIELDS = {"model.resolution": "resolution", "sampling.guidance_scale": "guidance",
                     "sampling.eval_num_steps": "num_steps"}
@@ -120,11 +175,13 @@ class EvalOptions:
     reward_kwargs: dict = field(default_factory=dict)
     ema: bool = True
     progress: bool | None = None
+    #: the plug-ins' eval keys (:data:`PLUGINS`), as parsed YAML values; each plug-in checks its own
+    extra: dict = field(default_factory=dict)
     given: tuple[str, ...] = ()
 
     def record(self) -> dict[str, Any]:
         """The keys the user gave, for ``summary.json`` (``output_dir`` left out: it is where the summary is)."""
-        return {k: getattr(self, k) for k in self.given if k != "output_dir"}
+        return {k: (self.extra[k] if k in self.extra else getattr(self, k)) for k in self.given if k != "output_dir"}
 
 
 def _nearest(name: str, names: Sequence[str]) -> list[str]:
@@ -139,34 +196,67 @@ def _int(key: str, value: Any, low: int) -> int:
     return value
 
 
-def parse_eval_args(items: Sequence[str]) -> tuple[EvalOptions, list[str]]:
-    """Split ``key=value`` arguments into the eval keys (:data:`EVAL_KEYS`, values parsed as YAML) and the dotted
-    config overrides, checking every eval value."""
+def split_eval_args(items: Sequence[str], known: Mapping[str, str], *, dotted: Callable[[str], None] | None = None,
+                    unknown: Callable[[str], None] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """``({eval key: YAML value}, [dotted config overrides])`` of ``key=value`` arguments: a missing ``=``, a key
+    not in ``known`` (``unknown(key)`` may raise its own error first) or a key given twice is a one-line
+    :class:`EvalError`; ``dotted(key)`` may refuse a dotted key."""
     from mmrl.config import parse_overrides
 
     values: dict[str, Any] = {}
     overrides: list[str] = []
-    valid = ", ".join(EVAL_KEYS)
+    valid = ", ".join(known)
     for item in items:
         if "=" not in item:
             raise EvalError(f"{item!r}: expected key=value (eval keys: {valid}; config overrides are dotted, "
                             f"e.g. model.dtype=bfloat16)")
         key = item.split("=", 1)[0].strip()
         if "." in key:
-            if key in _PROTOCOL_FIELDS:
-                raise EvalError(f"{key} is set by the evaluation protocol: use {_PROTOCOL_FIELDS[key]}=... instead")
+            if dotted is not None:
+                dotted(key)
             overrides.append(item)
             continue
-        if key not in EVAL_KEYS:
-            close = _nearest(key, EVAL_KEYS)
+        if key not in known:
+            if unknown is not None:
+                unknown(key)
+            close = _nearest(key, known)
             hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
             raise EvalError(f"unknown eval key {key!r}; {hint}valid eval keys: {valid} (config overrides are dotted, "
                             f"e.g. model.dtype=bfloat16)")
         if key in values:
             raise EvalError(f"eval key {key!r} given twice")
         values[key] = parse_overrides([item])[0][1]
+    return values, overrides
+
+
+def benchmark_list(value: Any, example: str, check: Callable[[str], str] = str.strip) -> list[str]:
+    """A ``benchmarks=`` value: a non-empty list of names (or one comma-separated string), each checked by
+    ``check``, none twice."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",")]
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) and v.strip() for v in value):
+        raise EvalError(f"benchmarks={value!r}: expected a non-empty list, e.g. {example}")
+    value = [check(v.strip()) for v in value]
+    repeated = [v for v, n in Counter(value).items() if n > 1]
+    if repeated:
+        raise EvalError(f"benchmarks: {repeated[0]!r} is listed twice")
+    return value
+
+
+def parse_eval_args(items: Sequence[str]) -> tuple[EvalOptions, list[str]]:
+    """Split ``key=value`` arguments into the eval keys (:data:`EVAL_KEYS`, values parsed as YAML) and the dotted
+    config overrides, checking every eval value."""
+
+    def refuse(key: str) -> None:
+        if key in _PROTOCOL_FIELDS:
+            raise EvalError(f"{key} is set by the evaluation protocol: use {_PROTOCOL_FIELDS[key]}=... instead")
+
+    values, overrides = split_eval_args(items, {**EVAL_KEYS, **_plugin_keys()}, dotted=refuse)
     options = EvalOptions(given=tuple(values))
     for key, value in values.items():
+        if key not in EVAL_KEYS:  # a plug-in's key: checked by its benchmark()
+            options.extra[key] = value
+            continue
         if key in ("limit", "images_per_prompt", "num_steps"):
             value = _int(key, value, 1)
         elif key == "seed":
@@ -180,14 +270,7 @@ def parse_eval_args(items: Sequence[str]) -> tuple[EvalOptions, list[str]]:
                 raise EvalError(f"guidance={value!r}: expected a number >= 0 (1.0 disables SD3's CFG)")
             value = float(value)
         elif key == "benchmarks":
-            if isinstance(value, str):
-                value = [v.strip() for v in value.split(",")]
-            if not isinstance(value, list) or not value or not all(isinstance(v, str) and v.strip() for v in value):
-                raise EvalError(f"benchmarks={value!r}: expected a non-empty list, e.g. benchmarks=[ocr,geneval]")
-            value = [v.strip() for v in value]
-            repeated = [v for v, n in Counter(value).items() if n > 1]
-            if repeated:
-                raise EvalError(f"benchmarks: {repeated[0]!r} is listed twice")
+            value = benchmark_list(value, "benchmarks=[ocr,geneval]")
         elif key == "reward_kwargs":
             if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
                 raise EvalError("reward_kwargs: expected {REWARD_NAME: {argument: value}}, e.g. "
@@ -249,9 +332,18 @@ def parse_benchmark(name: str, options: EvalOptions) -> BenchmarkSpec:
             if not reward_scores_images(reward):
                 raise EvalError(f"benchmark {name!r}: {reward!r} scores text answers, not images")
         return BenchmarkSpec(name, "reward", prompt_set or "file", rewards)
-    close = _nearest(name, ["ocr", "geneval", *_NOT_YET])
+    plugin = _plugin_name(name)
+    if plugin is not None:
+        try:
+            module = _plugin(plugin)
+        except ModuleNotFoundError as exc:
+            if exc.name != PLUGINS[plugin]:
+                raise
+            raise EvalError(f"benchmark {name!r}: its module {PLUGINS[plugin]} is not installed") from None
+        return module.benchmark(name, options)
+    close = _nearest(name, ["ocr", "geneval", *PLUGINS, *_NOT_YET])
     if name in _NOT_YET:
-        raise EvalError(f"benchmark {name!r}: {_NOT_YET[name]}; this version runs ocr, geneval and reward:NAME[@SET]")
+        raise EvalError(f"benchmark {name!r}: {_NOT_YET[name]}")
     hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
     raise EvalError(f"unknown benchmark {name!r}; {hint}benchmarks: ocr, geneval, reward:NAME[+NAME...][@SET] "
                     f"(SET: {', '.join(REWARD_SETS)}; without @SET: prompts=FILE)")
@@ -360,6 +452,10 @@ class Scorer:
     version: str = ""
     settings: dict = {}
     defaults: dict = {}
+    #: the benchmark's main number: a key of :meth:`summarize`'s metrics (dotted for nested ones)
+    headline: str = ""
+    #: the rows' score key that ranks prompts (worst / best in the report)
+    sample_score: str = ""
 
     def build(self) -> None:
         raise NotImplementedError
@@ -367,7 +463,9 @@ class Scorer:
     def score(self, images: list, item: EvalItem) -> list[dict]:
         raise NotImplementedError
 
-    def summarize(self, rows: list[dict], items: list[EvalItem]) -> dict:
+    def summarize(self, rows: list[dict], items: list[EvalItem], out: Path) -> dict:
+        """The benchmark's metrics from its rows (``out``: the eval folder; row ``"image"`` paths are relative to
+        it)."""
         raise NotImplementedError
 
 
@@ -376,6 +474,8 @@ class OCRScorer(Scorer):
     :func:`mmrl.eval.scoring.ocr_accuracy` against the prompt's target; :func:`~mmrl.eval.scoring.ocr_benchmark`."""
 
     name = "ocr_accuracy"
+    headline = "accuracy"
+    sample_score = "ocr_accuracy"
 
     def __init__(self):
         import importlib.util
@@ -411,7 +511,7 @@ class OCRScorer(Scorer):
                         "verdict": {"target": item.target, "recognized": recognized}, "reason": None})
         return out
 
-    def summarize(self, rows: list[dict], items: list[EvalItem]) -> dict:
+    def summarize(self, rows: list[dict], items: list[EvalItem], out: Path) -> dict:
         from mmrl.eval.scoring import ocr_benchmark
 
         return ocr_benchmark([_nan(r["scores"]["ocr_accuracy"]) for r in rows])
@@ -421,6 +521,8 @@ class GenEvalScorer(Scorer):
     """mmrl's GenEval reward (``evaluate_images.py``'s rules) per image; :func:`mmrl.eval.scoring.geneval_scores`."""
 
     name = "geneval"
+    headline = "overall"
+    sample_score = "correct"
 
     def __init__(self, detector: str | None, clip_model: str | None):
         from mmrl.rewards.geneval import DEFAULT_CLIP, DEFAULT_DETECTOR
@@ -455,7 +557,7 @@ class GenEvalScorer(Scorer):
                          "verdict": _jsonable(details[i]), "reason": reasons.get(i)})
         return rows
 
-    def summarize(self, rows: list[dict], items: list[EvalItem]) -> dict:
+    def summarize(self, rows: list[dict], items: list[EvalItem], out: Path) -> dict:
         from mmrl.eval.scoring import geneval_scores, mean_with_count
 
         by_index = {item.index: item for item in items}
@@ -474,6 +576,8 @@ class RewardScorer(Scorer):
         self.rewards = list(rewards)
         self.kwargs = {r: dict(kwargs.get(r, {})) for r in self.rewards}
         self.name = "reward:" + "+".join(self.rewards)
+        self.headline = f"{self.rewards[0]}.mean"
+        self.sample_score = self.rewards[0]
         self.settings = {r: _jsonable(self.kwargs[r]) for r in self.rewards}
         self.version = f"mmrl {_mmrl_version()}, transformers {_version('transformers')}"
         self.built: list = []
@@ -505,7 +609,7 @@ class RewardScorer(Scorer):
                     reasons[i].append(f"{name}: {nan_reasons[i]}")
         return [{"scores": s, "verdict": None, "reason": "; ".join(r) or None} for s, r in zip(scores, reasons)]
 
-    def summarize(self, rows: list[dict], items: list[EvalItem]) -> dict:
+    def summarize(self, rows: list[dict], items: list[EvalItem], out: Path) -> dict:
         from mmrl.eval.scoring import mean_with_count
 
         keys: list[str] = []
@@ -522,7 +626,23 @@ class RewardScorer(Scorer):
         return out
 
 
+def _load_items(spec: BenchmarkSpec, options: EvalOptions) -> tuple[list[EvalItem], Path, str | None]:
+    if spec.kind in PLUGINS:
+        return _plugin(spec.kind).load_items(spec, options)
+    return load_prompt_set(spec.prompt_set, options.prompts)
+
+
+def _defaults(spec: BenchmarkSpec):
+    from mmrl.eval.protocol import DEFAULTS
+
+    if spec.kind in PLUGINS:
+        return _plugin(spec.kind).defaults(spec)
+    return DEFAULTS[spec.prompt_set]
+
+
 def _make_scorer(spec: BenchmarkSpec, options: EvalOptions) -> Scorer:
+    if spec.kind in PLUGINS:
+        return _plugin(spec.kind).make_scorer(spec, options)
     if spec.kind == "ocr":
         return OCRScorer()
     if spec.kind == "geneval":
@@ -532,6 +652,8 @@ def _make_scorer(spec: BenchmarkSpec, options: EvalOptions) -> Scorer:
 
 def _main_keys(spec: BenchmarkSpec) -> list[str]:
     """The score keys whose NaN means the image was not judged."""
+    if spec.kind in PLUGINS:
+        return list(_plugin(spec.kind).main_keys(spec))
     if spec.kind == "ocr":
         return ["ocr_accuracy"]
     if spec.kind == "geneval":
@@ -561,10 +683,16 @@ class _Checkpoint:
     ema: bool | None = None
     weights: dict | None = None
     sha256: str | None = None
+    #: the live weights of a training run (evaluation during training): ``"update <k>"``
+    live: str | None = None
+
+    @property
+    def name(self) -> str:
+        return str(self.path) if self.path else (self.live or "base")
 
     def record(self) -> dict[str, Any]:
-        return {"path": str(self.path) if self.path else "base", "run_dir": str(self.run_dir) if self.run_dir else None,
-                "ema": self.ema, "weights_sha256": self.sha256}
+        return {"path": self.name, "run_dir": str(self.run_dir) if self.run_dir else None,
+                "ema": self.ema, "weights_sha256": self.sha256, **({"update": self.live} if self.live else {})}
 
 
 def _resolve_checkpoint(options: EvalOptions, run_dir: Path) -> _Checkpoint:
@@ -604,7 +732,7 @@ def _generator(config, ckpt: _Checkpoint) -> dict[str, Any]:
               "use_lora": m.use_lora, "lora_rank": m.lora_rank, "lora_alpha": m.lora_alpha,
               "lora_target_modules": list(m.lora_target_modules), "max_sequence_length": s.max_sequence_length,
               "time_shift": s.time_shift, "negative_prompt": s.negative_prompt,
-              "checkpoint": str(ckpt.path) if ckpt.path else "base", "ema": ckpt.ema, "weights_sha256": ckpt.sha256}
+              "checkpoint": ckpt.name, "ema": ckpt.ema, "weights_sha256": ckpt.sha256}
     key = {k: v for k, v in record.items() if k != "checkpoint"}  # the folder may move; the weights' hash decides
     record["hash"] = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
     return record
@@ -719,20 +847,133 @@ def _config_path(config: str | Path) -> tuple[Path, Path | None]:
     return path, None
 
 
+def _config_family(config_file: Path, args: Sequence[str]) -> str:
+    """``model.family`` of CONFIG with the dotted overrides among ``args`` applied (eval keys are ignored)."""
+    from mmrl.config import load_config
+
+    dotted = [a for a in args if "=" in a and "." in a.split("=", 1)[0]]
+    try:
+        return load_config(config_file, dotted, check_files=False).model.family
+    except Exception:  # let the full parse below report the mistake
+        return ""
+
+
 def run_eval(config: str | Path, args: Sequence[str] = (), *, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Run ``mmrl eval CONFIG args...`` (see the module docstring); returns the summary written to
     ``summary.json``. Every check that needs no model (keys, config, benchmarks, prompt files, the checkpoint, an
     existing ``output_dir``'s protocol) is done before any model loads."""
-    from mmrl.config import config_to_dict, load_config
+    from mmrl.config import load_config
 
     started = time.time()
-    options, overrides = parse_eval_args(args)
     config_file, run_dir = _config_path(config)
+    if _config_family(config_file, args) == "qwen_vl":  # a vision-language policy: its own benchmarks and keys
+        from mmrl.eval.vlm import run_vlm_eval
+
+        return run_vlm_eval(config, args, echo=echo)
+    options, overrides = parse_eval_args(args)
     cfg = load_config(config_file, overrides, check_files=False)  # the training data is not needed
     run_dir = run_dir or Path(cfg.output_dir)  # the run this config trains
-    if cfg.model.family == "qwen_vl":
-        raise EvalError("mmrl eval: vision-language policies (model.family: qwen_vl) are not supported yet; this "
-                        "version evaluates image generators (sd3, flux) on ocr, geneval and reward:NAME benchmarks")
+    plans = plan_benchmarks(cfg, options)
+    ckpt = _resolve_checkpoint(options, run_dir)
+    out = default_output_dir(options, ckpt, cfg)
+    return _run(cfg, options, overrides, plans, ckpt, out, config_file, echo=echo, started=started)
+
+
+def default_output_dir(options, ckpt: "_Checkpoint", cfg) -> Path:
+    """``output_dir=``, else ``RUN/eval/<checkpoint>`` (``-no_ema`` when its EMA weights are not used), else
+    ``<config output_dir>/eval/base``."""
+    if options.output_dir is not None:
+        return Path(options.output_dir)
+    if ckpt.path is not None:
+        no_ema = (ckpt.path / "ema.pt").is_file() and not options.ema
+        return ckpt.run_dir / "eval" / (ckpt.path.name + ("-no_ema" if no_ema else ""))
+    return Path(cfg.output_dir) / "eval" / "base"
+
+
+def open_output_dir(out: Path, generator: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict]]:
+    """``(protocol.json's state, samples.jsonl's rows)`` of an existing ``out`` (empty for a new one), refusing in
+    one line a file in its place, an unreadable state, or rows of another model or checkpoint."""
+    if out.exists() and not out.is_dir():
+        raise EvalError(f"output_dir={out} is a file, not a folder")
+    state_file = out / "protocol.json"
+    state: dict[str, Any] = {}
+    if state_file.is_file():
+        try:
+            state = json.loads(state_file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise EvalError(f"{state_file}: not valid JSON (evaluate into another output_dir=)") from None
+    rows = _read_rows(out / "samples.jsonl")
+    old_gen = state.get("generator", {})
+    if (old_gen and old_gen.get("hash") != generator["hash"]) or any(r["generator"] != generator["hash"][:16]
+                                                                      for r in rows):
+        diff = [f"{k}: {old_gen.get(k)!r} -> {generator[k]!r}" for k in generator
+                if old_gen and k not in ("hash", "checkpoint") and old_gen.get(k) != generator[k]]
+        raise EvalError(f"output_dir={out} holds an evaluation of another model or checkpoint"
+                        f"{' (' + '; '.join(diff) + ')' if diff else ''}: evaluate into another output_dir=")
+    return state, rows
+
+
+def rows_of_protocol(out: Path, rows: list[dict], state: Mapping[str, Any], name: str, protocol, what: str) -> list[dict]:
+    """The rows of benchmark ``name`` in an existing ``out``, refusing in one line rows made under another protocol
+    (naming the fields that differ from ``protocol.json``'s record)."""
+    theirs = [r for r in rows if r["benchmark"] == name]
+    if any(r["protocol"] != protocol.hash()[:16] for r in theirs):
+        old = state.get("benchmarks", {}).get(name)
+        diff = protocol.differences(old) if old else []
+        raise EvalError(f"output_dir={out} holds {name} {what} made under another protocol"
+                        f"{' (' + '; '.join(diff) + ')' if diff else ''}: evaluate into another output_dir=")
+    return theirs
+
+
+def summary_record(cfg, config_file: Path | None, ckpt: "_Checkpoint", generator: Mapping[str, Any],
+                   benchmarks: Mapping[str, Any], options, overrides: Sequence[str], packages: Mapping[str, str]
+                   ) -> dict[str, Any]:
+    """``summary.json``'s content (JSON-ready): the benchmarks' results with everything that made them."""
+    import torch
+
+    from mmrl.config import config_to_dict
+
+    return _jsonable({
+        "mmrl_eval": 1,
+        "config_file": str(config_file) if config_file is not None else None,
+        "checkpoint": ckpt.record(),
+        "generator": generator,
+        "benchmarks": benchmarks,
+        "eval_keys": options.record(),
+        "config_overrides": list(overrides),
+        "config": config_to_dict(cfg),
+        "packages": dict(packages),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+    })
+
+
+def build_policy_with(cfg, ckpt: "_Checkpoint"):
+    """The config's policy with ``ckpt``'s trainable weights loaded (the base model for ``checkpoint=base``)."""
+    import torch
+
+    from mmrl.build import build_policy
+
+    policy = build_policy(cfg, device="cuda" if torch.cuda.is_available() else "cpu")
+    if ckpt.weights is not None:
+        from mmrl.checkpoint import load_trainable
+
+        try:
+            load_trainable(policy.named_trainable_parameters(), ckpt.weights, ckpt.path)
+        except ValueError as exc:
+            raise EvalError(f"{exc} (were the overrides changing the model or its LoRA setup?)") from None
+    return policy
+
+
+def checkpoint_text(ckpt: "_Checkpoint", cfg) -> str:
+    """How the startup line names the weights evaluated."""
+    if ckpt.path is not None or ckpt.live:
+        return f"{ckpt.name}{' (EMA weights)' if ckpt.ema else ''}"
+    return f"base (the untrained {cfg.model.pretrained})"
+
+
+def plan_benchmarks(cfg, options: EvalOptions) -> list[tuple]:
+    """Check the requested benchmarks against each other and the config, load their prompts and resolve their
+    protocols, building no model: ``[(spec, items used, all items, scorer, protocol)]``."""
     specs = [parse_benchmark(name, options) for name in options.benchmarks]
     requested = {r for s in specs for r in s.rewards}
     stray = [name for name in options.reward_kwargs if name not in requested]
@@ -743,57 +984,39 @@ def run_eval(config: str | Path, args: Sequence[str] = (), *, echo: Callable[[st
         raise EvalError("prompts= is for reward:NAME benchmarks without @SET; none is requested")
     if not any(s.kind == "geneval" for s in specs) and (options.detector or options.clip_model):
         raise EvalError("detector= and clip_model= are for the geneval benchmark, which is not requested")
+    used_keys = {key for s in specs if s.kind in PLUGINS for key in getattr(_plugin(s.kind), "EVAL_KEYS", {})}
+    for key in options.extra:
+        if key not in used_keys:
+            owners = [name for name, module in PLUGINS.items() if key in _plugin_keys_of(module)]
+            raise EvalError(f"{key}= is for the {' / '.join(owners) or 'other'} benchmark(s), none of which is "
+                            f"requested (benchmarks: {', '.join(options.benchmarks)})")
 
     user = {key: getattr(options, key) for key in OVERRIDABLE}
     plans = []
     for spec in specs:
-        items, path, pinned = load_prompt_set(spec.prompt_set, options.prompts)
+        items, path, pinned = _load_items(spec, options)
         scorer = _make_scorer(spec, options)
         protocol = resolve_protocol(
-            spec.name, spec.prompt_set, prompts_file=path, pinned_sha256=pinned, total_prompts=len(items),
+            spec.name, _defaults(spec), prompts_file=path, pinned_sha256=pinned, total_prompts=len(items),
             scorer=scorer.name, scorer_version=scorer.version, scorer_settings=scorer.settings,
             scorer_defaults=scorer.defaults, user=user, limit=options.limit, family=cfg.model.family,
             config_guidance=cfg.sampling.guidance_scale)
         plans.append((spec, items[:protocol.num_prompts], items, scorer, protocol))
+    return plans
 
-    ckpt = _resolve_checkpoint(options, run_dir)
+
+def _run(cfg, options: EvalOptions, overrides: Sequence[str], plans: list[tuple], ckpt: "_Checkpoint", out: Path,
+         config_file: Path | None, *, echo: Callable[[str], None], started: float, policy=None) -> dict[str, Any]:
+    """Generate what ``out`` lacks, score it, write ``summary.json``. ``policy``: an already built policy with the
+    weights ``ckpt`` describes (evaluation during training); ``None`` builds one from ``cfg`` and loads ``ckpt``."""
     generator = _generator(cfg, ckpt)
-    if options.output_dir is not None:
-        out = Path(options.output_dir)
-    elif ckpt.path is not None:
-        no_ema = (ckpt.path / "ema.pt").is_file() and not options.ema
-        out = ckpt.run_dir / "eval" / (ckpt.path.name + ("-no_ema" if no_ema else ""))
-    else:
-        out = Path(cfg.output_dir) / "eval" / "base"
-    if out.exists() and not out.is_dir():
-        raise EvalError(f"output_dir={out} is a file, not a folder")
-
     # ---- an existing output_dir: same model, same protocols, or a one-line error
     samples = out / "samples.jsonl"
     state_file = out / "protocol.json"
-    state: dict[str, Any] = {}
-    if state_file.is_file():
-        try:
-            state = json.loads(state_file.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise EvalError(f"{state_file}: not valid JSON (evaluate into another output_dir=)") from None
-    rows = _read_rows(samples)
-    old_gen = state.get("generator", {})
-    if (old_gen and old_gen.get("hash") != generator["hash"]) or any(r["generator"] != generator["hash"][:16]
-                                                                      for r in rows):
-        diff = [f"{k}: {old_gen.get(k)!r} -> {generator[k]!r}" for k in generator
-                if old_gen and k not in ("hash", "checkpoint") and old_gen.get(k) != generator[k]]
-        raise EvalError(f"output_dir={out} holds an evaluation of another model or checkpoint"
-                        f"{' (' + '; '.join(diff) + ')' if diff else ''}: evaluate into another output_dir=")
+    state, rows = open_output_dir(out, generator)
     done: dict[tuple[str, int, int], dict] = {}
     for spec, _, _, _, protocol in plans:
-        theirs = [r for r in rows if r["benchmark"] == spec.name]
-        if any(r["protocol"] != protocol.hash()[:16] for r in theirs):
-            old = state.get("benchmarks", {}).get(spec.name)
-            diff = protocol.differences(old) if old else []
-            raise EvalError(f"output_dir={out} holds {spec.name} images made under another protocol"
-                            f"{' (' + '; '.join(diff) + ')' if diff else ''}: evaluate into another output_dir=")
-        for r in theirs:
+        for r in rows_of_protocol(out, rows, state, spec.name, protocol, "images"):
             done[(spec.name, int(r["prompt_index"]), int(r["image_index"]))] = r
 
     todo = {spec.name: [(item, [k for k in range(protocol.images_per_prompt) if (spec.name, item.index, k) not in done])
@@ -801,9 +1024,7 @@ def run_eval(config: str | Path, args: Sequence[str] = (), *, echo: Callable[[st
             for spec, used, _, _, protocol in plans}
     missing = sum(len(ks) for pending in todo.values() for _, ks in pending)
 
-    checkpoint_text = f"{ckpt.path}{' (EMA weights)' if ckpt.ema else ''}" if ckpt.path else \
-        f"base (the untrained {cfg.model.pretrained})"
-    echo(f"mmrl eval: {config_file}, checkpoint {checkpoint_text} -> {out}")
+    echo(f"mmrl eval: {config_file}, checkpoint {checkpoint_text(ckpt, cfg)} -> {out}")
     for spec, used, _, _, protocol in plans:
         changed = ", ".join(f"{k} {v['default']} -> {v['used']}" for k, v in protocol.overridden.items())
         have = sum(1 for key in done if key[0] == spec.name and key[1] < protocol.num_prompts
@@ -820,11 +1041,9 @@ def run_eval(config: str | Path, args: Sequence[str] = (), *, echo: Callable[[st
     _write_json(state_file, state)
 
     if missing:
-        _generate(plans, todo, done, ckpt, cfg, generator, out, samples, options)
+        _generate(plans, todo, done, ckpt, cfg, generator, out, samples, options, policy=policy)
 
     # ---- summary
-    import torch
-
     benchmarks: dict[str, Any] = {}
     for spec, used, items, scorer, protocol in plans:
         rows_b = [done[(spec.name, item.index, k)] for item in used for k in range(protocol.images_per_prompt)]
@@ -832,62 +1051,72 @@ def run_eval(config: str | Path, args: Sequence[str] = (), *, echo: Callable[[st
         unjudged = sum(1 for r in rows_b if any(r["scores"].get(k) is None for k in _main_keys(spec)))
         grid = _grid(out, spec, protocol)
         benchmarks[spec.name] = {
-            "metrics": scorer.summarize(rows_b, items), "num_images": len(rows_b), "num_unjudged": unjudged,
+            "metrics": scorer.summarize(rows_b, items, out), "num_images": len(rows_b), "num_unjudged": unjudged,
             "unjudged_reasons": dict(sorted(reasons.items())), "images": f"images/{spec.folder}",
-            "grid": str(grid.relative_to(out)), "protocol": protocol.to_dict()}
-    summary = {
-        "mmrl_eval": 1,
-        "config_file": str(config_file),
-        "checkpoint": ckpt.record(),
-        "generator": generator,
-        "benchmarks": benchmarks,
-        "eval_keys": options.record(),
-        "config_overrides": list(overrides),
-        "config": config_to_dict(cfg),
-        "packages": _packages(),
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
-    }
-    summary = _jsonable(summary)
+            "grid": str(grid.relative_to(out)), "headline": scorer.headline, "sample_score": scorer.sample_score,
+            "protocol": protocol.to_dict()}
+    summary = summary_record(cfg, config_file, ckpt, generator, benchmarks, options, overrides, _packages())
     _write_json(out / "summary.json", summary)
     for name, result in benchmarks.items():
-        echo(f"  {name}: {_headline(result['metrics'])} ({result['num_images']} images"
+        echo(f"  {name}: {_headline(result['metrics'], result['headline'])} ({result['num_images']} images"
              f"{', ' + str(result['num_unjudged']) + ' not judged' if result['num_unjudged'] else ''})")
-    echo(f"wrote {out / 'summary.json'}, samples.jsonl, images/ and grids/ ({missing} image(s) generated, "
-         f"{time.time() - started:.1f} s)")
+    report = write_eval_report(out, echo)
+    echo(f"wrote {out / 'summary.json'}, samples.jsonl, images/, grids/{', ' + report.name if report else ''} "
+         f"({missing} image(s) generated, {time.time() - started:.1f} s)")
     return summary
 
 
-def _headline(metrics: Mapping[str, Any]) -> str:
+def write_eval_report(out: Path, echo: Callable[[str], None]) -> Path | None:
+    """``out/report.html`` of one evaluation (:func:`mmrl.eval.report.write_report`); a report that fails is a
+    warning, never the loss of a finished evaluation."""
+    from mmrl.eval.report import write_report
+
+    try:
+        return write_report([out], out / "report.html")
+    except Exception as exc:  # the numbers are written; the page is a view of them
+        echo(f"  warning: report.html not written: {type(exc).__name__}: {exc} (summary.json and samples.jsonl are "
+             f"complete; `mmrl eval --compare {out}` retries it)")
+        return None
+
+
+def _headline(metrics: Mapping[str, Any], key: str = "") -> str:
+    """The line ``mmrl eval`` prints per benchmark: its headline metric (``key``, dotted for nested) and, for reward
+    benchmarks, each reward's mean."""
     def fmt(v):
         return "nan" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.4g}"
 
-    if "overall" in metrics:
-        return f"overall {fmt(metrics['overall'])}"
-    if "accuracy" in metrics:
-        return f"accuracy {fmt(metrics['accuracy'])}"
+    if key:
+        value: Any = metrics
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, Mapping) else None
+        if not isinstance(value, Mapping):
+            return f"{key} {fmt(value)}"
     return ", ".join(f"{k} {fmt(v['mean'])}" for k, v in metrics.items() if isinstance(v, dict) and "mean" in v)
 
 
 def _generate(plans, todo, done, ckpt: _Checkpoint, cfg, generator: dict, out: Path, samples: Path,
-              options: EvalOptions) -> None:
-    """Generate, save, score and append a row for every missing image, prompt by prompt."""
-    import torch
-
-    from mmrl.build import build_policy
-
+              options: EvalOptions, policy=None) -> None:
+    """Generate, save, score and append a row for every missing image, prompt by prompt. A given ``policy`` (the
+    trainer's) gets its resolution and guidance back afterwards."""
     for spec, used, _, scorer, _ in plans:  # scorers first: a missing reward model fails before the policy loads
         if any(ks for _, ks in todo[spec.name]):
             scorer.build()
-    policy = build_policy(cfg, device="cuda" if torch.cuda.is_available() else "cpu")
-    if ckpt.weights is not None:
-        from mmrl.checkpoint import load_trainable
-
+    if policy is not None:
+        restore = (policy.resolution, policy.guidance_scale)
         try:
-            load_trainable(policy.named_trainable_parameters(), ckpt.weights, ckpt.path)
-        except ValueError as exc:
-            raise EvalError(f"{exc} (were the overrides changing the model or its LoRA setup?)") from None
-    progress = options.progress if options.progress is not None else sys.stderr.isatty()
+            return _generate_with(plans, todo, done, policy, generator, out, samples, options, cfg)
+        finally:
+            policy.resolution = restore[0]
+            policy.set_guidance(restore[1], cfg.sampling.negative_prompt)
+    policy = build_policy_with(cfg, ckpt)
+    _generate_with(plans, todo, done, policy, generator, out, samples, options, cfg)
+
+
+def _generate_with(plans, todo, done, policy, generator: dict, out: Path, samples: Path, options: EvalOptions,
+                   cfg) -> None:
     from tqdm.auto import tqdm
+
+    progress = options.progress if options.progress is not None else sys.stderr.isatty()
 
     with open(samples, "a", encoding="utf-8") as handle:
         for spec, used, _, scorer, protocol in plans:
@@ -924,3 +1153,117 @@ def _generate(plans, todo, done, ckpt: _Checkpoint, cfg, generator: dict, out: P
                     bar.update(len(ks))
             finally:
                 bar.close()
+
+
+# --------------------------------------------------------------------------------------------------- during training
+
+#: Eval keys the trainer sets itself (``eval.options`` must not).
+TRAINING_SET_KEYS = ("checkpoint", "output_dir", "benchmarks", "limit", "ema", "progress")
+
+
+def training_eval_options(config) -> EvalOptions:
+    """The :class:`EvalOptions` of a config's ``eval`` section (``eval.benchmarks``, ``eval.limit``, ``eval.options``),
+    checked as ``mmrl eval`` checks its keys. Raises :class:`EvalError`."""
+    options, overrides = parse_eval_args(training_eval_args(config))
+    if overrides:
+        raise EvalError(f"eval.options: {overrides[0].split('=', 1)[0]!r} is a config key, not an eval key")
+    return options
+
+
+def plan_training_eval(config) -> tuple[Any, list]:
+    """``(options, plans)`` of a config's ``eval`` section: everything that can be checked before a model loads
+    (benchmarks, their files and keys; for VLMs every data line and its media), so a mistake stops ``mmrl train`` at
+    startup, and the trainer reads the benchmarks once, not at every evaluation. Raises :class:`EvalError`."""
+    if config.model.family == "qwen_vl":
+        from mmrl.eval.vlm import plan_vlm_eval, training_eval_options as vlm_options
+
+        options = vlm_options(config)
+        return options, plan_vlm_eval(config, options)
+    options = training_eval_options(config)
+    return options, plan_benchmarks(config, options)
+
+
+def training_eval_args(config) -> list[str]:
+    """``eval.benchmarks``, ``eval.limit`` and ``eval.options`` as ``mmrl eval`` arguments (the keys the trainer sets
+    refused)."""
+    from mmrl.config import yaml_literal
+
+    e = config.eval
+    fixed = [k for k in e.options if k in TRAINING_SET_KEYS]
+    if fixed:
+        raise EvalError(f"eval.options.{fixed[0]}: set by the trainer (benchmarks: eval.benchmarks, limit: eval.limit, "
+                        f"output_dir: output_dir/eval/update_<k>, the weights: the live ones, EMA when optim.ema, "
+                        f"no progress bar)")
+    args = [f"benchmarks={yaml_literal(list(e.benchmarks))}", f"limit={e.limit}", "progress=false"]
+    return args + [f"{k}={yaml_literal(v)}" for k, v in e.options.items()]
+
+
+def evaluate_policy(policy, config, update: int, output_dir: str | Path, *, ema: bool = False, planned=None,
+                    echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the config's ``eval.benchmarks`` on the live ``policy`` (the trainer's, its current or EMA weights) into
+    ``output_dir`` (``RUN/eval/update_<k>``), exactly as ``mmrl eval`` does on a checkpoint: same protocols,
+    scorers, files and resume. ``planned``: :func:`plan_training_eval`'s result (read once by the trainer). Returns
+    the summary. The policy's settings (resolution, guidance; a VLM's media and token budget) are restored after,
+    and the global RNG states are left as they were.
+
+    An ``output_dir`` left by another run of the same update with other weights (a run resumed from an earlier
+    checkpoint) is moved aside to ``<output_dir>.stale-<n>`` with a warning, never an error that stops training."""
+    import random
+
+    import numpy as np
+    import torch
+
+    started = time.time()
+    options, plans = planned if planned is not None else plan_training_eval(config)
+    weights = {k: p.detach() for k, p in policy.named_trainable_parameters().items()}
+    ckpt = _Checkpoint(None, Path(config.output_dir), ema, None, weights_sha256(weights), live=f"update {update}")
+    out = Path(output_dir)
+    if config.model.family == "qwen_vl":
+        from mmrl.eval.vlm import _run as run, _vlm_generator as generator_of
+    else:
+        run, generator_of = _run, _generator
+    try:
+        open_output_dir(out, generator_of(config, ckpt))
+    except EvalError:
+        n = 1
+        while out.with_name(f"{out.name}.stale-{n}").exists():
+            n += 1
+        stale = out.with_name(f"{out.name}.stale-{n}")
+        os.replace(out, stale)
+        echo(f"mmrl: warning: {out} held an evaluation of other weights at update {update} (a run resumed from an "
+             f"earlier checkpoint); moved to {stale.name}")
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return run(config, options, [], plans, ckpt, out, None, echo=echo, started=started, policy=policy)
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
+def training_metrics(summary: Mapping[str, Any]) -> dict[str, float]:
+    """``eval/<benchmark>/<metric>`` -> value for every number of a summary's metrics (nested keys joined with
+    ``/``; counts ``n`` / ``num_*`` left out), what the trainer logs with its own metrics."""
+    out: dict[str, float] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for key, sub in value.items():
+                if key in PER_ITEM_METRICS or key == "n" or str(key).startswith("num_"):
+                    continue
+                walk(f"{prefix}/{key}", sub)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[prefix] = float(value)
+        elif value is None:
+            out[prefix] = float("nan")
+
+    for name, result in summary.get("benchmarks", {}).items():
+        walk(f"eval/{name}", result.get("metrics", {}))
+        if isinstance(result.get("blind"), Mapping):  # a VLM benchmark's blind control
+            walk(f"eval/{name}/blind", result["blind"].get("metrics", {}))
+    return out
+
+
+#: Metric entries that hold one value per prompt or item (DPG-Bench's ``per_prompt``) or settings, not a number to
+#: plot: left out of the logged metrics.
+PER_ITEM_METRICS = ("per_prompt", "not_scored", "warnings", "settings")
