@@ -1,10 +1,13 @@
-"""``mmrl`` command line: train, config, sample, tiny, rewards, serve-rewards, score.
+"""``mmrl`` command line: train, eval, sft, pretrain, config, sample, tiny, rewards, serve-rewards, score.
 
     mmrl train [CONFIG] [key=value ...]     train (no CONFIG: the embedded tiny CPU default)
     mmrl config validate CONFIG [key=value ...] [--quick | --no-check-files]   the config, then every data line
     mmrl config show [CONFIG] [key=value ...]  the resolved config; --help-fields lists every field
     mmrl sample RUN_OR_CHECKPOINT (--prompt P ... | --prompts FILE) [--seeds 0 1] [--out DIR]   image runs
     mmrl sample RUN_OR_CHECKPOINT --question Q [--question Q ...] [--image PATH ...] [--video PATH]   VLM runs
+    mmrl eval CONFIG [key=value ...]          benchmarks of a checkpoint (mmrl.eval); --compare DIR ... a report
+    mmrl sft CONFIG [key=value ...]           supervised fine-tuning of a Qwen-VL base (mmrl.sft)
+    mmrl pretrain CONFIG [key=value ...]      flow-matching pretraining of a small SD3 base (mmrl.pretrain)
     mmrl tiny KIND OUTDIR                    tiny random model (sd3, flux, qwen2_5_vl, qwen2_vl, qwen3_vl) or
                                              synthetic data set (grounding, temporal_grounding), CPU smoke runs
     mmrl rewards                             list registered rewards
@@ -30,11 +33,13 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from mmrl.config import FIELDS_HEADER, ConfigError, config_to_dict, describe, load_config
+from mmrl.stopping import signal_exit_code as _signal_exit_code
 
 #: Commands that load models or libraries whose loading progress bars are silenced (see :func:`quiet_libraries`).
-_LOADING_COMMANDS = ("train", "sample", "tiny", "serve-rewards", "score")
+_LOADING_COMMANDS = ("train", "sample", "tiny", "serve-rewards", "score", "sft", "pretrain", "eval")
 
 
 class UsageError(ValueError):
@@ -61,16 +66,6 @@ def _cmd_train(args) -> int:
         print(f"done: {len(history)} updates, reward {first['reward/mean']:.4g} -> {last['reward/mean']:.4g}; "
               f"outputs in {config.output_dir}")
     return 0
-
-
-def _signal_exit_code(stopped: str) -> int:
-    """128 + the signal's number for a run stopped by a signal (``"SIGTERM"`` -> 143), 130 otherwise."""
-    import signal
-
-    try:
-        return 128 + int(signal.Signals[str(stopped)])
-    except KeyError:
-        return 130
 
 
 def _cmd_config(args) -> int:
@@ -284,6 +279,23 @@ def _cmd_sample(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- sft / pretrain
+
+
+def _cmd_sft(args) -> int:
+    from mmrl.sft import main as sft_main
+
+    return sft_main(([args.config] if args.config else []) + list(args.overrides)
+                    + (["--help-fields"] if args.help_fields else []))
+
+
+def _cmd_pretrain(args) -> int:
+    from mmrl.pretrain import main as pretrain_main
+
+    return pretrain_main(([args.config] if args.config else []) + list(args.overrides)
+                         + (["--help-fields"] if args.help_fields else []))
+
+
 # ---------------------------------------------------------------------------------------------- eval
 
 
@@ -482,6 +494,19 @@ def make_parser() -> argparse.ArgumentParser:
                          "run) folders, the first the reference column")
     ev.set_defaults(func=_cmd_eval)
 
+    sft = command("sft", "supervised fine-tuning of a Qwen-VL model on <think>/<answer> targets (a base for GRPO)")
+    sft.add_argument("config", nargs="?", help="SFT YAML config (e.g. configs/shapes/sft_qwen_vl.yaml)")
+    sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20")
+    sft.add_argument("--help-fields", action="store_true", help="every field with its default and help")
+    sft.set_defaults(func=_cmd_sft)
+
+    pre = command("pretrain", "flow-matching pretraining of a small SD3 text-to-image model on ShapeWorld (a base "
+                              "for GRPO)")
+    pre.add_argument("config", nargs="?", help="pretraining YAML (e.g. configs/shapes/pretrain_sd3.yaml)")
+    pre.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
+    pre.add_argument("--help-fields", action="store_true", help="every field with its default and help")
+    pre.set_defaults(func=_cmd_pretrain)
+
     tiny = command("tiny", "build a tiny random model or a synthetic data set")
     tiny.add_argument("kind", choices=("sd3", "flux", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "grounding",
                                        "temporal_grounding"))
@@ -522,6 +547,38 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------------------------- entry
+
+
+def config_command(args: list[str] | None, *, prog: str, description: str, config_class: type, config_help: str,
+                   overrides_help: str, fields_help: str, missing_config: str,
+                   errors: Callable[[], tuple[type[BaseException], ...]], run: Callable[[str, list[str]], int]) -> int:
+    """The entry of a ``CONFIG [key=value ...]`` command (``mmrl sft``, ``mmrl pretrain``): the arguments (in any
+    order), ``--help-fields`` (every field of ``config_class`` with its default and help), no CONFIG: the line
+    ``mmrl: error: <missing_config>`` and exit code 2. Then :func:`quiet_libraries` and ``run(config, overrides)``,
+    whose return value is the exit code (128 + the signal's number for a run a signal stopped,
+    :func:`mmrl.stopping.signal_exit_code`); an exception of ``errors()`` (imported only when a run starts) is one
+    line ``mmrl: error: ...`` and exit code 2."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("config", nargs="?", help=config_help)
+    parser.add_argument("overrides", nargs="*", help=overrides_help)
+    parser.add_argument("--help-fields", action="store_true", help=fields_help)
+    try:
+        ns = parser.parse_intermixed_args(args)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    if ns.help_fields:
+        print("\n".join(describe(config_class)))
+        return 0
+    if ns.config is None:
+        print(f"mmrl: error: {missing_config}", file=sys.stderr, flush=True)
+        return 2
+    expected = tuple(errors())
+    quiet_libraries()  # no "Loading weights" / "Writing model shards" bars
+    try:
+        return run(ns.config, ns.overrides)
+    except expected as exc:
+        print(f"mmrl: error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+        return 2
 
 
 def quiet_libraries() -> None:

@@ -403,6 +403,43 @@ def yaml_error_text(exc: yaml.YAMLError) -> str:
     return f"{where}{problem}" + (f" ({context})" if context else "")
 
 
+def read_config_file(path: Path, *, folder_hint: str = "") -> tuple[str, Any]:
+    """``(text, data)`` of a YAML config file (``data`` is ``{}`` for an empty file); a one-line
+    :class:`ConfigError` for a folder (``folder_hint`` appended), a missing file, a file that is not UTF-8 text or
+    not valid YAML."""
+    if path.is_dir():
+        raise ConfigError(f"{path} is a folder, not a config file" + folder_hint)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = yaml.safe_load(text) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text file (byte {exc.start} is not UTF-8)") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {yaml_error_text(exc)}") from None
+    return text, data
+
+
+def yaml_key_lines(text: str) -> dict[str, int]:
+    """``{dotted key: 1-based line}`` of a YAML mapping document (for errors that name the line)."""
+    lines: dict[str, int] = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    dotted = f"{prefix}{key.value}"
+                    lines[dotted] = key.start_mark.line + 1
+                    walk(value, dotted + ".")
+
+    try:
+        walk(yaml.compose(text), "")
+    except yaml.YAMLError:
+        pass
+    return lines
+
+
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     """``["train.steps=4", "rewards={jpeg_compressibility: 1}"]`` -> ``[(key, parsed value), ...]``."""
     parsed = []
@@ -440,18 +477,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, *, 
     ``check_files=False`` skips the checks that depend on this machine: that input files exist and that
     optional packages the config asks for (wandb) are installed."""
     path = Path(path) if path is not None else DEFAULT_CONFIG
-    if path.is_dir():
-        raise ConfigError(f"{path} is a folder, not a config file" +
-                          (f" (a run folder: its config is {path / 'config.yaml'})" if (path / "config.yaml").is_file()
-                           else ""))
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not a text file (byte {exc.start} is not UTF-8)") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {yaml_error_text(exc)}") from None
+    _, data = read_config_file(path, folder_hint=f" (a run folder: its config is {path / 'config.yaml'})"
+                               if (path / "config.yaml").is_file() else "")
     parse_overrides(overrides or [])  # a malformed override is its own error, whatever the file
     try:
         return config_from_dict(data, overrides, check_files=check_files)

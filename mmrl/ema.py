@@ -31,7 +31,8 @@ are kept on resume (as the anchor keeps its configured decay).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -94,6 +95,21 @@ class EMA:
             shadow.lerp_(p.detach().to(device=shadow.device, dtype=shadow.dtype), weight)
         self.num_updates += 1
         return True
+
+    @contextmanager
+    def swapped_in(self, params: Mapping[str, torch.nn.Parameter]) -> Iterator[None]:
+        """Inside the block ``params`` hold the shadows (for evaluation and export); their live values are put
+        back afterwards."""
+        live = {k: p.detach().clone() for k, p in params.items()}
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(self.shadow[k])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for k, p in params.items():
+                    p.copy_(live[k])
 
     def state_dict(self) -> dict[str, Any]:
         return {"decay": self.decay, "update_interval": self.update_interval, "warmup": self.warmup,

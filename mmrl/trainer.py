@@ -525,16 +525,8 @@ class Trainer:
             yield
             return
         params = self.policy.named_trainable_parameters()
-        live = {k: p.detach().clone() for k, p in params.items()}
-        with torch.no_grad():
-            for k, p in params.items():
-                p.copy_(self.ema.shadow[k])
-        try:
+        with self.ema.swapped_in(params):
             yield
-        finally:
-            with torch.no_grad():
-                for k, p in params.items():
-                    p.copy_(live[k])
 
     def _export(self, directory: str) -> None:
         with self.ema_weights():
@@ -641,29 +633,16 @@ class Trainer:
         """SIGINT / SIGTERM (Ctrl-C, a cluster preemption) ask the loop to stop at the next safe point (after the
         current update), checkpoint and return; a second SIGINT interrupts at once. Returns a restore function.
         Only from the main thread (signal handlers cannot be set elsewhere)."""
-        import signal
-        import threading
+        from mmrl.stopping import install_stop_signals
 
         self.stop_signal = None
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
-        def handler(signum, frame):
-            if self.stop_signal is not None and signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            self.stop_signal = signal.Signals(signum).name
+        def on_signal(name: str) -> None:
+            self.stop_signal = name
             print(f"mmrl: {self.stop_signal} received: stopping after update {self.update + 1} with a checkpoint "
                   f"(Ctrl-C again to stop at once, without one)", flush=True)
 
-        for sig in previous:
-            signal.signal(sig, handler)
-
-        def restore():
-            for sig, old in previous.items():
-                signal.signal(sig, old)
-
-        return restore
+        return install_stop_signals(on_signal, lambda: self.stop_signal is not None)
 
     def _stop_requested(self) -> bool:
         """Whether any process received a stop signal (all processes stop at the same update)."""

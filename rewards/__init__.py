@@ -14,6 +14,7 @@ a wrong-shaped batch raises ``ValueError``.
 
 Registered rewards (``list_rewards()``; the README has the table): image rewards ``pickscore``,
 ``hpsv2``, ``clipscore``, ``aesthetic``, ``imagereward``, ``ocr``, ``geneval`` / ``geneval_partial``,
+``shapeworld`` / ``shapeworld_partial`` (GenEval's rules with a weightless detector, :mod:`mmrl.rewards.shapeworld`),
 ``vlm_judge``, ``prompt_echo``, ``dino_reference``, ``set_diversity``, the weightless ``brightness``,
 ``saturation``, ``colorfulness``, ``jpeg_compressibility``, ``jpeg_incompressibility``; video
 ``video_segmental``; text (VLM) rewards ``think_answer_format``, the answer-accuracy and grounding
@@ -52,7 +53,7 @@ from ._base import (
 )
 
 # Importing the modules registers their rewards; none imports a model library at import time.
-from . import aesthetic, answer, clipscore, diversity, geneval, grounding, hps, imagereward, jpeg, ocr, pickscore, pixel, reference, remote, routing, video, vlm_judge  # noqa: E402,F401  (registration side effect)
+from . import aesthetic, answer, clipscore, diversity, geneval, grounding, hps, imagereward, jpeg, ocr, pickscore, pixel, reference, remote, routing, shapeworld, video, vlm_judge  # noqa: E402,F401  (registration side effect)
 from ._text import TextReward  # noqa: E402
 from .answer import (  # noqa: E402
     ChoiceAccuracy,
@@ -90,6 +91,7 @@ from .imagereward import ImageReward  # noqa: E402
 from .ocr import OCRReward  # noqa: E402
 from .diversity import SetDiversity  # noqa: E402
 from .geneval import GenEval, GenEvalPartial, geneval_summary  # noqa: E402
+from .shapeworld import ShapeWorldPartial, ShapeWorldReward  # noqa: E402
 from .reference import DinoEmbedder, DinoReference  # noqa: E402
 from .video import SegmentalVideoReward  # noqa: E402
 from .vlm_judge import PromptEcho, VLMJudge  # noqa: E402
@@ -145,6 +147,8 @@ __all__ = [
     "GenEval",
     "GenEvalPartial",
     "geneval_summary",
+    "ShapeWorldReward",
+    "ShapeWorldPartial",
     "VLMJudge",
     "PromptEcho",
     "DinoEmbedder",

@@ -166,15 +166,17 @@ def one_error(capsys, *words) -> str:
     return lines[0]
 
 
-def tiny_flow_config(base: Path, *, max_sequence_length: int = 16) -> Path:
+def tiny_flow_config(base: Path, *, max_sequence_length: int = 16, cached: bool = False) -> Path:
     """``base/tiny.yaml``: the repository's tiny CPU recipe (configs/tiny/flow_grpo.yaml) on a tiny random SD3 built in
-    ``base/sd3``, its runs in ``base/run``."""
+    ``base/sd3`` (``cached``: the recipe's own ``tiny:sd3``, built once into ``$MMRL_CACHE``), its runs in
+    ``base/run``."""
     import yaml
 
     from mmrl.pipelines.flow.tiny import build_tiny_sd3
 
     data = yaml.safe_load((Path(__file__).parents[1] / "configs/tiny/flow_grpo.yaml").read_text())
-    data["model"]["pretrained"] = str(build_tiny_sd3(base / "sd3"))
+    if not cached:
+        data["model"]["pretrained"] = str(build_tiny_sd3(base / "sd3"))
     data["sampling"]["max_sequence_length"] = max_sequence_length
     data["output_dir"] = str(base / "run")
     path = base / "tiny.yaml"

@@ -17,7 +17,6 @@ import types
 
 import numpy as np
 import pytest
-import yaml
 from PIL import Image
 
 import mmrl.build
@@ -28,9 +27,8 @@ from mmrl.eval import hpsv2 as H
 from mmrl.eval.benchmarks import DPG_COLUMNS
 from mmrl.eval.runner import parse_eval_args
 from mmrl.eval.scoring import dpg_tile_boxes
-from fixtures import one_error
+from fixtures import one_error, tiny_flow_config
 
-REPO_CONFIG = mmrl.eval.benchmarks.assets_dir().parent.parent / "configs/tiny/flow_grpo.yaml"
 FAST = ["resolution=32", "num_steps=2"]
 
 
@@ -44,13 +42,7 @@ def no_model(monkeypatch):
 @pytest.fixture(scope="module")
 def config_file(tmp_path_factory):
     """The tiny CPU recipe (tiny:sd3, built once into $MMRL_CACHE)."""
-    base = tmp_path_factory.mktemp("dpg-hps-config")
-    data = yaml.safe_load(REPO_CONFIG.read_text())
-    data["sampling"]["max_sequence_length"] = 16
-    data["output_dir"] = str(base / "run")
-    path = base / "tiny.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return tiny_flow_config(tmp_path_factory.mktemp("dpg-hps-config"), cached=True)
 
 
 # ============================================================================================== DPG-Bench

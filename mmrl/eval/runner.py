@@ -108,6 +108,7 @@ PLUGINS: dict[str, str] = {
     "hpsv2": "mmrl.eval.hpsv2",
     "fid": "mmrl.eval.distribution",
     "diversity": "mmrl.eval.distribution",
+    "shapeworld": "mmrl.eval.shapeworld",
 }
 
 

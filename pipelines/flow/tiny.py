@@ -48,6 +48,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -75,9 +76,15 @@ _CLIP_MAX_LENGTH = 77
 _T5_MAX_LENGTH = 32
 
 
-def _clip_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+def _vocabulary_words(words: Sequence[str] | None) -> Sequence[str]:
+    """The whole words of the tiny vocabularies: ``_COMMON_WORDS`` as they stand, else ``words`` deduplicated and
+    sorted."""
+    return _COMMON_WORDS if words is None else sorted(set(words))
+
+
+def _clip_vocab_and_merges(words: Sequence[str] | None = None) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """A CLIP-style byte-level BPE vocabulary: byte symbols, byte symbols + ``</w>``, whole-word
-    merges for ``_COMMON_WORDS``, then ``<|startoftext|>`` and ``<|endoftext|>`` (as in CLIP)."""
+    merges for ``words`` (default ``_COMMON_WORDS``), then ``<|startoftext|>`` and ``<|endoftext|>`` (as in CLIP)."""
     from tokenizers.pre_tokenizers import ByteLevel
 
     alphabet = sorted(ByteLevel.alphabet())  # the 256 byte-level symbols, fixed order
@@ -85,7 +92,7 @@ def _clip_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     merges: list[tuple[str, str]] = []
     seen = set(tokens)
     # Longer words first, so their merges outrank those of words they contain ("cat" vs "at").
-    for word in sorted(_COMMON_WORDS, key=lambda w: (-len(w), w)):
+    for word in sorted(_vocabulary_words(words), key=lambda w: (-len(w), w)):
         symbols = list(word[:-1]) + [word[-1] + "</w>"]
         left = symbols[0]
         for right in symbols[1:]:
@@ -99,31 +106,31 @@ def _clip_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     return {tok: i for i, tok in enumerate(tokens)}, merges
 
 
-def _clip_tokenizer():
+def _clip_tokenizer(words: Sequence[str] | None = None, max_length: int = _CLIP_MAX_LENGTH):
     from transformers import CLIPTokenizer
 
-    vocab, merges = _clip_vocab_and_merges()
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=_CLIP_MAX_LENGTH)
+    vocab, merges = _clip_vocab_and_merges(words)
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
 
 
-def _t5_vocab() -> list[tuple[str, float]]:
+def _t5_vocab(words: Sequence[str] | None = None) -> list[tuple[str, float]]:
     """A T5-style Unigram vocabulary: ``<pad>``, ``</s>``, ``<unk>`` at ids 0, 1, 2 (as T5 expects),
-    then ``▁``, characters, ``▁``-prefixed characters and whole words. Words score higher than their
-    spelled-out characters, so the Viterbi segmentation prefers them."""
+    then ``▁``, characters, ``▁``-prefixed characters and whole words (``words``, default ``_COMMON_WORDS``).
+    Words score higher than their spelled-out characters, so the Viterbi segmentation prefers them."""
     chars = "abcdefghijklmnopqrstuvwxyz0123456789.,;:!?'\"-()/&"
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
     vocab += [(c, -6.0) for c in chars]
     vocab += [("\u2581" + c, -5.0) for c in chars]
-    vocab += [("\u2581" + w, -3.0) for w in _COMMON_WORDS if len(w) > 1]
+    vocab += [("\u2581" + w, -3.0) for w in _vocabulary_words(words) if len(w) > 1]
     return vocab
 
 
-def _t5_tokenizer():
+def _t5_tokenizer(words: Sequence[str] | None = None, max_length: int = _T5_MAX_LENGTH):
     from transformers import T5TokenizerFast
 
     # transformers 5: T5TokenizerFast is T5Tokenizer, backed by `tokenizers` with a Unigram model
     # built from (piece, score) pairs, so no sentencepiece file is needed.
-    return T5TokenizerFast(vocab=_t5_vocab(), extra_ids=0, model_max_length=_T5_MAX_LENGTH)
+    return T5TokenizerFast(vocab=_t5_vocab(words), extra_ids=0, model_max_length=max_length)
 
 
 # ------------------------------------------------------------------------------------------------

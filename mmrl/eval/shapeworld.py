@@ -1,0 +1,163 @@
+"""ShapeWorld in ``mmrl eval``: benchmark ``shapeworld[@heldout|@train]`` (mmrl's own; GitHub issue 11).
+
+    mmrl eval CONFIG benchmarks=[shapeworld@heldout] [limit=N] [images_per_prompt=K] [resolution=32] ...
+
+Prompts: :func:`mmrl.data.shapeworld.prompt_set` of the split (``shapeworld`` alone is ``@heldout``), GenEval's six
+categories with GenEval's templates and metadata, in round-robin tag order (``limit=6`` takes one prompt of every
+category). They are generated, not shipped: :func:`load_items` writes them once into
+``$MMRL_CACHE/eval-prompts/shapeworld-<split>-<sha256[:16]>.jsonl`` (default ``~/.cache/mmrl``), the file the
+protocol's ``prompts_sha256`` records, so a change of the prompt set is a change of protocol.
+
+Scoring: each image is judged by the ``shapeworld`` reward (:mod:`mmrl.rewards.shapeworld`: a weightless detector --
+colour segmentation, connected components, template shape classification -- and GenEval's rules of
+:mod:`mmrl.rewards.geneval`, the detections' segmented colours in place of CLIP's); the benchmark numbers are
+GenEval's :func:`mmrl.eval.scoring.geneval_scores` (``summary_scores.py``): ``per_tag`` accuracies, ``overall`` (their
+mean), ``image_accuracy``, ``prompt_accuracy``; plus ``partial`` (the mean fraction of satisfied clauses).
+
+Protocol defaults (:func:`defaults`, mmrl's choice): 4 images per prompt and base seed 42 (GenEval's), 32 px (the
+world's :data:`~mmrl.data.shapeworld.IMAGE_SIZE`), 40 steps and guidance 4.5 (Flow-GRPO's evaluation settings).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from mmrl.eval.protocol import Defaults
+from mmrl.eval.runner import BenchmarkSpec, EvalError, EvalItem, EvalOptions, Scorer, _float, _jsonable, _nan
+
+__all__ = ["EVAL_KEYS", "benchmark", "load_items", "defaults", "make_scorer", "main_keys", "ShapeWorldScorer",
+           "prompts_file"]
+
+#: No eval keys of its own: the detector has no weights to point at.
+EVAL_KEYS: dict[str, str] = {}
+
+_NAME = "shapeworld"
+_SOURCE = ("mmrl's ShapeWorld benchmark (mmrl.data.shapeworld, GitHub issue 11): 4 images per prompt and base seed 42 "
+           "as GenEval (djghosh13/geneval generation/diffusers_generate.py); 32 px, the world's image size; 40 steps, "
+           "CFG 4.5: Flow-GRPO's SD3.5-M evaluation settings (yifan123/flow_grpo config/grpo.py)")
+
+
+def _split(name: str) -> str:
+    from mmrl.data.shapeworld import SPLITS
+
+    head, _, split = name.partition("@")
+    if head != _NAME or ":" in name:
+        raise EvalError(f"benchmark {name!r}: expected shapeworld, shapeworld@train or shapeworld@heldout")
+    split = split or "heldout"
+    if split not in SPLITS:
+        raise EvalError(f"benchmark {name!r}: unknown ShapeWorld split {split!r}; splits: {', '.join(SPLITS)}")
+    return split
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("MMRL_CACHE")
+    return (Path(env).expanduser() if env else Path.home() / ".cache" / "mmrl") / "eval-prompts"
+
+
+def prompts_file(split: str) -> Path:
+    """The split's prompt file (written once, atomically, named by its content's sha256)."""
+    from mmrl.data.shapeworld import write_prompts
+
+    folder = _cache_dir()
+    scratch = folder / f".shapeworld-{split}-{os.getpid()}.jsonl"
+    write_prompts(scratch, split)
+    data = scratch.read_bytes()
+    target = folder / f"shapeworld-{split}-{hashlib.sha256(data).hexdigest()[:16]}.jsonl"
+    if target.is_file() and target.read_bytes() == data:
+        scratch.unlink()
+    else:
+        os.replace(scratch, target)
+    return target
+
+
+# --------------------------------------------------------------------------------------------------- plug-in API
+
+
+def benchmark(name: str, options: EvalOptions) -> BenchmarkSpec:
+    """Check ``shapeworld[@train|@heldout]`` (nothing to load)."""
+    return BenchmarkSpec(name, _NAME, _split(name))
+
+
+def load_items(spec: BenchmarkSpec, options: EvalOptions) -> tuple[list[EvalItem], Path, str | None]:
+    """One :class:`EvalItem` per prompt of the split (category = GenEval tag); the file read is the written prompt
+    file (no pinned sha256: it is generated)."""
+    from mmrl.data.prompts import read_prompts
+
+    path = prompts_file(spec.prompt_set)
+    items = []
+    for i, p in enumerate(read_prompts(path)):
+        meta = {**p.metadata, "prompt": p.prompt}
+        items.append(EvalItem(i, p.prompt, meta, meta["tag"]))
+    return items, path, None
+
+
+def defaults(spec: BenchmarkSpec) -> Defaults:
+    from mmrl.data.shapeworld import IMAGE_SIZE
+
+    return Defaults(4, 42, IMAGE_SIZE, 40, 4.5, _SOURCE)
+
+
+def make_scorer(spec: BenchmarkSpec, options: EvalOptions) -> "ShapeWorldScorer":
+    return ShapeWorldScorer()
+
+
+def main_keys(spec: BenchmarkSpec) -> list[str]:
+    return ["correct"]
+
+
+# --------------------------------------------------------------------------------------------------- scorer
+
+
+class ShapeWorldScorer(Scorer):
+    """The ``shapeworld`` reward per image (GenEval's rules, a weightless detector);
+    :func:`mmrl.eval.scoring.geneval_scores`."""
+
+    name = "shapeworld"
+    headline = "overall"
+    sample_score = "correct"
+
+    def __init__(self):
+        from mmrl.data.shapeworld import PROMPTS_VERSION
+        from mmrl.eval.runner import _mmrl_version, _version
+        from mmrl.rewards.shapeworld import COLOR_THRESHOLD, MIN_SIDE
+
+        self.settings = {"threshold": 0.3, "counting_threshold": 0.9, "max_objects": 16, "max_overlap": 1.0,
+                         "position_threshold": 0.1, "color_threshold": COLOR_THRESHOLD, "min_side_at_32px": MIN_SIDE,
+                         "world": PROMPTS_VERSION,
+                         "detector": "mmrl.rewards.shapeworld.detect: colour segmentation (half-way coverage of a "
+                                     "named colour), scipy.ndimage connected components, template-IoU shape "
+                                     "classification (no learned weights)",
+                         "rules": "mmrl.rewards.geneval (djghosh13/geneval evaluation/evaluate_images.py), colours "
+                                  "from the segmentation",
+                         "summary": "mmrl.eval.scoring.geneval_scores (evaluation/summary_scores.py)"}
+        self.defaults = {}
+        self.version = f"mmrl {_mmrl_version()}, scipy {_version('scipy')}, numpy {_version('numpy')}"
+        self.reward = None
+
+    def build(self) -> None:
+        from mmrl.rewards import build_reward
+
+        self.reward = build_reward("shapeworld")
+
+    def score(self, images: list, item: EvalItem) -> list[dict]:
+        n = len(images)
+        try:
+            out = self.reward(images, None, [item.metadata] * n)
+        except Exception as exc:  # the whole prompt unjudged, with the reason
+            reason = f"ShapeWorld scoring failed: {type(exc).__name__}: {exc}"
+            return [{"scores": {"correct": None, "partial": None}, "verdict": None, "reason": reason}] * n
+        details = list(self.reward.last_details) + [None] * n
+        reasons = self.reward.last_info.get("nan_samples", {})
+        return [{"scores": {"correct": _float(out["strict"][i]), "partial": _float(out["partial"][i])},
+                 "verdict": _jsonable(details[i]), "reason": reasons.get(i)} for i in range(n)]
+
+    def summarize(self, rows: list[dict], items: list[EvalItem], out: Path) -> dict:
+        from mmrl.eval.scoring import geneval_scores, mean_with_count
+
+        by_index = {item.index: item for item in items}
+        results = [{"tag": by_index[r["prompt_index"]].category, "correct": _nan(r["scores"]["correct"]),
+                    "metadata": by_index[r["prompt_index"]].metadata} for r in rows]
+        metrics = geneval_scores(results)
+        metrics["partial"] = mean_with_count([_nan(r["scores"]["partial"]) for r in rows])
+        return metrics

@@ -1,0 +1,245 @@
+"""`mmrl pretrain` (mmrl.pretrain): SD3 flow-matching pretraining on ShapeWorld, on a very small world.
+
+A smoke run writes metrics, checkpoints, samples and a StableDiffusion3Pipeline folder that mmrl's flow policy loads
+and samples from; on a fixed batch the loss falls (an overfitting check); a run killed mid-way and resumed ends
+with exactly the weights and losses of an uninterrupted one; config mistakes are one-line errors; the loss is the
+rectified-flow formula of SD3 on a case computed by hand.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from fixtures import metrics_rows, one_error
+
+from mmrl.config import ConfigError, config_from_dict
+from mmrl.pretrain import (
+    Pretrainer,
+    build_tokenizers,
+    flow_matching_loss,
+    load_pretrain_config,
+    main,
+    prompt_words,
+    run_pretrain,
+    sample_flow_timesteps,
+)
+
+#: A very small world and model: 16 px, two GenEval categories, one transformer block; 3 VAE + 4 flow steps.
+SMALL = {
+    "image_size": 16,
+    "data": {"tags": ["single_object", "colors"], "pool_size": 24},
+    "text": {"max_length": 12, "clip_hidden": 8, "clip_layers": 1, "clip_heads": 2, "clip_projection": 8,
+             "t5_dim": 16, "t5_layers": 1, "t5_heads": 2},
+    "vae": {"block_out_channels": [8, 8], "latent_channels": 4, "steps": 3, "batch_size": 4, "stats_images": 8},
+    "transformer": {"num_layers": 1, "num_heads": 2, "head_dim": 8},
+    "train": {"steps": 4, "batch_size": 4, "warmup_steps": 0, "lr": 3e-3, "ema_decay": 0.5},
+    "logging": {"log_every": 1, "save_every": 2, "keep_last": 5, "sample_seeds": [0], "num_sample_prompts": 2,
+                "sample_steps": 2, "progress_bar": False},
+}
+TOTAL = 3 + 4
+
+
+def write_config(path: Path, output_dir: Path, **sections) -> Path:
+    data = json.loads(json.dumps(SMALL))
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    data["output_dir"] = str(output_dir)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def weights(pipeline: Path, component: str) -> dict[str, torch.Tensor]:
+    files = sorted((pipeline / component).glob("*.safetensors"))
+    assert files, f"no weights in {pipeline / component}"
+    out = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory) -> Path:
+    """An uninterrupted run (pool of 24 pairs, fresh batches from it every step)."""
+    base = tmp_path_factory.mktemp("pretrain_a")
+    config = write_config(base / "a.yaml", base / "run")
+    pipeline = run_pretrain(config)
+    assert pipeline == base / "run" / "pipeline"
+    return base / "run"
+
+
+def test_smoke_run_writes_metrics_checkpoints_samples_and_a_pipeline_the_policy_loads(run_a):
+    from mmrl.build import build_policy
+    from mmrl.checkpoint import latest_checkpoint
+
+    rows = metrics_rows(run_a)
+    assert [r["step"] for r in rows] == list(range(1, TOTAL + 1))
+    assert [r["stage"] for r in rows] == ["vae"] * 3 + ["flow"] * 4
+    assert all(r["loss"] > 0 and r["seconds_per_step"] > 0 for r in rows)
+    latest = latest_checkpoint(run_a / "checkpoints")
+    assert latest.name == f"step_{TOTAL}"
+    state = json.loads((latest / "state.json").read_text())
+    assert state["step"] == TOTAL and state["stage"] == "flow"
+    assert {p.name for p in (run_a / "checkpoints").iterdir()} >= {"step_2", "step_3", "step_4", "step_6", "step_7"}
+    assert (run_a / "samples" / f"step_{TOTAL}.png").is_file()
+    assert len((run_a / "samples" / "prompts.txt").read_text().splitlines()) == 2
+
+    pipeline = run_a / "pipeline"
+    vae_config = json.loads((pipeline / "vae" / "config.json").read_text())
+    assert vae_config["scaling_factor"] == pytest.approx(state["latent_stats"]["scaling_factor"])
+    assert vae_config["shift_factor"] == pytest.approx(state["latent_stats"]["shift_factor"])
+    assert vae_config["scaling_factor"] != 1.0  # measured, not the constructor's placeholder
+
+    # the EMA weights are what the pipeline holds
+    ema = torch.load(latest / "ema.pt", weights_only=False)["shadow"]
+    saved = weights(pipeline, "transformer")
+    assert len(ema) > 10 and all(torch.equal(saved[k.removeprefix("transformer.")], v) for k, v in ema.items())
+
+    config = config_from_dict({
+        "model": {"family": "sd3", "pretrained": str(pipeline), "dtype": "float32", "resolution": 16},
+        "sampling": {"max_sequence_length": 12, "num_steps": 3, "eval_num_steps": 3, "guidance_scale": 3.0},
+        "data": {"prompt_list": ["a photo of a red circle"], "prompts_per_step": 1, "group_size": 2},
+        "train": {"batch_size": 2}, "rewards": {"brightness": 1.0},
+    })
+    policy = build_policy(config)
+    images = policy.sample_eval(["a photo of a red circle", "a photo of a square"], [0, 1])
+    assert images.shape == (4, 3, 16, 16) and torch.isfinite(images).all()
+    assert not torch.allclose(images[0], images[2])  # the prompt matters
+    tokenizer = policy.family.pipe.tokenizer
+    assert len(tokenizer.tokenize("circle")) == 1
+
+    # a finished run is not trained again
+    assert run_pretrain(run_a / "config.yaml") == pipeline
+    assert len(metrics_rows(run_a)) == TOTAL
+
+
+def test_overfit_a_fixed_batch_loss_falls(tmp_path):
+    """The same images, prompts, noise and timesteps every step: both stages' losses must fall. Fresh renders (no
+    pool) and jointly trained text encoders: the code paths the other tests do not take."""
+    config = write_config(tmp_path / "fixed.yaml", tmp_path / "run", data={"fixed_batch": True, "pool_size": 0},
+                          text={"train": True}, vae={"steps": 6, "lr": 3e-3}, train={"steps": 6, "cfg_dropout": 0.0})
+    run_pretrain(config)
+    rows = metrics_rows(tmp_path / "run")
+    vae = [r["loss"] for r in rows if r["stage"] == "vae"]
+    flow = [r["loss"] for r in rows if r["stage"] == "flow"]
+    assert len(vae) == 6 and len(flow) == 6
+    assert vae[-1] < 0.8 * vae[0], vae
+    assert flow[-1] < 0.9 * flow[0], flow
+    assert sum(b < a for a, b in zip(flow, flow[1:])) >= 4, flow
+    text_encoder = weights(tmp_path / "run" / "pipeline", "text_encoder_3")
+    initial = Pretrainer(load_pretrain_config(config)).c["text_encoder_3"].state_dict()
+    assert any(not torch.equal(v, initial[k]) for k, v in text_encoder.items() if k in initial)  # trained
+
+
+def test_killed_run_resumes_to_the_uninterrupted_result(run_a, tmp_path, monkeypatch):
+    config = write_config(tmp_path / "b.yaml", tmp_path / "run")
+    original = Pretrainer.flow_step
+
+    def dying(self, k):
+        if k == 2:  # global step 6: the last checkpoint is step_4 (save_every 2), step 5 is logged and lost
+            raise RuntimeError("killed")
+        return original(self, k)
+
+    monkeypatch.setattr(Pretrainer, "flow_step", dying)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_pretrain(config)
+    assert not (tmp_path / "run" / "pipeline").exists()
+    assert [r["step"] for r in metrics_rows(tmp_path / "run")] == [1, 2, 3, 4, 5]
+    monkeypatch.setattr(Pretrainer, "flow_step", original)
+
+    pipeline = run_pretrain(config)  # resume: auto (the default) continues from step_4
+    assert (tmp_path / "run" / "config.resume_4.yaml").is_file()
+    rows_a, rows_b = metrics_rows(run_a), metrics_rows(tmp_path / "run")
+    assert [r["step"] for r in rows_b] == list(range(1, TOTAL + 1))
+    assert [r["loss"] for r in rows_b] == [r["loss"] for r in rows_a]
+    for component in ("transformer", "vae"):
+        a, b = weights(run_a / "pipeline", component), weights(pipeline, component)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), component
+
+    # what the checkpoint's weights mean cannot change on resume
+    with pytest.raises(ConfigError, match="cannot resume .*transformer.num_layers"):
+        run_pretrain(config, ["transformer.num_layers=2", "train.steps=6"])
+
+
+def test_unknown_key_is_one_line_error_naming_file_line_and_nearest_key(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("seed: 1\ntrain:\n  steps: 3\n  stepz: 4\n")
+    assert main([str(path)]) == 2
+    line = one_error(capsys, f"{path}:4", "unknown config key 'train.stepz'", "did you mean 'train.steps'?")
+    assert "Traceback" not in line
+    assert main([str(tmp_path / "missing.yaml")]) == 2
+    one_error(capsys, "config file not found")
+    good = write_config(tmp_path / "good.yaml", tmp_path / "run")
+    assert main([str(good), "vae.stepz=1"]) == 2
+    one_error(capsys, "unknown config key 'vae.stepz'", "did you mean 'vae.steps'?")
+    with pytest.raises(ConfigError, match="image_size must be a multiple of 4"):
+        load_pretrain_config(good, ["image_size=18"])
+    with pytest.raises(ConfigError, match="train.cfg_dropout"):
+        load_pretrain_config(good, ["train.cfg_dropout=1.0"])
+
+
+class Recorder(torch.nn.Module):
+    """Stands in for SD3Transformer2DModel: records its inputs, returns a fixed velocity."""
+
+    def __init__(self, output: torch.Tensor):
+        super().__init__()
+        self.output = output
+
+    def forward(self, hidden_states, timestep, return_dict=False, **cond):
+        self.seen = (hidden_states.clone(), timestep.clone(), cond)
+        return (self.output,)
+
+
+def test_loss_is_the_rectified_flow_formula_on_a_hand_computed_case():
+    # sample 0: x0 = (1, 2), noise = (3, 5), sigma = 0.25 -> x_t = 0.75 x0 + 0.25 noise = (1.5, 2.75),
+    #           target noise - x0 = (2, 3), prediction (1, 1): squared errors (1, 4), mean 2.5
+    # sample 1: x0 = (0, 0), noise = (1, -1), sigma = 1 -> x_t = noise = (1, -1), target (1, -1),
+    #           prediction (1, 1): squared errors (0, 4), mean 2.0. The loss: (2.5 + 2.0) / 2 = 2.25
+    x0 = torch.tensor([[1.0, 2.0], [0.0, 0.0]]).view(2, 2, 1, 1)
+    noise = torch.tensor([[3.0, 5.0], [1.0, -1.0]]).view(2, 2, 1, 1)
+    sigmas = torch.tensor([0.25, 1.0])
+    timesteps = sigmas * 1000
+    model = Recorder(torch.ones(2, 2, 1, 1))
+    loss = flow_matching_loss(model, x0, noise, sigmas, timesteps, encoder_hidden_states="E", pooled_projections="P")
+    assert loss.item() == pytest.approx(2.25)
+    hidden, t, cond = model.seen
+    assert torch.allclose(hidden.flatten(), torch.tensor([1.5, 2.75, 1.0, -1.0]))
+    assert torch.equal(t, timesteps) and cond == {"encoder_hidden_states": "E", "pooled_projections": "P"}
+
+
+def test_timesteps_are_drawn_from_the_shifted_scheduler_table():
+    """diffusers' SD3 rule: index = int(u * 1000) into the training scheduler's (shifted) tables."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    shift = 3.0
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    sigmas, timesteps = sample_flow_timesteps(scheduler, 5, weighting_scheme="uniform",
+                                              generator=torch.Generator().manual_seed(3))
+    u = torch.rand(5, generator=torch.Generator().manual_seed(3))
+    s = (1000 - (u * 1000).long()).double() / 1000  # the unshifted sigma of that table entry
+    assert torch.allclose(sigmas.double(), shift * s / (1 + (shift - 1) * s), atol=1e-6)
+    assert torch.allclose(timesteps, sigmas * 1000, atol=1e-3)
+    ln_sigmas, _ = sample_flow_timesteps(scheduler, 4000, weighting_scheme="logit_normal", logit_mean=0.0,
+                                         logit_std=1.0, generator=torch.Generator().manual_seed(0))
+    # logit-normal(0, 1) puts the median of u at 0.5, i.e. sigma = 3 * 0.5 / (1 + 2 * 0.5) = 0.75 after the shift
+    assert ln_sigmas.median().item() == pytest.approx(0.75, abs=0.03)
+
+
+def test_tokenizers_give_every_shapeworld_word_its_own_token():
+    from mmrl.data import shapeworld
+
+    prompts = [p for split in ("train", "heldout") for p, _ in shapeworld.prompt_set(split)]
+    words = prompt_words(prompts)
+    assert {"circle", "squares", "red", "purple", "left", "below", "three"} <= set(words)
+    clip, t5 = build_tokenizers(words, 12)
+    ids = [clip.convert_tokens_to_ids(clip.tokenize(w))[0] for w in words]
+    assert len(set(ids)) == len(words)
+    longest = max(prompts, key=lambda p: len(clip(p).input_ids))
+    assert len(clip(longest).input_ids) <= 12 and len(t5(longest).input_ids) <= 12, longest
+    a, b = clip("a photo of a red circle").input_ids, clip("a photo of a blue circle").input_ids
+    assert len(a) == len(b) == 8 and sum(x != y for x, y in zip(a, b)) == 1

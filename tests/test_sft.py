@@ -1,0 +1,241 @@
+"""``mmrl sft``: completion-only labels and loss, overfitting a small set, exact resume after a kill, the saved
+folder in ``mmrl train``, and one-line errors naming the file and line."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from mmrl.config import ConfigError
+from mmrl.data.prompts import DataError
+from mmrl.sft import (SFTRun, batch_loss, collate, completion_loss, load_sft_config, main, policy_config,
+                      read_sft_data, run_sft)
+from fixtures import metrics_rows
+
+REPO = Path(__file__).parents[1]
+QUIET = {"logging": {"progress_bar": False}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MMRL_CACHE", str(tmp_path_factory.getbasetemp() / "mmrl-cache"))
+        yield
+
+
+def _write_data(folder: Path, n: int = 4) -> Path:
+    """``n`` tiny:grounding images (one coloured box each; the question names the colour) with an sft_target."""
+    from mmrl.data.synthetic import build_grounding_set
+
+    rows = [json.loads(line) for line in build_grounding_set(folder, num_samples=n).read_text().splitlines()]
+    for row in rows:
+        colour = row["question"].split()[3]
+        row["sft_target"] = f"<think>The {colour} box.</think><answer>{row['solution']}</answer>"
+    path = folder / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _config(path: Path, train_data: Path | str, /, **sections) -> Path:
+    """Write an SFT config: the tiny base, short generation budget, ``train_data``, then ``sections`` merged in."""
+    config = {"model": {"base": "tiny:qwen2_5_vl"}, "generation": {"max_new_tokens": 40, "max_prompt_length": 512},
+              "data": {"train": str(train_data)}, **QUIET}
+    for key, value in sections.items():
+        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return _write_data(tmp_path_factory.mktemp("sft-data"))
+
+
+@pytest.fixture(scope="module")
+def overfit(tmp_path_factory, data):
+    """60 steps on 4 lines at a constant 5e-3, evaluated (greedy answers) on the same lines at the end."""
+    out = tmp_path_factory.mktemp("sft-overfit")
+    cfg = _config(out / "sft.yaml", data, output_dir=str(out / "run"), data={"eval": str(data)},
+                  train={"steps": 60, "batch_size": 4, "lr": 5e-3, "lr_scheduler": "constant"},
+                  eval={"every": 60}, logging={"save_every": 0})
+    folder = run_sft(cfg)
+    return out / "run", folder
+
+
+def test_labels_mask_every_prompt_token_and_the_loss_is_the_completion_cross_entropy(tmp_path, data):
+    from mmrl.build import build_vlm_policy
+
+    cfg = load_sft_config(_config(tmp_path / "sft.yaml", data, output_dir=str(tmp_path / "run")))
+    policy = build_vlm_policy(policy_config(cfg, "tiny:qwen2_5_vl", str(data)))
+    samples = list(read_sft_data(data, "sft_target"))[:4:3]  # red (a one-token word) and yellow (bytes): 2 lengths
+    batch = collate(policy, samples)
+    tok = policy.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    width = batch.completion_width
+    lp = batch.input_ids.shape[1] - width
+    # the prompts are the policy's rollout prompts, token for token
+    rollout = policy.rollout(samples, 1, generator=torch.Generator().manual_seed(0), greedy=True)
+    assert torch.equal(batch.input_ids[:, :lp], rollout.prompt_ids)
+    prompt_text = tok.decode(batch.input_ids[0, :lp])
+    assert cfg.generation.system_prompt in prompt_text and samples[0].question in prompt_text
+    assert "<|image_pad|>" in prompt_text and prompt_text.endswith("<|im_start|>assistant\n")
+    # labels by hand: -100 on every prompt token, the target tokens + <|im_end|>, then -100 on padding
+    lengths = []
+    for row, sample in enumerate(samples):
+        ids = tok(sample.metadata["sft_target"], add_special_tokens=False)["input_ids"] + [end]
+        lengths.append(len(ids))
+        labels = batch.labels[row]
+        assert (labels[:lp] == -100).all()
+        assert labels[lp:lp + len(ids)].tolist() == ids
+        assert (labels[lp + len(ids):] == -100).all()
+        assert tok.decode(labels[lp:lp + len(ids)]) == sample.metadata["sft_target"] + "<|im_end|>"
+        assert batch.attention_mask[row, lp:].tolist() == [1] * len(ids) + [0] * (width - len(ids))
+    assert len(set(lengths)) == 2 and batch.num_tokens == sum(lengths)
+    # the loss: mean token cross-entropy of the completion tokens; gradient only where the next token is labelled
+    kwargs = dict(batch.model_kwargs)
+    logits = policy.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **kwargs,
+                          use_cache=False).logits.float()
+    logits.retain_grad()
+    total, count = completion_loss(logits, batch.labels)
+    assert count == sum(lengths)
+    by_hand = sum(-torch.log_softmax(logits[r, t - 1], -1)[batch.labels[r, t]]
+                  for r in range(len(samples)) for t in range(lp, lp + lengths[r]))
+    assert torch.allclose(total, by_hand, rtol=1e-5)
+    (total / count).backward()
+    labelled_next = torch.zeros_like(batch.labels, dtype=torch.bool)
+    labelled_next[:, :-1] = batch.labels[:, 1:] != -100
+    grad = logits.grad.abs().sum(-1)
+    assert (grad[~labelled_next] == 0).all()
+    assert (grad[labelled_next] > 0).all()
+    assert labelled_next[:, :lp - 1].sum() == 0 and labelled_next[:, lp - 1].all()  # the last prompt position only
+    # the training forward keeps only the completion logits: the same loss
+    with torch.no_grad():
+        kept, n = batch_loss(policy, batch, train=False)
+    assert n == count and torch.allclose(kept, total.detach(), rtol=1e-5)
+
+
+def test_a_few_steps_overfit_and_greedy_decoding_reproduces_the_targets(overfit):
+    run, folder = overfit
+    rows = metrics_rows(run)
+    assert [r["step"] for r in rows] == list(range(1, 61))
+    first, last = rows[0]["loss"], rows[-1]["loss"]
+    assert first > 5.0 and last < 0.2 * first and last < 0.5
+    assert rows[-1]["eval/loss"] < 0.5 and rows[-1]["eval/exact_match"] >= 0.5
+    answers = [json.loads(line) for line in (run / "samples" / "step_60.jsonl").read_text().splitlines()]
+    exact = [a for a in answers if a["completion"] == a["target"]]
+    assert exact, answers  # a training target written back exactly by greedy decoding
+    assert all(a["reward/answer/iou"] == 1.0 and a["reward/think_answer_format"] == 1.0 for a in exact)
+    assert rows[-1]["eval/reward/answer/iou"] > 0.5
+    assert folder == run / "model"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "processor_config.json"} <= \
+        {p.name for p in folder.iterdir()}
+    snippet = yaml.safe_load((run / "mmrl_train.yaml").read_text())
+    assert snippet["model"] == {"family": "qwen_vl", "pretrained": str(folder), "dtype": "float32"}
+
+
+def test_the_saved_folder_is_a_qwen_vl_policy_and_mmrl_train_updates_from_it(tmp_path, overfit, data):
+    from mmrl.build import build_policy
+    from mmrl.cli import main as cli_main
+    from mmrl.config import load_config
+
+    run, folder = overfit
+    answers = {a["id"]: a for a in map(json.loads, (run / "samples" / "step_60.jsonl").read_text().splitlines())}
+    config = load_config(REPO / "configs/tiny/vlm_grounding.yaml",
+                         [f"model.pretrained={folder}", f"data.dataset={data}", "generation.max_new_tokens=40"])
+    policy = build_policy(config)
+    samples = list(read_sft_data(data, "sft_target"))
+    greedy = policy.sample_eval(samples)
+    assert greedy == [answers[s.id]["completion"] for s in samples]  # same prompts, same model as the SFT eval
+    out = tmp_path / "grpo"
+    assert cli_main(["train", str(REPO / "configs/tiny/vlm_grounding.yaml"), f"output_dir={out}",
+                     f"model.pretrained={folder}", f"data.dataset={data}", "generation.max_new_tokens=40",
+                     "train.steps=1", "logging.eval_every=0", "logging.tensorboard=false",
+                     "logging.progress_bar=false"]) == 0
+    (row,) = metrics_rows(out)
+    assert row["reward/think_answer_format"] > 0.5 and row["reward/iou"] > 0.2  # a random model scores 0 on both
+    assert row["grad_norm"] > 0
+
+
+def test_resume_after_a_kill_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+    # ShapeWorld lines written on the spot (grounding, counting, a video), a small custom-width base
+    common = dict(model={"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+                         "vision_depth": 1, "vision_hidden_size": 16, "vision_heads": 2},
+                  generation={"max_new_tokens": 96, "max_prompt_length": 1024},
+                  train={"steps": 4, "batch_size": 3, "lr": 2e-3, "warmup_steps": 1}, eval={"every": 0},
+                  logging={"save_every": 2})
+    a = _config(tmp_path / "a.yaml", "shapeworld:train:6", output_dir=str(tmp_path / "a"), **common)
+    b = _config(tmp_path / "b.yaml", "shapeworld:train:6", output_dir=str(tmp_path / "b"), **common)
+    run_sft(a)
+    base = json.loads((tmp_path / "a" / "base" / "config.json").read_text())
+    assert base["text_config"]["hidden_size"] == 32 and base["vision_config"]["hidden_size"] == 16
+    tasks = [json.loads(line)["task"] for line in
+             (tmp_path / "a" / "data" / "shapeworld-train-6-qwen25-seed0" / "train.jsonl").read_text().splitlines()]
+    assert set(tasks) == {"grounding", "numeric", "temporal_grounding"}
+
+    real_step = SFTRun.train_step
+
+    def killed_in_step_3(self):
+        if self.step == 2:
+            # a kill while writing the next checkpoint leaves a temporary folder behind
+            (self.output_dir / "checkpoints" / ".step_3.tmp-999").mkdir()
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(SFTRun, "train_step", killed_in_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(b)
+    assert not (tmp_path / "b" / "model").exists()
+    monkeypatch.setattr(SFTRun, "train_step", real_step)
+    run_sft(b)  # resume: auto, from checkpoints/step_2
+    assert [r["step"] for r in metrics_rows(tmp_path / "b")] == [1, 2, 3, 4]
+    for rel in ("checkpoints/step_4/trainable.safetensors", "model/model.safetensors"):
+        wa, wb = load_file(str(tmp_path / "a" / rel)), load_file(str(tmp_path / "b" / rel))
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), rel
+    w2 = load_file(str(tmp_path / "b" / "checkpoints" / "step_2" / "trainable.safetensors"))
+    w4 = load_file(str(tmp_path / "b" / "checkpoints" / "step_4" / "trainable.safetensors"))
+    assert any(not torch.equal(w2[k], w4[k]) for k in w2)
+    assert metrics_rows(tmp_path / "a")[2]["loss"] == metrics_rows(tmp_path / "b")[2]["loss"]
+
+
+def test_bad_config_and_data_are_one_line_errors_naming_file_and_line(tmp_path, data, capsys):
+    cfg = tmp_path / "sft.yaml"
+    cfg.write_text(f"model:\n  base: tiny:qwen2_5_vl\ndata:\n  train: {data}\ntrain:\n  steps: 3\n  stpes: 4\n")
+    with pytest.raises(ConfigError, match=rf"^{cfg}:7: unknown config key 'train.stpes'; did you mean 'train.steps'\?"):
+        load_sft_config(cfg)
+    assert main([str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"mmrl: error: {cfg}:7: unknown config key 'train.stpes'")
+    cfg.write_text(f"data:\n  train: {data}\n")
+    with pytest.raises(ConfigError, match=r"override 'train.lr=-1'.*train.lr: must be a number > 0"):
+        load_sft_config(cfg, ["train.lr=-1"])
+    cfg.write_text(f"seed: 1\ndata:\n  train: {tmp_path / 'missing.jsonl'}\n")
+    with pytest.raises(ConfigError, match=rf"^{cfg}:3: data.train: file not found"):
+        load_sft_config(cfg)
+    recipe = load_sft_config(REPO / "configs/shapes/sft_qwen_vl.yaml")  # its data are written on the spot
+    assert recipe.data.train == "shapeworld:train:3000" and recipe.model.hidden_size == 128
+    cfg.write_text("model:\n  base: some/hub-model\n  hidden_size: 128\ndata:\n  train: x.jsonl\n")
+    with pytest.raises(ConfigError, match=rf"^{cfg}:3: model.hidden_size: widths apply to a from-scratch base"):
+        load_sft_config(cfg, check_files=False)
+
+    # a line without its target: the file and line, before any model is built
+    lines = data.read_text().splitlines()
+    bad = json.loads(lines[2])
+    del bad["sft_target"]
+    broken = data.parent / "broken.jsonl"
+    broken.write_text("\n".join([lines[0], lines[1], json.dumps(bad), lines[3]]) + "\n")
+    out = tmp_path / "run"
+    assert main([str(_config(cfg, broken, output_dir=str(out)))]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"mmrl: error: {broken}:3: field 'sft_target' (the completion to train on")
+    assert err.rstrip().endswith("is missing")
+    assert not (out / "base").exists()
+    with pytest.raises(DataError, match=rf"^{broken}:3: "):
+        read_sft_data(broken, "sft_target")
+    # a target the rollout budget could never write
+    assert main([str(_config(cfg, data, output_dir=str(out), generation={"max_new_tokens": 8}))]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{data}:1: field 'sft_target' is" in err and "generation.max_new_tokens=8" in err
