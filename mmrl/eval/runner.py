@@ -524,6 +524,8 @@ class GenEvalScorer(Scorer):
     name = "geneval"
     headline = "overall"
     sample_score = "correct"
+    #: what the reason of an image that could not be scored names
+    failure = "GenEval scoring"
 
     def __init__(self, detector: str | None, clip_model: str | None):
         from mmrl.rewards.geneval import DEFAULT_CLIP, DEFAULT_DETECTOR
@@ -548,7 +550,7 @@ class GenEvalScorer(Scorer):
         try:
             out = self.reward(images, None, [item.metadata] * n)
         except Exception as exc:
-            reason = f"GenEval scoring failed: {type(exc).__name__}: {exc}"
+            reason = f"{self.failure} failed: {type(exc).__name__}: {exc}"
             return [{"scores": {"correct": None, "partial": None}, "verdict": None, "reason": reason}] * n
         details = list(self.reward.last_details) + [None] * n
         reasons = self.reward.last_info.get("nan_samples", {})

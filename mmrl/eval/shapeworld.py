@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 
 from mmrl.eval.protocol import Defaults
-from mmrl.eval.runner import BenchmarkSpec, EvalError, EvalItem, EvalOptions, Scorer, _float, _jsonable, _nan
+from mmrl.eval.runner import BenchmarkSpec, EvalError, EvalItem, EvalOptions, GenEvalScorer
 
 __all__ = ["EVAL_KEYS", "benchmark", "load_items", "defaults", "make_scorer", "main_keys", "ShapeWorldScorer",
            "prompts_file"]
@@ -109,13 +109,12 @@ def main_keys(spec: BenchmarkSpec) -> list[str]:
 # --------------------------------------------------------------------------------------------------- scorer
 
 
-class ShapeWorldScorer(Scorer):
+class ShapeWorldScorer(GenEvalScorer):
     """The ``shapeworld`` reward per image (GenEval's rules, a weightless detector);
-    :func:`mmrl.eval.scoring.geneval_scores`."""
+    :func:`mmrl.eval.scoring.geneval_scores`. Scoring and summary are :class:`~mmrl.eval.runner.GenEvalScorer`'s."""
 
     name = "shapeworld"
-    headline = "overall"
-    sample_score = "correct"
+    failure = "ShapeWorld scoring"
 
     def __init__(self):
         from mmrl.data.shapeworld import PROMPTS_VERSION
@@ -139,25 +138,3 @@ class ShapeWorldScorer(Scorer):
         from mmrl.rewards import build_reward
 
         self.reward = build_reward("shapeworld")
-
-    def score(self, images: list, item: EvalItem) -> list[dict]:
-        n = len(images)
-        try:
-            out = self.reward(images, None, [item.metadata] * n)
-        except Exception as exc:  # the whole prompt unjudged, with the reason
-            reason = f"ShapeWorld scoring failed: {type(exc).__name__}: {exc}"
-            return [{"scores": {"correct": None, "partial": None}, "verdict": None, "reason": reason}] * n
-        details = list(self.reward.last_details) + [None] * n
-        reasons = self.reward.last_info.get("nan_samples", {})
-        return [{"scores": {"correct": _float(out["strict"][i]), "partial": _float(out["partial"][i])},
-                 "verdict": _jsonable(details[i]), "reason": reasons.get(i)} for i in range(n)]
-
-    def summarize(self, rows: list[dict], items: list[EvalItem], out: Path) -> dict:
-        from mmrl.eval.scoring import geneval_scores, mean_with_count
-
-        by_index = {item.index: item for item in items}
-        results = [{"tag": by_index[r["prompt_index"]].category, "correct": _nan(r["scores"]["correct"]),
-                    "metadata": by_index[r["prompt_index"]].metadata} for r in rows]
-        metrics = geneval_scores(results)
-        metrics["partial"] = mean_with_count([_nan(r["scores"]["partial"]) for r in rows])
-        return metrics
