@@ -1,17 +1,23 @@
-"""Outcome vs dense credit on the same tiny setup and seeds: reward per update and per second of wall clock.
+"""Outcome vs dense credit on ShapeWorld at equal wall-clock time: training reward and the held-out GenEval-style
+score per second of training, not only per update.
 
-Runs the tiny TP-GRPO recipe (tiny SD3, CPS noise on a window of 9 of 10 steps, brightness reward) once per
-credit method -- outcome (Flow-GRPO), step_gain (DenseGRPO-style), turning_point (TP-GRPO), cosine (CoCA) --
-with identical seeds, and writes into ``--out DIR`` (default ``runs/credit_curves``, under the working directory)
+Each credit method -- outcome (Flow-GRPO), step_gain (DenseGRPO-style), turning_point (TP-GRPO), cosine (CoCA) --
+trains the shipped ShapeWorld SD3 base with ``configs/shapes/tp_grpo.yaml`` (CPS noise on a window of 9 of 10
+steps, ODE on the last, the ShapeWorld partial reward), the credit the only difference, with the same seeds, for the
+same wall-clock budget (``--seconds``). A dense method pays for its ODE completions (extra transformer calls and
+reward calls) and so gets fewer updates in the same time. At ``--evals`` equally spaced moments of the budget the
+clock stops and the live weights are scored on the first ``--eval-limit`` held-out prompts (``shapeworld@heldout``,
+2 images per prompt, 20 steps: ``mmrl eval``'s scoring through :func:`mmrl.eval.runner.evaluate_policy`), so every
+method is judged at the same training seconds. Writes into ``--out DIR`` (default ``runs/credit_curves``):
 
-    DIR/credit_curves.csv   method, step, reward, wall-clock seconds, extra NFE, reward calls
-    DIR/credit_curves.png   reward vs update and reward vs wall clock
+    DIR/credit_curves.csv      method, step, reward, wall-clock seconds, extra NFE, reward calls (one row per update)
+    DIR/credit_heldout.csv     method, seconds, update, held-out overall and per category
+    DIR/credit_curves.png      reward vs update, reward vs wall clock, held-out score vs wall clock
 
-    python benchmarks/credit_curves.py [--steps 15] [--methods outcome step_gain turning_point cosine] [--out DIR]
+    python benchmarks/credit_curves.py [--seconds 300] [--methods outcome step_gain turning_point] [--out DIR]
 
-The committed results are rewritten only when asked for: ``--out benchmarks/results``.
-
-This is a benchmark, not a test: on a random tiny model the curves are noisy; read them with their cost.
+The committed results are rewritten only when asked for: ``--out benchmarks/results``. This is a benchmark, not a
+test: one seed, so read the differences with the spread between evaluations.
 """
 
 from __future__ import annotations
@@ -31,72 +37,120 @@ from mmrl.config import load_config
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"  # the committed results: written only with an explicit --out
 DEFAULT_OUT = Path("runs") / "credit_curves"
+RECIPE = REPO / "configs" / "shapes" / "tp_grpo.yaml"
 
 
-def run(method: str, steps: int, seed: int, workdir: Path) -> list[dict]:
-    config = load_config(REPO / "configs/tiny/tp_grpo.yaml", [
-        f"output_dir={workdir / method}", f"algorithm.credit={method}", f"train.steps={steps}", f"seed={seed}",
-        "logging.eval_every=0", "logging.save_every=0", "logging.progress_bar=false", "logging.tensorboard=false",
-        "resume=null",
-    ])
+def heldout(trainer, config, label: str, workdir: Path) -> dict:
+    """The held-out ShapeWorld metrics of the trainer's live weights (clock stopped by the caller)."""
+    from mmrl.eval.runner import evaluate_policy, plan_training_eval
+
+    summary = evaluate_policy(trainer.policy, config, trainer.update, workdir / "eval" / label,
+                              planned=plan_training_eval(config), echo=lambda _: None)
+    return summary["benchmarks"]["shapeworld@heldout"]["metrics"]
+
+
+def run(method: str, seconds: float, evals: int, eval_limit: int, seed: int, workdir: Path, recipe: Path,
+        pretrained: str | None) -> tuple[list[dict], list[dict]]:
+    overrides = [f"output_dir={workdir / method}", f"algorithm.credit={method}", "train.steps=100000",
+                 f"seed={seed}", "logging.eval_every=0", "logging.save_every=0", "logging.progress_bar=false",
+                 "logging.tensorboard=false", "resume=null", "eval.every=0", "eval.benchmarks=[shapeworld@heldout]",
+                 f"eval.limit={eval_limit}"]
+    if pretrained:
+        overrides.append(f"model.pretrained={pretrained}")
+    config = load_config(recipe, overrides)
     torch.manual_seed(seed)
     trainer = build_trainer(config)
     samples = config.data.prompts_per_step * config.data.group_size  # final-image reward calls per update
-    rows, start = [], time.perf_counter()
-    while trainer.update < steps:
+    marks = [seconds * (k + 1) / evals for k in range(evals)]
+    rows, scores, spent = [], [], 0.0
+
+    def score(at: float) -> None:
+        metrics = heldout(trainer, config, f"{method}-{len(scores)}", workdir)
+        scores.append({"method": method, "seconds": round(at, 1), "update": trainer.update,
+                       "overall": metrics["overall"], **{f"tag/{k}": v for k, v in metrics["per_tag"].items()}})
+        print(json.dumps(scores[-1]), flush=True)
+
+    score(0.0)
+    while marks:
+        start = time.perf_counter()
         metrics = trainer.step()
+        spent += time.perf_counter() - start
         rows.append({"method": method, "step": int(metrics["step"]), "reward": metrics["reward/mean"],
-                     "wall_s": time.perf_counter() - start, "extra_nfe": metrics.get("cost/extra_nfe", 0.0),
+                     "wall_s": round(spent, 3), "extra_nfe": metrics.get("cost/extra_nfe", 0.0),
                      "reward_calls": samples + metrics.get("cost/reward_calls", 0.0)})
-        print(json.dumps(rows[-1]))
-    return rows
+        print(json.dumps(rows[-1]), flush=True)
+        while marks and spent >= marks[0]:
+            score(marks.pop(0))
+    return rows, scores
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], scores: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (by_step, by_time, held) = plt.subplots(1, 3, figsize=(15, 4))
     for method in dict.fromkeys(r["method"] for r in rows):
         mine = [r for r in rows if r["method"] == method]
-        by_step.plot([r["step"] for r in mine], [r["reward"] for r in mine], marker="o", ms=3, label=method)
-        by_time.plot([r["wall_s"] for r in mine], [r["reward"] for r in mine], marker="o", ms=3, label=method)
-    by_step.set(xlabel="update", ylabel="mean reward (brightness)", title="reward per update")
-    by_time.set(xlabel="wall clock (s)", ylabel="mean reward (brightness)", title="reward per second")
+        by_step.plot([r["step"] for r in mine], [r["reward"] for r in mine], marker="o", ms=2, label=method)
+        by_time.plot([r["wall_s"] for r in mine], [r["reward"] for r in mine], marker="o", ms=2, label=method)
+        evals = [s for s in scores if s["method"] == method]
+        held.plot([s["seconds"] for s in evals], [s["overall"] for s in evals], marker="o", label=method)
+    by_step.set(xlabel="update", ylabel="mean training reward (ShapeWorld partial)", title="reward per update")
+    by_time.set(xlabel="training wall clock (s)", ylabel="mean training reward", title="reward per second")
+    held.set(xlabel="training wall clock (s)", ylabel="held-out overall (strict)", title="held-out ShapeWorld")
     by_step.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+def write_csv(path: Path, rows: list[dict]) -> None:
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--seconds", type=float, default=300.0, help="training wall-clock budget per method")
+    parser.add_argument("--evals", type=int, default=3, help="held-out evaluations within the budget (+ one at 0 s)")
+    parser.add_argument("--eval-limit", type=int, default=36, help="held-out prompts per evaluation")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--methods", nargs="+", default=["outcome", "step_gain", "turning_point", "cosine"])
+    parser.add_argument("--methods", nargs="+", default=["outcome", "step_gain", "turning_point"])
+    parser.add_argument("--recipe", type=Path, default=RECIPE, help=f"the training config (default: {RECIPE})")
+    parser.add_argument("--pretrained", default=None, help="model.pretrained override (default: the recipe's)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help=f"folder for credit_curves.csv and .png (default: {DEFAULT_OUT}); the committed "
-                             f"results need an explicit --out benchmarks/results")
+                        help=f"folder for the CSVs and the PNG (default: {DEFAULT_OUT}); the committed results need "
+                             f"an explicit --out benchmarks/results")
     args = parser.parse_args(argv)
+    if args.seconds <= 0 or args.evals < 1 or args.eval_limit < 1:
+        parser.error("--seconds must be > 0, --evals and --eval-limit >= 1")
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
+    scores: list[dict] = []
     with tempfile.TemporaryDirectory() as workdir:
         for method in args.methods:
-            rows += run(method, args.steps, args.seed, Path(workdir))
-    with open(out / "credit_curves.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    plot(rows, out / "credit_curves.png")
-    print(f"wrote {out / 'credit_curves.csv'} and {out / 'credit_curves.png'}")
-    print(f"{'method':<14} {'first 3':>9} {'last 3':>9} {'wall s':>8} {'extra NFE/upd':>14}")
+            mine, held = run(method, args.seconds, args.evals, args.eval_limit, args.seed, Path(workdir),
+                             args.recipe, args.pretrained)
+            rows += mine
+            scores += held
+    write_csv(out / "credit_curves.csv", rows)
+    write_csv(out / "credit_heldout.csv", scores)
+    plot(rows, scores, out / "credit_curves.png")
+    print(f"wrote {out / 'credit_curves.csv'}, {out / 'credit_heldout.csv'} and {out / 'credit_curves.png'}")
+    print(f"{'method':<14} {'updates':>8} {'reward first 3':>15} {'last 3':>8} {'held-out 0 s':>13} "
+          f"{'at ' + format(args.seconds, 'g') + ' s':>10} {'extra NFE/upd':>14}")
     for method in args.methods:
         mine = [r for r in rows if r["method"] == method]
-        first = sum(r["reward"] for r in mine[:3]) / 3
-        last = sum(r["reward"] for r in mine[-3:]) / 3
-        print(f"{method:<14} {first:9.4f} {last:9.4f} {mine[-1]['wall_s']:8.1f} {mine[0]['extra_nfe']:14.0f}")
+        held = [s for s in scores if s["method"] == method]
+        first = sum(r["reward"] for r in mine[:3]) / len(mine[:3])
+        last = sum(r["reward"] for r in mine[-3:]) / len(mine[-3:])
+        print(f"{method:<14} {len(mine):8d} {first:15.4f} {last:8.4f} {held[0]['overall']:13.4f} "
+              f"{held[-1]['overall']:10.4f} {mine[0]['extra_nfe']:14.0f}")
 
 
 if __name__ == "__main__":

@@ -48,10 +48,9 @@ def build_source(config: Config):
     skip, counted in the returned source's ``problems``. ``mmrl config validate`` checks deeper.
     """
     if config.model.family == "qwen_vl":
-        from mmrl.data.synthetic import resolve_dataset
         from mmrl.data.vlm import VLMSampleSource, read_vlm_jsonl
 
-        samples = read_vlm_jsonl(resolve_dataset(config.data.dataset), skip_bad=config.data.skip_bad_samples,
+        samples = read_vlm_jsonl(resolve_vlm_dataset(config), skip_bad=config.data.skip_bad_samples,
                                  verify_images=True, verify_videos=True)
         if not samples:  # read_vlm_jsonl already raises on a file with no usable sample
             raise DataError(f"{config.data.dataset}: no usable sample")
@@ -135,6 +134,63 @@ def build_policy(config: Config, device: torch.device | str = "cpu"):
     )
 
 
+def policy_model_type(config: Config, *, warn: bool = True) -> str | None:
+    """The transformers model type of a ``qwen_vl`` policy: the name of a ``tiny:<model_type>`` model, else
+    ``transformers.AutoConfig.from_pretrained(model.pretrained).model_type`` (a local folder, the shipped
+    ``shapeworld:qwen_vl``, or the hub cache when offline); None (with a warning when ``warn``) when it cannot be
+    read."""
+    import logging
+
+    m = config.model
+    if m.pretrained.startswith("tiny:"):
+        return m.pretrained.split(":", 1)[1]
+    try:
+        from transformers import AutoConfig
+
+        from mmrl.pipelines.vlm.qwen import resolve_vlm_pretrained
+
+        return AutoConfig.from_pretrained(resolve_vlm_pretrained(m.pretrained), revision=m.revision).model_type
+    except Exception as exc:  # offline without the config, a bad path...: no default, samples must say
+        if warn:
+            logging.getLogger(__name__).warning(
+                "could not read the model type of model.pretrained=%r (%s: %s); box rewards get no default "
+                "coord_format", m.pretrained, type(exc).__name__, exc)
+        return None
+
+
+def policy_coord_format(config: Config) -> str | None:
+    """The box coordinate format a ``qwen_vl`` policy answers in (:data:`mmrl.rewards.grounding.QWEN_COORD_FORMATS`),
+    from its model type (:func:`policy_model_type`). None, with a warning, when that cannot be read or is not a known
+    Qwen-VL."""
+    import logging
+
+    from mmrl.rewards.grounding import QWEN_COORD_FORMATS
+
+    model_type = policy_model_type(config)
+    coord_format = QWEN_COORD_FORMATS.get(model_type)
+    if coord_format is None and model_type is not None:
+        logging.getLogger(__name__).warning(
+            "model type %r of model.pretrained=%r has no known box coordinate format (known: %s); box rewards "
+            "get no default coord_format", model_type, config.model.pretrained, sorted(QWEN_COORD_FORMATS))
+    return coord_format
+
+
+def resolve_vlm_dataset(config: Config, value: str | None = None) -> str:
+    """``value`` (default ``data.dataset``) as a JSONL path: ``tiny:<kind>`` the cached synthetic set, a ShapeWorld
+    spec (``shapeworld:<split>:<n>[:<tasks>]``) the set written with the policy's coordinate format
+    (:func:`policy_coord_format`), anything else unchanged. A bad spec is a ConfigError."""
+    from mmrl.data.shapeworld import resolve_vlm_spec
+    from mmrl.data.synthetic import resolve_dataset
+
+    value = config.data.dataset if value is None else value
+    if isinstance(value, str) and value.startswith("shapeworld:"):
+        try:
+            return resolve_vlm_spec(value, coord_format=policy_coord_format(config), seed=0)
+        except ValueError as exc:
+            raise ConfigError(f"data.dataset: {exc}") from None
+    return resolve_dataset(value)
+
+
 def build_reward_fn(config: Config, *, probe: bool = True):
     """The configured rewards (:func:`mmrl.rewards.build_rewards` on ``config.rewards``).
 
@@ -151,33 +207,14 @@ def build_reward_fn(config: Config, *, probe: bool = True):
     default is set (with a warning): a sample whose metadata has no ``coord_format`` is then NaN, never read as
     absolute pixels. A sample's own ``coord_format`` always wins over the reward's default.
     """
-    import logging
-
     from mmrl.rewards import build_rewards
-    from mmrl.rewards.grounding import QWEN_COORD_FORMATS, with_coord_format
+    from mmrl.rewards.grounding import with_coord_format
 
     spec = config.rewards
-    m = config.model
-    if m.family == "qwen_vl":
-        model_type = None
-        if m.pretrained.startswith("tiny:"):
-            model_type = m.pretrained.split(":", 1)[1]
-        else:
-            try:
-                from transformers import AutoConfig
-
-                model_type = AutoConfig.from_pretrained(m.pretrained, revision=m.revision).model_type
-            except Exception as exc:  # offline without the config, a bad path...: no default, samples must say
-                logging.getLogger(__name__).warning(
-                    "could not read the model type of model.pretrained=%r (%s: %s); box rewards get no default "
-                    "coord_format", m.pretrained, type(exc).__name__, exc)
-        coord_format = QWEN_COORD_FORMATS.get(model_type)
+    if config.model.family == "qwen_vl":
+        coord_format = policy_coord_format(config)
         if coord_format is not None:
             spec = with_coord_format(spec, coord_format)
-        elif model_type is not None:
-            logging.getLogger(__name__).warning(
-                "model type %r of model.pretrained=%r has no known box coordinate format (known: %s); box rewards "
-                "get no default coord_format", model_type, m.pretrained, sorted(QWEN_COORD_FORMATS))
     reward_fn = build_rewards(spec)
     if probe:
         from mmrl.rewards.remote import probe_remote_rewards

@@ -61,10 +61,19 @@ def _cmd_train(args) -> int:
         return _signal_exit_code(stopped)
     if trainer.accelerator.is_main_process and not history:
         print(f"nothing to do: {config.output_dir} is already at update {trainer.update} of {config.train.steps}")
+        for name, path in trainer.outputs().items():
+            print(f"  {name + ':':<11} {path}")
     if trainer.accelerator.is_main_process and history:
         first, last = history[0], history[-1]
         print(f"done: {len(history)} updates, reward {first['reward/mean']:.4g} -> {last['reward/mean']:.4g}; "
               f"outputs in {config.output_dir}")
+        held = sorted(k for k in last if k.startswith("eval/") and k.endswith("/overall"))
+        for key in held:  # the held-out headline of each benchmark with one, first -> last evaluation
+            values = [h[key] for h in history if key in h]
+            start = trainer.initial_eval.get(key, values[0])
+            print(f"  {key[5:]}: {start:.4g} -> {values[-1]:.4g}")
+        for name, path in trainer.outputs().items():
+            print(f"  {name + ':':<11} {path}")
     return 0
 
 

@@ -53,7 +53,7 @@ class ModelConfig:
     pretrained: str = opt("stabilityai/stable-diffusion-3.5-medium",
                           "Hub id, local directory (save_pretrained layout), or 'tiny:sd3' / 'tiny:flux' / "
                           "'tiny:qwen2_5_vl' / 'tiny:qwen2_vl' / 'tiny:qwen3_vl' for the tiny random CPU models "
-                          "built on the spot.")
+                          "built on the spot, or 'shapeworld:sd3' for the shipped ShapeWorld base (assets/shapeworld).")
     revision: str | None = opt(None, "Hub revision of `pretrained`.")
     dtype: str = opt("bfloat16", "Dtype of the frozen weights; trainable weights and step math are fp32.",
                      choices=("float32", "bfloat16", "float16"))
@@ -149,12 +149,15 @@ class GenerationConfig:
 class DataConfig:
     """Prompts (flow policies) or a VLM dataset."""
 
-    dataset: str | None = opt(None, "VLM: a JSONL dataset (see mmrl.data.vlm for the format), or 'tiny:grounding' / "
-                                    "'tiny:temporal_grounding' for the synthetic sets made on the spot.")
+    dataset: str | None = opt(None, "VLM: a JSONL dataset (see mmrl.data.vlm for the format), 'tiny:grounding' / "
+                                    "'tiny:temporal_grounding' for the synthetic sets made on the spot, or "
+                                    "'shapeworld:<train|heldout>:<n>[:<task>+<task>]' for n ShapeWorld lines "
+                                    "(tasks grounding, numeric, temporal_grounding) in the policy's box format.")
     skip_bad_samples: bool = opt(False, "VLM: skip (and count) samples with missing or corrupt media or prompts over "
                                  "generation.max_prompt_length instead of stopping with an error.")
     prompts: str | None = opt(None, "Prompt file: .txt (one per line) or .jsonl (a 'prompt' field, other fields "
-                                    "kept as metadata for rewards).")
+                                    "kept as metadata for rewards), or 'shapeworld:train' / 'shapeworld:heldout' "
+                                    "for a ShapeWorld split's prompts with their GenEval metadata.")
     prompt_list: list = opt([], "Inline prompts, used when `prompts` is not set.")
     eval_prompts: list = opt([], "Fixed prompts for the evaluation grid (default: the first training prompts).")
     num_eval_prompts: int = opt(4, "Rows of the evaluation grid when eval_prompts is empty.")
@@ -687,7 +690,13 @@ def validate(config: Config, *, check_files: bool = True) -> None:
     if config.model.family == "qwen_vl":
         if d.dataset is None:
             raise ConfigError("data.dataset: a VLM run needs a JSONL dataset (see mmrl.data.vlm)")
-        if check_files and not d.dataset.startswith("tiny:") and not Path(d.dataset).is_file():
+        if d.dataset.startswith("shapeworld:"):
+            from mmrl.data.shapeworld import check_vlm_spec
+
+            problem = check_vlm_spec(d.dataset)
+            if problem:
+                raise ConfigError(f"data.dataset: {problem}")
+        elif check_files and not d.dataset.startswith("tiny:") and not Path(d.dataset).is_file():
             raise ConfigError(f"data.dataset: file not found: {d.dataset}{_path_hint(d.dataset)}")
         if not (g.temperature > 0 and 0 < g.top_p <= 1 and g.max_new_tokens >= 1 and g.max_prompt_length >= 1):
             raise ConfigError("generation: temperature > 0, 0 < top_p <= 1, max_new_tokens >= 1 and "
@@ -718,7 +727,13 @@ def validate(config: Config, *, check_files: bool = True) -> None:
     else:
         if d.prompts is None and not d.prompt_list:
             raise ConfigError("data: set data.prompts (a .txt or .jsonl file) or data.prompt_list")
-        if check_files and d.prompts is not None and not Path(d.prompts).is_file():
+        if d.prompts is not None and d.prompts.startswith("shapeworld:"):
+            from mmrl.data.shapeworld import SPLITS
+
+            if d.prompts.split(":", 1)[1] not in SPLITS:
+                raise ConfigError(f"data.prompts={d.prompts!r}: unknown ShapeWorld split; write "
+                                  f"{' or '.join('shapeworld:' + s for s in SPLITS)}")
+        elif check_files and d.prompts is not None and not Path(d.prompts).is_file():
             raise ConfigError(f"data.prompts: prompt file not found: {d.prompts}{_path_hint(d.prompts)}")
     if check_files:
         _check_environment(config)

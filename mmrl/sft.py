@@ -75,13 +75,14 @@ import yaml
 from mmrl.config import (ConfigError, GenerationConfig, _build, _set_dotted, config_from_dict, config_to_dict,
                          dump_config, opt, parse_overrides, read_config_file, yaml_key_lines)
 from mmrl.data.prompts import DataError
+from mmrl.data.shapeworld import check_vlm_spec
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["SFTConfig", "SFTModelConfig", "SFTDataConfig", "SFTTrainConfig", "SFTEvalConfig", "SFTLoggingConfig",
            "load_sft_config", "validate_sft", "read_sft_data", "resolve_sft_data", "build_base_model",
            "policy_config", "SFTBatch", "collate", "target_ids", "completion_loss", "batch_loss", "SFTRun", "run_sft",
-           "main", "TINY_KINDS", "DEFAULT_EVAL_REWARDS", "SHAPEWORLD_SPEC"]
+           "main", "TINY_KINDS", "DEFAULT_EVAL_REWARDS"]
 
 #: ``model.base: tiny:<kind>`` kinds (the tiny builders of :mod:`mmrl.pipelines.vlm.tiny`).
 TINY_KINDS = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
@@ -280,7 +281,11 @@ def validate_sft(config: SFTConfig, *, check_files: bool = True) -> None:
         raise ConfigError(re.sub(r"^rewards\b", "eval.rewards", str(exc))) from None
     if check_files:
         for key, path in (("data.train", d.train), ("data.eval", d.eval)):
-            if path is not None and not SHAPEWORLD_SPEC.match(path) and not Path(path).expanduser().is_file():
+            if path is not None and path.startswith("shapeworld:"):
+                problem = check_vlm_spec(path)
+                if problem:
+                    raise ConfigError(f"{key}: {problem}")
+            elif path is not None and not Path(path).expanduser().is_file():
                 where = "" if Path(path).expanduser().is_absolute() else \
                     f"relative paths are resolved from the working directory {Path.cwd()}; "
                 raise ConfigError(f"{key}: file not found: {path} ({where}or write ShapeWorld lines on the spot with "
@@ -385,30 +390,17 @@ def read_sft_data(path: str | Path, target_field: str, *, skip_bad: bool = False
     return SampleList(kept, problems)
 
 
-#: ``data.train`` / ``data.eval`` written on the spot: ``shapeworld:<split>:<n>`` (split train or heldout).
-SHAPEWORLD_SPEC = re.compile(r"^shapeworld:(train|heldout):([1-9][0-9]*)$")
-
-
 def resolve_sft_data(spec: str, directory: str | Path, *, coord_format: str | None, seed: int = 0) -> str:
-    """A JSONL path for ``data.train`` / ``data.eval``: a path as given, or for ``shapeworld:<split>:<n>`` the
-    ShapeWorld VLM set (:func:`mmrl.data.shapeworld.write_vlm_dataset`: grounding, counting and temporal grounding
-    lines with their ``sft_target``) written once into ``directory`` (atomically, :func:`ensure_built`), its boxes
-    in ``coord_format``: the format the model answers in (Qwen2.5-VL ``qwen25``, Qwen2-VL / Qwen3-VL ``qwen2``)."""
-    match = SHAPEWORLD_SPEC.match(spec)
-    if match is None:
-        return spec
-    if coord_format is None:
-        raise ConfigError(f"data: {spec} writes boxes in the model's coordinate format, which is unknown for "
-                          f"this model.base (not a Qwen-VL model type mmrl knows); write the data yourself "
-                          f"(mmrl.data.shapeworld.write_vlm_dataset(..., coord_format=...))")
-    from mmrl.data.shapeworld import write_vlm_dataset
-    from mmrl.pipelines.flow.tiny import ensure_built
+    """A JSONL path for ``data.train`` / ``data.eval``: a path as given, or for ``shapeworld:<split>:<n>[:<tasks>]``
+    the ShapeWorld VLM set (:func:`mmrl.data.shapeworld.resolve_vlm_spec`: grounding, counting and temporal
+    grounding lines with their ``sft_target``) written once into ``directory``, its boxes in ``coord_format``: the
+    format the model answers in (Qwen2.5-VL ``qwen25``, Qwen2-VL / Qwen3-VL ``qwen2``)."""
+    from mmrl.data.shapeworld import resolve_vlm_spec
 
-    split, n = match.group(1), int(match.group(2))
-    folder = ensure_built(f"shapeworld-{split}-{n}-{coord_format}-seed{seed}",
-                          lambda out: write_vlm_dataset(out, split, n, seed=seed, coord_format=coord_format),
-                          directory)
-    return str(folder / f"{split}.jsonl")
+    try:
+        return resolve_vlm_spec(spec, coord_format=coord_format, seed=seed, directory=directory)
+    except ValueError as exc:
+        raise ConfigError(f"data: {exc}") from None
 
 
 # ================================================================================================ model

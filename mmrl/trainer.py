@@ -186,6 +186,7 @@ class Trainer:
         self.credit_stats: dict[str, float] = {}  # per update: dense-credit costs and counts
         self.update = 0  # completed updates
         self._eval_plan = None  # eval.benchmarks read once (mmrl.eval.runner.plan_training_eval)
+        self.initial_eval: dict[str, float] = {}  # eval.benchmarks of the untrained weights (update 0 of this run)
         self.optimizer_steps = 0
 
     # ------------------------------------------------------------------------------------------ sizes
@@ -586,7 +587,41 @@ class Trainer:
             self._warn(f"the benchmarks at update {self.update} failed ({type(exc).__name__}: {exc}); training goes "
                        f"on, eval/failed = 1 is logged")
             return {"eval/failed": 1.0}
+        if self.update > 0:
+            self._write_run_report()
         return {**training_metrics(summary), "eval/failed": 0.0}
+
+    def _write_run_report(self) -> None:
+        """``output_dir/report.html``: every ``eval/update_<k>`` evaluation so far side by side, update 0 (the
+        untrained model) as the reference column, with the training curves (:func:`mmrl.eval.report.write_report`).
+        Rewritten after each evaluation; a failure is a warning."""
+        from mmrl.eval.report import write_report
+
+        root = self.output_dir / "eval"
+        done = sorted((int(d.name.split("_", 1)[1]), d) for d in root.glob("update_*")
+                      if d.name.split("_", 1)[1].isdigit() and (d / "summary.json").is_file())
+        if len(done) < 2:
+            return
+        try:
+            write_report([d for _, d in done], self.output_dir / "report.html",
+                         labels=[f"update {k}" for k, _ in done])
+        except Exception as exc:  # the report is a view of files already written: never the run's failure
+            self._warn(f"could not write {self.output_dir / 'report.html'} ({type(exc).__name__}: {exc})")
+
+    def outputs(self) -> dict[str, Path]:
+        """What a finished run points its user at: the newest evaluation ``grid`` (``samples/step_<k>.png``), the
+        run ``report`` (``report.html``) and the newest ``checkpoint``, those that exist."""
+        found: dict[str, Path] = {}
+        grids = sorted(self.output_dir.glob("samples/step_*.png"), key=lambda f: int(f.stem.split("_")[1]))
+        if grids:
+            found["grid"] = grids[-1]
+        if (self.output_dir / "report.html").is_file():
+            found["report"] = self.output_dir / "report.html"
+        checkpoints = sorted((d for d in self.output_dir.glob("checkpoints/step_*") if d.name[5:].isdigit()),
+                             key=lambda d: int(d.name[5:]))
+        if checkpoints:
+            found["checkpoint"] = checkpoints[-1]
+        return found
 
     # ------------------------------------------------------------------------------------------- loop
 
@@ -678,6 +713,7 @@ class Trainer:
                 self._evaluate()
             if self.update == 0 and c.eval.every:  # the untrained model's numbers: the curves' first point
                 initial = self._benchmarks()
+                self.initial_eval = initial
                 if self.logger is not None and initial:
                     self.logger.log({"step": 0, **initial})
             while self.update < c.train.steps:

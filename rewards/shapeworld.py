@@ -31,14 +31,15 @@ each one known), in four steps, all numpy / ``scipy.ndimage``:
 On rendered ground-truth scenes the boxes are exact and every score is 1 (``tests/test_shapeworld.py`` measures
 that the verdicts are right on thousands of scenes of all six categories).
 
-The reward ``shapeworld`` (``shapeworld_partial``: the partial score as the main one) scores an image against its
+The reward ``shapeworld`` (``shapeworld_partial``: the partial score as the main one; ``shapeworld_soft``:
+:func:`soft_score`, graded confidences for training, mmrl's own rule) scores an image against its
 prompt's GenEval metadata with GenEval's rules, as :class:`mmrl.rewards.geneval.GenEval` does, with this detector
 in place of Mask2Former and each detection's segmented colour in place of CLIP's colour classifier:
 :func:`~mmrl.rewards.geneval.select_detections` (confidence ``> threshold`` 0.3, ``counting_threshold`` 0.9 for
 the ``counting`` tag, at most 16 per class) then :func:`~mmrl.rewards.geneval.evaluate_geneval`. Keys: the main
-score, ``strict`` (GenEval's ``correct``: 1 iff every clause holds) and ``partial`` (the fraction of clauses that
-hold). A sample whose metadata is not GenEval's, or names a class or colour ShapeWorld does not have (which no
-image could satisfy), is NaN with the reason.
+score, ``strict`` (GenEval's ``correct``: 1 iff every clause holds), ``partial`` (the fraction of clauses that
+hold) and ``soft`` (:func:`soft_score`). A sample whose metadata is not GenEval's, or names a class or colour
+ShapeWorld does not have (which no image could satisfy), is NaN with the reason.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ from ._base import ImageBatch, Reward, register_reward
 from .geneval import Detection, GenEvalResult, check_geneval_metadata, evaluate_geneval, select_detections
 
 __all__ = ["COLOR_THRESHOLD", "MIN_SIDE", "ShapeDetection", "detect", "classify", "check_shapeworld_metadata",
-           "score_image", "ShapeWorldReward", "ShapeWorldPartial"]
+           "score_image", "soft_score", "ShapeWorldReward", "ShapeWorldPartial", "ShapeWorldSoft"]
 
 #: Largest RGB distance from the background -> colour line at which a pixel still has that colour.
 COLOR_THRESHOLD = 60.0
@@ -197,15 +198,44 @@ def _colors_of(_: str, found: Sequence[Detection]) -> list[str | None]:
 
 def score_image(image: Any, metadata: Mapping[str, Any], *, threshold: float = 0.3, counting_threshold: float = 0.9,
                 max_objects: int = 16, max_overlap: float = 1.0, position_threshold: float = 0.1,
-                color_threshold: float = COLOR_THRESHOLD, min_side: int | None = None
+                color_threshold: float = COLOR_THRESHOLD, min_side: int | None = None,
+                detections: Sequence[ShapeDetection] | None = None
                 ) -> tuple[GenEvalResult, dict[str, list[ShapeDetection]]]:
-    """GenEval's verdict on one image: ``(result, kept detections per class)``. Bad metadata: ValueError."""
+    """GenEval's verdict on one image: ``(result, kept detections per class)``. Bad metadata: ValueError.
+    ``detections``: :func:`detect`'s output for ``image`` when already computed."""
     problem = check_shapeworld_metadata(metadata)
     if problem:
         raise ValueError(problem)
-    dets = detect(image, color_threshold=color_threshold, min_side=min_side)
+    dets = detect(image, color_threshold=color_threshold, min_side=min_side) if detections is None else detections
     objects = select_detections(dets, metadata.get("tag"), threshold, counting_threshold, max_objects, max_overlap)
     return evaluate_geneval(objects, metadata, _colors_of, position_threshold), objects
+
+
+def soft_score(detections: Sequence[ShapeDetection], metadata: Mapping[str, Any], result: GenEvalResult) -> float:
+    """A graded version of GenEval's partial score for training (mmrl's own rule, not GenEval's): the mean over
+    clauses of
+
+    * an ``include`` clause (class ``c``, ``count`` n, optional ``color``): the mean of the ``n`` highest detection
+      confidences (:func:`classify`'s clarity x aspect, before any threshold; missing ones count 0) among the
+      detections of ``c`` (of that colour when the clause names one), times 1 if GenEval's clause holds and 1/2 if
+      it does not while it asks for a ``position`` (the objects are there but misplaced);
+    * an ``exclude`` clause: GenEval's verdict (1 or 0).
+
+    It is 1 exactly when every clause holds with perfectly drawn shapes, and it rises as a blob becomes more clearly
+    the shape asked for, before the 0.3 / 0.9 thresholds are crossed: a signal for every sample where the strict
+    and partial scores are 0 for most of a group."""
+    values = []
+    includes = metadata.get("include", [])
+    for k, clause in enumerate(includes):
+        count = int(clause.get("count", 1))
+        found = sorted((d.score for d in detections if d.label == clause["class"]
+                        and ("color" not in clause or getattr(d, "color", None) == clause["color"])), reverse=True)
+        value = sum(found[:count]) / count
+        if "position" in clause and not result.clauses[k]:
+            value *= 0.5
+        values.append(value)
+    values += [float(ok) for ok in result.clauses[len(includes):]]
+    return float(sum(values) / len(values)) if values else 0.0
 
 
 @register_reward("shapeworld")
@@ -222,7 +252,8 @@ class ShapeWorldReward(Reward):
                  max_objects: int = 16, max_overlap: float = 1.0, position_threshold: float = 0.1,
                  color_threshold: float = COLOR_THRESHOLD, min_side: int | None = None):
         """Args:
-        variant: ``"strict"`` (default for ``shapeworld``) or ``"partial"`` (default for ``shapeworld_partial``).
+        variant: ``"strict"`` (default for ``shapeworld``), ``"partial"`` (default for ``shapeworld_partial``) or
+            ``"soft"`` (default for ``shapeworld_soft``: :func:`soft_score`).
         threshold, counting_threshold, max_objects, max_overlap, position_threshold: GenEval's options
             (0.3, 0.9, 16, 1.0, 0.1).
         color_threshold: the largest RGB distance at which a pixel takes a named colour (60).
@@ -230,8 +261,8 @@ class ShapeWorldReward(Reward):
         """
         super().__init__()
         variant = variant or self.default_variant
-        if variant not in ("strict", "partial"):
-            raise ValueError(f"variant must be 'strict' or 'partial', got {variant!r}")
+        if variant not in ("strict", "partial", "soft"):
+            raise ValueError(f"variant must be 'strict', 'partial' or 'soft', got {variant!r}")
         if not color_threshold > 0:
             raise ValueError(f"color_threshold must be > 0, got {color_threshold!r}")
         if min_side is not None and (isinstance(min_side, bool) or not isinstance(min_side, int) or min_side < 1):
@@ -247,6 +278,7 @@ class ShapeWorldReward(Reward):
         valid = batch.valid_indices
         strict = torch.full((len(valid),), float("nan"))
         partial = torch.full((len(valid),), float("nan"))
+        soft = torch.full((len(valid),), float("nan"))
         details: list[dict | None] = [None] * batch.n
         pils = None
         for pos, i in enumerate(valid):
@@ -257,7 +289,10 @@ class ShapeWorldReward(Reward):
                 continue
             pils = pils if pils is not None else batch.pil()
             try:
-                result, objects = score_image(pils[pos], meta, **self.options)
+                dets = detect(pils[pos], color_threshold=self.options["color_threshold"],
+                              min_side=self.options["min_side"])
+                result, objects = score_image(pils[pos], meta, **self.options, detections=dets)
+                soft[pos] = soft_score(dets, meta, result)
             except Exception as exc:  # one sample's failure is its NaN, not the batch's
                 reasons[i] = f"ShapeWorld scoring failed: {type(exc).__name__}: {exc}"
                 continue
@@ -270,8 +305,8 @@ class ShapeWorldReward(Reward):
                                           "score": round(float(d.score), 4), "box": [float(v) for v in d.box]}
                                          for v in objects.values() for d in v]}
         self.last_details = details
-        main = strict if self.variant == "strict" else partial
-        return {self.name: main, "strict": strict, "partial": partial}
+        main = {"strict": strict, "partial": partial, "soft": soft}[self.variant]
+        return {self.name: main, "strict": strict, "partial": partial, "soft": soft}
 
 
 @register_reward("shapeworld_partial")
@@ -279,3 +314,10 @@ class ShapeWorldPartial(ShapeWorldReward):
     """:class:`ShapeWorldReward` whose main score is the fraction of satisfied clauses."""
 
     default_variant = "partial"
+
+
+@register_reward("shapeworld_soft")
+class ShapeWorldSoft(ShapeWorldReward):
+    """:class:`ShapeWorldReward` whose main score is :func:`soft_score` (graded detection confidences; mmrl's own)."""
+
+    default_variant = "soft"

@@ -1,6 +1,7 @@
 """Run by test_trainer.py under torchrun: train 2 updates on 2 gloo processes, save each replica's weights."""
 
 import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
@@ -8,10 +9,12 @@ from safetensors.torch import save_file
 from mmrl.build import build_trainer
 from mmrl.config import load_config
 
+TINY_RECIPE = str(Path(__file__).resolve().parents[1] / "configs" / "tiny" / "flow_grpo.yaml")
+
 
 def main() -> None:
     out, tiny_path, *overrides = sys.argv[1:]
-    config = load_config(None, [f"output_dir={out}/run", f"model.pretrained={tiny_path}", "train.steps=2",
+    config = load_config(TINY_RECIPE, [f"output_dir={out}/run", f"model.pretrained={tiny_path}", "train.steps=2",
                                 "logging.eval_every=0", "optim.lr=1e-2", "algorithm.clip_low=0.01", *overrides])
     trainer = build_trainer(config)
     assert trainer.accelerator.num_processes == 2, trainer.accelerator.num_processes

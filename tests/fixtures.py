@@ -12,6 +12,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+#: The tiny CPU recipe on a random SD3 (tiny:sd3, brightness): what most tests start from (the embedded default
+#: mmrl/default.yaml is the ShapeWorld main job).
+TINY_RECIPE = str(Path(__file__).resolve().parents[1] / "configs" / "tiny" / "flow_grpo.yaml")
+
 LEVELS = (0, 85, 170, 255)
 PALETTE = [(LEVELS[i % 4], LEVELS[(i // 4) % 4], LEVELS[(i // 16) % 4]) for i in range(64)]
 

@@ -31,6 +31,7 @@ from mmrl.build import build_trainer  # noqa: E402
 from mmrl.config import load_config  # noqa: E402
 
 REPO = Path(__file__).parents[1]
+TINY_RECIPE = str(REPO / "configs" / "tiny" / "flow_grpo.yaml")
 PROMPTS, GROUP = 2, 4  # the global batch: 2 prompts x 4 samples
 
 
@@ -45,7 +46,7 @@ def common(world: int, aggregation: str) -> list[str]:
 
 def build_config(out: Path, family: str, aggregation: str, world: int, model: str | None):
     if family == "flow":
-        return load_config(None, [f"output_dir={out}/run", f"model.pretrained={model}", "sampling.num_steps=4",
+        return load_config(TINY_RECIPE, [f"output_dir={out}/run", f"model.pretrained={model}", "sampling.num_steps=4",
                                   "sampling.eval_num_steps=4", "sampling.max_sequence_length=16",
                                   "algorithm.clip_low=0.2", *common(world, aggregation)])
     if family == "vlm":

@@ -20,7 +20,7 @@ import mmrl.build
 import mmrl.cli
 from mmrl.cli import main
 from mmrl.config import Config, config_to_dict
-from fixtures import one_error
+from fixtures import TINY_RECIPE, one_error
 
 REPO = Path(__file__).parents[1]
 VLM_CONFIG = REPO / "configs/tiny/vlm_grounding.yaml"
@@ -48,7 +48,7 @@ def cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def flow_run(cache, tmp_path_factory):
     run = tmp_path_factory.mktemp("flow") / "run"
-    assert main(["train", f"output_dir={run}", "train.steps=1", *TINY]) == 0
+    assert main(["train", TINY_RECIPE, f"output_dir={run}", "train.steps=1", *TINY]) == 0
     return run
 
 
@@ -293,7 +293,7 @@ def test_dead_reward_server_is_found_before_the_model_loads(cache, tmp_path, cap
     run = tmp_path / "run"
     port = free_port()  # nothing listens there (127.0.0.1 only)
     start = time.monotonic()
-    code = main(["train", f"output_dir={run}", *TINY, "train.steps=1",
+    code = main(["train", TINY_RECIPE, f"output_dir={run}", *TINY, "train.steps=1",
                  f"rewards={{remote: {{kwargs: {{url: 'http://127.0.0.1:{port}', retries: 0}}}}}}"])
     assert code == 2
     one_error(capsys, "rewards.remote:", f"http://127.0.0.1:{port}/health", "Connection refused")
@@ -314,7 +314,7 @@ def test_reward_server_failing_mid_run_is_one_line(cache, tmp_path, capsys):
     from mmrl.rewards.remote import RewardServer
 
     with RewardServer(_Boom(), "127.0.0.1", 0) as server:  # /health answers, /score fails
-        code = main(["train", f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=1",
+        code = main(["train", TINY_RECIPE, f"output_dir={tmp_path / 'run'}", *TINY, "train.steps=1",
                      f"rewards={{remote: {{kwargs: {{url: '{server.url}', retries: 0}}}}}}"])
     assert code == 2
     err = capsys.readouterr().err
@@ -459,16 +459,23 @@ def test_credit_curves_writes_to_out_not_to_the_committed_results(tmp_path, monk
     results = REPO / "benchmarks" / "results" / "credit_curves.csv"
     before = results.read_bytes() if results.exists() else None
 
-    def fake_run(method, steps, seed, workdir):
-        return [{"method": method, "step": s + 1, "reward": 0.1 * s, "wall_s": float(s), "extra_nfe": 0.0,
-                 "reward_calls": 4.0} for s in range(steps)]
+    def fake_run(method, seconds, evals, eval_limit, seed, workdir, recipe, pretrained):
+        rows = [{"method": method, "step": s + 1, "reward": 0.1 * s, "wall_s": float(s), "extra_nfe": 0.0,
+                 "reward_calls": 4.0} for s in range(int(seconds))]
+        held = [{"method": method, "seconds": seconds * k / evals, "update": k, "overall": 0.1 * k,
+                 "tag/colors": 0.2 * k} for k in range(evals + 1)]
+        return rows, held
 
     monkeypatch.setattr(module, "run", fake_run)
     out = tmp_path / "bench"
-    module.main(["--steps", "3", "--methods", "outcome", "cosine", "--out", str(out)])
+    module.main(["--seconds", "3", "--evals", "2", "--methods", "outcome", "cosine", "--out", str(out)])
     assert (out / "credit_curves.csv").read_text().splitlines()[0] == "method,step,reward,wall_s,extra_nfe,reward_calls"
+    assert (out / "credit_heldout.csv").read_text().splitlines()[0] == "method,seconds,update,overall,tag/colors"
+    assert len((out / "credit_heldout.csv").read_text().splitlines()) == 1 + 2 * 3
     assert (out / "credit_curves.png").is_file()
     monkeypatch.chdir(tmp_path)
-    module.main(["--steps", "3", "--methods", "outcome"])  # the default: runs/credit_curves under the cwd
+    module.main(["--seconds", "3", "--methods", "outcome"])  # the default: runs/credit_curves under the cwd
     assert (tmp_path / "runs" / "credit_curves" / "credit_curves.csv").is_file()
+    with pytest.raises(SystemExit):
+        module.main(["--seconds", "0"])
     assert (results.read_bytes() if results.exists() else None) == before

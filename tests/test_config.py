@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fixtures import TINY_RECIPE
 from mmrl.config import (FIELDS_HEADER, Config, ConfigError, config_from_dict, config_to_dict, describe, dump_config,
                          load_config)
 
@@ -42,11 +43,11 @@ def test_defaults_follow_flow_grpo_and_overrides_apply():
 )
 def test_bad_values_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, overrides)
+        load_config(TINY_RECIPE, overrides)
 
 
 def test_resolved_config_round_trips(tmp_path):
-    config = load_config(None, ["train.steps=7"])
+    config = load_config(TINY_RECIPE, ["train.steps=7"])
     dump_config(config, tmp_path / "config.yaml")
     again = load_config(tmp_path / "config.yaml")
     assert config_to_dict(again) == config_to_dict(config)
@@ -70,9 +71,9 @@ def test_missing_or_broken_file(tmp_path):
 
 def test_unknown_key_names_the_full_dotted_key():
     with pytest.raises(ConfigError, match=r"unknown config key 'train\.stpes'; did you mean 'train\.steps'\?"):
-        load_config(None, ["train.stpes=3"])
+        load_config(TINY_RECIPE, ["train.stpes=3"])
     with pytest.raises(ConfigError, match=r"did you mean 'generation\.max_new_tokens'"):
-        load_config(None, ["generation.max_new_token=3"])
+        load_config(TINY_RECIPE, ["generation.max_new_token=3"])
 
 
 RANGE_ERRORS = [
@@ -118,11 +119,11 @@ RANGE_ERRORS = [
 @pytest.mark.parametrize("overrides,message", RANGE_ERRORS, ids=[o[0] for o, _ in RANGE_ERRORS])
 def test_values_that_would_crash_later_are_rejected(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, overrides)
+        load_config(TINY_RECIPE, overrides)
 
 
 def test_lora_fields_are_not_checked_without_lora():
-    config = load_config(None, ["model.use_lora=false", "model.lora_rank=0"])
+    config = load_config(TINY_RECIPE, ["model.use_lora=false", "model.lora_rank=0"])
     assert config.model.lora_rank == 0
 
 
@@ -171,17 +172,17 @@ def test_wandb_project_without_wandb_is_a_config_error(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ConfigError, match=r"logging.wandb_project='demo' needs wandb.*`pip install wandb`"):
-        load_config(None, ["logging.wandb_project=demo"])
+        load_config(TINY_RECIPE, ["logging.wandb_project=demo"])
     # a machine-dependent check: skipped with check_files=False (`mmrl config validate --no-check-files`)
-    assert load_config(None, ["logging.wandb_project=demo"], check_files=False).logging.wandb_project == "demo"
+    assert load_config(TINY_RECIPE, ["logging.wandb_project=demo"], check_files=False).logging.wandb_project == "demo"
 
 
 def test_resume_path_must_be_a_complete_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match="resume: checkpoint folder not found"):
-        load_config(None, [f"resume={tmp_path / 'nope'}"])
+        load_config(TINY_RECIPE, [f"resume={tmp_path / 'nope'}"])
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     with pytest.raises(ConfigError, match="not a complete checkpoint .*resume=auto with output_dir="):
-        load_config(None, [f"resume={tmp_path / 'run'}"])
+        load_config(TINY_RECIPE, [f"resume={tmp_path / 'run'}"])
 
 
 def test_help_fields_are_yaml_literals_that_parse_back_to_the_defaults():
@@ -218,12 +219,12 @@ def test_yaml_errors_are_one_line_with_line_and_column(tmp_path):
     assert "\n" not in message and "at at" not in message
     assert message.startswith(f"{bad}: not valid YAML: line 3, column 2: ")
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["train.steps=["])
+        load_config(TINY_RECIPE, ["train.steps=["])
     message = str(info.value)
     assert message.startswith("override 'train.steps=[': the value is not valid YAML (line 1, column 2")
     assert "\n" not in message
     with pytest.raises(ConfigError, match="is not a dotted key"):
-        load_config(None, ["train.=3"])
+        load_config(TINY_RECIPE, ["train.=3"])
 
 
 def test_missing_files_say_how_relative_paths_resolve(tmp_path, monkeypatch):
@@ -233,10 +234,10 @@ def test_missing_files_say_how_relative_paths_resolve(tmp_path, monkeypatch):
     assert (f"data.dataset: file not found: data/x.jsonl (relative paths are resolved from the working directory "
             f"{Path.cwd()}; `mmrl config validate --no-check-files` skips this check)") in str(info.value)
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["data.prompts=prompts/p.txt"])
+        load_config(TINY_RECIPE, ["data.prompts=prompts/p.txt"])
     assert "data.prompts: prompt file not found: prompts/p.txt (relative paths are resolved from" in str(info.value)
     with pytest.raises(ConfigError) as info:
-        load_config(None, [f"data.prompts={tmp_path / 'abs.txt'}"])
+        load_config(TINY_RECIPE, [f"data.prompts={tmp_path / 'abs.txt'}"])
     assert "relative paths" not in str(info.value) and "--no-check-files` skips this check" in str(info.value)
     # relative to the working directory, not to the config file's folder
     (tmp_path / "sub").mkdir()

@@ -5,7 +5,8 @@ import logging
 from pathlib import Path
 
 import pytest
-from fixtures import truncate_file, write_garbage, write_gradient_image, write_image, write_jsonl, write_video
+from fixtures import (TINY_RECIPE, truncate_file, write_garbage, write_gradient_image, write_image, write_jsonl,
+                      write_video)
 
 from mmrl.config import load_config
 from mmrl.data.prompts import DataError, read_prompts
@@ -162,7 +163,7 @@ def test_check_data_logs_no_skip_warnings(data, caplog):
 
 
 def flow_config(prompts, check_files=True):
-    return load_config(None, [f"data.prompts={prompts}"], check_files=check_files)
+    return load_config(TINY_RECIPE, [f"data.prompts={prompts}"], check_files=check_files)
 
 
 def test_prompt_file_problems_all_listed(tmp_path):
@@ -200,7 +201,7 @@ def test_prompt_files_ok(tmp_path):
     jsonl = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x", "include": [{"class": "cat"}]}])
     jsonl.write_bytes(b"\xef\xbb\xbf" + jsonl.read_bytes())
     assert read_prompts(jsonl)[0].metadata == {"include": [{"class": "cat"}]}
-    inline = check_data(load_config(None))
+    inline = check_data(load_config(TINY_RECIPE))
     assert not inline.checked and inline.source == "data.prompt_list"
 
 

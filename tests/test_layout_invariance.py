@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from layout import assert_same_update, one_update, vary_completion_lengths
+from fixtures import TINY_RECIPE
 from mmrl.config import load_config
 from mmrl.pipelines.flow.tiny import build_tiny_sd3
 
@@ -31,7 +32,7 @@ def tiny_sd3(tmp_path_factory):
 
 
 def flow_update(tmp_path, tiny_sd3, *overrides):
-    config = load_config(None, [f"output_dir={tmp_path}", f"model.pretrained={tiny_sd3}", *FLOW, *overrides])
+    config = load_config(TINY_RECIPE, [f"output_dir={tmp_path}", f"model.pretrained={tiny_sd3}", *FLOW, *overrides])
     return one_update(config)
 
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from mmrl.cli import main
 from mmrl.health import RunHealth, no_signal_cause
 from mmrl.pipelines.flow.tiny import build_tiny_sd3
-from fixtures import metrics_rows
+from fixtures import TINY_RECIPE, metrics_rows
 
 REPO = Path(__file__).parents[1]
 TINY = ["sampling.num_steps=4", "sampling.eval_num_steps=4", "sampling.max_sequence_length=16",
@@ -33,7 +33,7 @@ def tiny_path(tmp_path_factory):
 
 
 def _train(run: Path, tiny_path: str, *extra: str) -> int:
-    return main(["train", f"output_dir={run}", f"model.pretrained={tiny_path}", *TINY, *extra])
+    return main(["train", TINY_RECIPE, f"output_dir={run}", f"model.pretrained={tiny_path}", *TINY, *extra])
 
 
 _metrics = metrics_rows

@@ -172,7 +172,7 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     base = json.loads((tmp_path / "a" / "base" / "config.json").read_text())
     assert base["text_config"]["hidden_size"] == 32 and base["vision_config"]["hidden_size"] == 16
     tasks = [json.loads(line)["task"] for line in
-             (tmp_path / "a" / "data" / "shapeworld-train-6-qwen25-seed0" / "train.jsonl").read_text().splitlines()]
+             (tmp_path / "a" / "data" / "shapeworld-shapeworld-v1-train-6-qwen25-seed0" / "train.jsonl").read_text().splitlines()]
     assert set(tasks) == {"grounding", "numeric", "temporal_grounding"}
 
     real_step = SFTRun.train_step

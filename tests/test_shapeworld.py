@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image, ImageFilter
 
-from fixtures import one_error, tiny_flow_config
+from fixtures import TINY_RECIPE, one_error, tiny_flow_config
 from mmrl.data import shapeworld as sw
 from mmrl.data.shapeworld import COLORS, SHAPES, TAGS, Obj, Scene, prompt_set, render, scene_for
 from mmrl.rewards import build_reward
@@ -226,6 +226,15 @@ def test_reward_strict_and_partial_hand_worked():
     assert out["shapeworld"].tolist() == [c[2] for c in cases] == out["strict"].tolist()
     assert out["partial"].tolist() == [c[3] for c in cases] == out_p["shapeworld_partial"].tolist()
     assert strict.last_details[1]["detected"] == {"circle": 2} and strict.last_info["num_nan"] == 0
+    # soft: top-n confidences per include clause (all 1 on exact renders), halved when misplaced; exclude as GenEval
+    soft = build_reward("shapeworld_soft")([render(c[0]) for c in cases], None, metas)
+    assert soft["shapeworld_soft"].tolist() == pytest.approx([1.0, 5 / 6, 0.5, 0.5, 0.0, 0.75, 0.0])
+    assert soft["soft"].tolist() == out["soft"].tolist() == soft["shapeworld_soft"].tolist()
+    # a blob between two shapes earns part of the credit where strict and partial give none
+    blob = np.asarray(render(Scene((Obj("circle", "red", (8, 8, 22, 22)),))).filter(ImageFilter.GaussianBlur(2.5)))
+    single = meta("a photo of a circle")
+    graded = build_reward("shapeworld_soft")([Image.fromarray(blob)], None, [single])
+    assert 0.0 < graded["shapeworld_soft"].item() < 1.0
     # metadata no ShapeWorld image can satisfy is the data's fault: NaN with the reason
     bad = [{"tag": "single_object", "include": [{"class": "dog", "count": 1}]},
            {"tag": "colors", "include": [{"class": "circle", "count": 1, "color": "pink"}]}, {"include": []}]
@@ -345,3 +354,55 @@ def test_mmrl_eval_shapeworld_heldout_end_to_end(config_file, tmp_path, capsys):
     capsys.readouterr()
     assert main(["eval", str(config_file), "benchmarks=[shapeworld@test]", f"output_dir={tmp_path / 'bad'}"]) == 2
     one_error(capsys, "unknown ShapeWorld split 'test'")
+
+
+def test_shapeworld_prompt_spec_reads_the_split_with_metadata(tmp_path, monkeypatch):
+    from mmrl.config import ConfigError, load_config
+    from mmrl.data.prompts import DataError, read_prompts
+
+    monkeypatch.setenv("MMRL_CACHE", str(tmp_path / "cache"))
+    for split in ("train", "heldout"):
+        items = read_prompts(f"shapeworld:{split}")
+        assert [(i.prompt, i.metadata["tag"]) for i in items] == [(p, m["tag"]) for p, m in prompt_set(split)]
+        assert all(i.metadata["include"] == m["include"] for i, (_, m) in zip(items, prompt_set(split)))
+        # the cached file is named by its content and written once
+        assert sw.prompts_file(split) == sw.prompts_file(split)
+        assert sw.prompts_file(split).name.startswith(f"shapeworld-{split}-")
+    with pytest.raises(DataError, match="unknown ShapeWorld split 'test'"):
+        read_prompts("shapeworld:test")
+    assert sw.resolve_prompts_spec("prompts.jsonl") == "prompts.jsonl"
+    load_config(TINY_RECIPE, ["data.prompts=shapeworld:train", "data.prompt_list=[]"])  # no file check on the spelling
+    with pytest.raises(ConfigError, match="unknown ShapeWorld split"):
+        load_config(TINY_RECIPE, ["data.prompts=shapeworld:val"])
+
+
+def test_shapeworld_base_spelling_names_what_is_missing(monkeypatch, tmp_path):
+    from mmrl.pipelines.flow.loading import ModelLoadError, resolve_pretrained
+
+    with pytest.raises(ModelLoadError, match="unknown ShapeWorld base .flux."):
+        resolve_pretrained("shapeworld:flux")
+    # an install without the shipped folder says how to make it
+    monkeypatch.setattr(sw, "__file__", str(tmp_path / "mmrl" / "data" / "shapeworld.py"))
+    with pytest.raises(ModelLoadError, match="mmrl pretrain configs/shapes/pretrain_sd3.yaml"):
+        resolve_pretrained("shapeworld:sd3")
+
+
+def test_shapeworld_vlm_spec_writes_the_tasks_in_the_policys_box_format(tmp_path, monkeypatch):
+    from mmrl.build import build_source
+    from mmrl.config import ConfigError, load_config
+
+    monkeypatch.setenv("MMRL_CACHE", str(tmp_path / "cache"))
+    vlm = ["model.family=qwen_vl", "rewards={iou: 1.0}"]
+    for model, coord in (("tiny:qwen2_5_vl", "qwen25"), ("tiny:qwen2_vl", "qwen2")):
+        config = load_config(TINY_RECIPE, [*vlm, f"model.pretrained={model}", "data.dataset=shapeworld:train:4:grounding"])
+        source = build_source(config)
+        samples = [source._at(k) for k in range(4)]
+        assert {s.metadata["task"] for s in samples} == {"grounding"}
+        assert {s.metadata["coord_format"] for s in samples} == {coord}
+    config = load_config(TINY_RECIPE, [*vlm, "model.pretrained=tiny:qwen2_5_vl",
+                                "data.dataset=shapeworld:heldout:3:numeric+temporal_grounding"])
+    assert [build_source(config)._at(k).metadata["task"] for k in range(3)].count("numeric") == 2
+    with pytest.raises(ConfigError, match="unknown ShapeWorld task 'boxes'"):
+        load_config(TINY_RECIPE, [*vlm, "data.dataset=shapeworld:train:4:boxes"])
+    with pytest.raises(ConfigError, match="not a ShapeWorld VLM set"):
+        load_config(TINY_RECIPE, [*vlm, "data.dataset=shapeworld:train"])

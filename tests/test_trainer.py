@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fixtures import TINY_RECIPE
 from mmrl.checkpoint import latest_checkpoint, list_checkpoints
 from mmrl.cli import main
 from mmrl.config import load_config
@@ -29,7 +30,7 @@ def tiny_path(tmp_path_factory):
 
 
 def _run(tmp_path, tiny_path, *extra):
-    args = ["train", f"output_dir={tmp_path}", f"model.pretrained={tiny_path}", *TINY, *extra]
+    args = ["train", TINY_RECIPE, f"output_dir={tmp_path}", f"model.pretrained={tiny_path}", *TINY, *extra]
     assert main(args) == 0
     return [json.loads(line) for line in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
 
@@ -138,21 +139,21 @@ def test_nonfinite_loss_is_skipped_and_logged(tmp_path, tiny_path, monkeypatch):
 
 
 def test_bad_inputs_give_one_clear_error(tmp_path, tiny_path, capsys):
-    assert main(["train", f"output_dir={tmp_path}", "train.stpes=3"]) == 2
+    assert main(["train", TINY_RECIPE, f"output_dir={tmp_path}", "train.stpes=3"]) == 2
     assert "did you mean 'train.steps'" in capsys.readouterr().err
-    assert main(["train", f"output_dir={tmp_path}", "rewards={pickscroe: 1.0}"]) == 2
+    assert main(["train", TINY_RECIPE, f"output_dir={tmp_path}", "rewards={pickscroe: 1.0}"]) == 2
     assert "pickscore" in capsys.readouterr().err
-    assert main(["train", f"output_dir={tmp_path}", f"data.prompts={tmp_path}/missing.txt"]) == 2
+    assert main(["train", TINY_RECIPE, f"output_dir={tmp_path}", f"data.prompts={tmp_path}/missing.txt"]) == 2
     assert "prompt file not found" in capsys.readouterr().err
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
-    assert main(["train", f"output_dir={tmp_path}", f"data.prompts={empty}", *TINY]) == 2
+    assert main(["train", TINY_RECIPE, f"output_dir={tmp_path}", f"data.prompts={empty}", *TINY]) == 2
     assert "empty" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a cat"}\n{"prompt": 3}\n')
-    assert main(["train", f"output_dir={tmp_path}", f"data.prompts={bad}", *TINY]) == 2
+    assert main(["train", TINY_RECIPE, f"output_dir={tmp_path}", f"data.prompts={bad}", *TINY]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
-    assert main(["train", f"output_dir={tmp_path}", f"model.pretrained={tmp_path}", *TINY]) == 2
+    assert main(["train", TINY_RECIPE, f"output_dir={tmp_path}", f"model.pretrained={tmp_path}", *TINY]) == 2
     assert "model_index.json" in capsys.readouterr().err
 
 
@@ -196,12 +197,12 @@ def test_two_process_gloo_run_keeps_replicas_in_sync(tmp_path, tiny_path):
 def test_embedded_default_is_the_shipped_tiny_recipe(tmp_path):
     repo = Path(__file__).parents[1]
     assert (repo / "configs/tiny/flow_grpo.yaml").read_text() == (repo / "mmrl/default.yaml").read_text()
-    config = load_config(None)
+    config = load_config(TINY_RECIPE)
     assert config.model.pretrained == "tiny:sd3" and config.rewards == {"brightness": 1.0}
     # `mmrl train` with no config file runs it (shortened here)
     os.environ["MMRL_CACHE"] = str(tmp_path / "cache")
     try:
-        assert main(["train", f"output_dir={tmp_path / 'run'}", "train.steps=1", "data.prompts_per_step=1",
+        assert main(["train", TINY_RECIPE, f"output_dir={tmp_path / 'run'}", "train.steps=1", "data.prompts_per_step=1",
                      "train.batch_size=8", "logging.eval_every=0", "logging.progress_bar=false"]) == 0
     finally:
         del os.environ["MMRL_CACHE"]
@@ -212,7 +213,7 @@ def test_embedded_default_is_the_shipped_tiny_recipe(tmp_path):
 def test_existing_run_is_never_overwritten(tmp_path, tiny_path, capsys):
     _run(tmp_path, tiny_path, "train.steps=1", "logging.eval_every=0")
     before = (tmp_path / "metrics.jsonl").read_text()
-    args = ["train", f"output_dir={tmp_path}", f"model.pretrained={tiny_path}", *TINY, "train.steps=1"]
+    args = ["train", TINY_RECIPE, f"output_dir={tmp_path}", f"model.pretrained={tiny_path}", *TINY, "train.steps=1"]
     assert main([*args, "resume=null"]) == 2
     assert "resume=auto" in capsys.readouterr().err
     assert main(args) == 0  # the default resume=auto finds the run complete

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from layout import assert_same_update, one_update
+from fixtures import TINY_RECIPE
 from mmrl import trainer as trainer_module
 from mmrl.build import build_accelerator, build_policy, build_reward_fn, build_source, build_trainer
 from mmrl.config import ConfigError, load_config
@@ -36,7 +37,7 @@ def vlm_cache(tmp_path_factory, monkeypatch):
 
 
 def flow_config(tmp_path, tiny_sd3, *overrides):
-    return load_config(None, [f"output_dir={tmp_path}", f"model.pretrained={tiny_sd3}", *FLOW, *overrides])
+    return load_config(TINY_RECIPE, [f"output_dir={tmp_path}", f"model.pretrained={tiny_sd3}", *FLOW, *overrides])
 
 
 def spy_policy_loss(monkeypatch) -> list[dict]:
@@ -268,7 +269,7 @@ def test_vlm_value_anchors_are_keyed_by_sample(tmp_path, vlm_cache):
 
 def test_negative_prompt_is_rejected_where_nothing_would_use_it(tmp_path, tiny_sd3):
     with pytest.raises(ConfigError, match="guidance-distilled"):
-        load_config(None, ["model.family=flux", "model.pretrained=tiny:flux", "sampling.negative_prompt=blurry"])
+        load_config(TINY_RECIPE, ["model.family=flux", "model.pretrained=tiny:flux", "sampling.negative_prompt=blurry"])
     with pytest.raises(ConfigError, match="classifier-free guidance only"):
         flow_config(tmp_path, tiny_sd3, "sampling.negative_prompt=blurry", "sampling.guidance_scale=1.0")
     assert flow_config(tmp_path, tiny_sd3, "sampling.negative_prompt=blurry").sampling.guidance_scale > 1

@@ -15,7 +15,7 @@ import mmrl.build
 from mmrl.cli import main
 from mmrl.eval.runner import training_metrics
 from mmrl.pipelines.flow.tiny import build_tiny_sd3
-from fixtures import metrics_rows
+from fixtures import TINY_RECIPE, metrics_rows
 
 TINY = ["sampling.num_steps=3", "sampling.eval_num_steps=3", "sampling.max_sequence_length=16",
         "data.prompts_per_step=2", "data.group_size=2", "train.batch_size=2", "logging.eval_every=0",
@@ -31,7 +31,7 @@ def tiny_path(tmp_path_factory):
 
 
 def _train(run: Path, tiny_path: str, *extra: str) -> int:
-    return main(["train", f"output_dir={run}", f"model.pretrained={tiny_path}", *TINY, *extra])
+    return main(["train", TINY_RECIPE, f"output_dir={run}", f"model.pretrained={tiny_path}", *TINY, *extra])
 
 
 _metrics = metrics_rows
@@ -60,6 +60,21 @@ def test_eval_metrics_are_logged_at_every_interval_and_before_training(runs):
         assert summary["checkpoint"]["path"] == f"update {k}"
         assert len((out / "samples.jsonl").read_text().splitlines()) == 2 + 2 * 5  # ocr 2x1, drawbench 2x5
         assert (out / "grids" / "ocr.png").is_file()
+
+
+def test_the_run_report_compares_every_evaluation_with_the_untrained_model(runs, tiny_path, capsys):
+    with_eval, without = runs
+    page = (with_eval / "report.html").read_text()
+    for k in (0, 1, 2):
+        assert f"update {k}" in page
+    assert (with_eval / "report_files").is_dir() and any((with_eval / "report_files").iterdir())
+    assert not (without / "report.html").exists()  # no benchmarks, no report
+    capsys.readouterr()
+    assert _train(with_eval, tiny_path, *EVAL, "resume=auto") == 0  # complete: says so and where things are
+    out = capsys.readouterr().out
+    assert "nothing to do" in out
+    assert f"report:     {with_eval / 'report.html'}" in out
+    assert f"checkpoint: {with_eval / 'checkpoints' / 'step_2'}" in out
 
 
 def test_evaluating_leaves_training_bit_identical(runs):
@@ -193,7 +208,7 @@ def live_policy(tiny_path):
     from mmrl.build import build_policy
     from mmrl.config import load_config
 
-    config = load_config(None, [f"model.pretrained={tiny_path}", *TINY, *EVAL], check_files=False)
+    config = load_config(TINY_RECIPE, [f"model.pretrained={tiny_path}", *TINY, *EVAL], check_files=False)
     return config, build_policy(config)
 
 

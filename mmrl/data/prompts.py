@@ -39,7 +39,16 @@ def json_error(exc: json.JSONDecodeError) -> str:
 def iter_prompt_file(path: str | Path):
     """``(where, item, problem)`` for every non-blank line of a prompt file (``item`` or ``problem`` is None);
     the parser behind :func:`read_prompts` and :func:`mmrl.data.validate.check_data`. Format in
-    :func:`read_prompts`; a missing file is a :class:`DataError`."""
+    :func:`read_prompts`; a missing file is a :class:`DataError`. ``shapeworld:train`` / ``shapeworld:heldout``
+    read that ShapeWorld split's prompts with their GenEval metadata
+    (:func:`mmrl.data.shapeworld.resolve_prompts_spec`)."""
+    if str(path).startswith("shapeworld:"):
+        from mmrl.data.shapeworld import resolve_prompts_spec
+
+        try:
+            path = resolve_prompts_spec(path)
+        except ValueError as exc:
+            raise DataError(str(exc)) from None
     path = Path(path)
     if not path.is_file():
         raise DataError(f"prompt file not found: {path}")

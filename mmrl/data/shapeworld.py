@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -50,7 +51,8 @@ __all__ = [
     "SHAPES", "COLORS", "BACKGROUND", "IMAGE_SIZE", "VLM_IMAGE_SIZE", "TAGS", "SPLITS", "POSITIONS", "NUMBERS",
     "HELDOUT_PAIRINGS", "PROMPTS_VERSION", "VLM_TASKS", "VIDEO_FRAMES", "VIDEO_FPS", "Obj", "Scene", "shape_mask",
     "render", "render_array", "is_heldout", "prompt_set", "scene_for", "write_prompts", "write_vlm_dataset",
-    "write_video", "split_rng",
+    "write_video", "split_rng", "prompts_file", "resolve_prompts_spec", "PROMPTS_SPEC_PREFIX",
+    "BASE_MODELS", "base_model_path", "VLM_SPEC", "check_vlm_spec", "resolve_vlm_spec",
 ]
 
 #: The shapes (GenEval "classes" of this world).
@@ -298,6 +300,110 @@ def write_prompts(path: str | os.PathLike, split: str) -> Path:
     tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+#: ``data.prompts`` / ``prompts=`` spelling of a split's prompt file: ``shapeworld:train`` or ``shapeworld:heldout``.
+PROMPTS_SPEC_PREFIX = "shapeworld:"
+
+
+def prompts_file(split: str) -> Path:
+    """``split``'s prompt file in the cache (``$MMRL_CACHE/eval-prompts/shapeworld-<split>-<sha256[:16]>.jsonl``,
+    default ``~/.cache/mmrl``): written once, atomically, named by its content's sha256, so a changed world is a
+    new file and never a silently different one."""
+    import hashlib
+
+    split = _check_split(split)
+    env = os.environ.get("MMRL_CACHE")
+    folder = (Path(env).expanduser() if env else Path.home() / ".cache" / "mmrl") / "eval-prompts"
+    scratch = folder / f".shapeworld-{split}-{os.getpid()}.jsonl"
+    write_prompts(scratch, split)
+    data = scratch.read_bytes()
+    target = folder / f"shapeworld-{split}-{hashlib.sha256(data).hexdigest()[:16]}.jsonl"
+    if target.is_file() and target.read_bytes() == data:
+        scratch.unlink()
+    else:
+        os.replace(scratch, target)
+    return target
+
+
+def resolve_prompts_spec(path: str | os.PathLike) -> str | os.PathLike:
+    """``shapeworld:<split>`` -> :func:`prompts_file` of that split (a ValueError naming the splits for another
+    split); any other path unchanged. What ``data.prompts`` goes through (:func:`mmrl.data.prompts.read_prompts`)."""
+    text = str(path)
+    if not text.startswith(PROMPTS_SPEC_PREFIX):
+        return path
+    split = text[len(PROMPTS_SPEC_PREFIX):]
+    if split not in SPLITS:
+        raise ValueError(f"{text!r}: unknown ShapeWorld split {split!r}; write shapeworld:train or shapeworld:heldout")
+    return prompts_file(split)
+
+
+#: The shipped base models (``model.pretrained: shapeworld:<name>``): ``name -> (folder under assets/shapeworld/,
+#: the command that makes it)``, each trained by mmrl itself (README, "ShapeWorld and base models").
+BASE_MODELS = {"sd3": ("sd3_base", "mmrl pretrain configs/shapes/pretrain_sd3.yaml"),
+               "qwen_vl": ("qwen_vl_base", "mmrl sft configs/shapes/sft_qwen_vl.yaml")}
+
+
+def base_model_path(name: str) -> Path:
+    """The folder of the shipped ShapeWorld base ``name`` (:data:`BASE_MODELS`): ``mmrl/assets/shapeworld/<dir>``
+    in an installed package, ``<repo>/assets/shapeworld/<dir>`` in a source checkout. A FileNotFoundError that
+    says how to make it when it is absent; a ValueError for an unknown name."""
+    if name not in BASE_MODELS:
+        raise ValueError(f"unknown ShapeWorld base {name!r}; shipped: "
+                         f"{', '.join('shapeworld:' + k for k in BASE_MODELS)}")
+    folder, recipe = BASE_MODELS[name]
+    here = Path(__file__).resolve().parent  # .../mmrl/data
+    candidates = [root / "assets" / "shapeworld" / folder for root in (here.parent, here.parent.parent)]
+    for candidate in candidates:
+        if (candidate / "model_index.json").is_file() or (candidate / "config.json").is_file():
+            return candidate
+    raise FileNotFoundError(f"the ShapeWorld base 'shapeworld:{name}' is not in this install (looked in "
+                            f"{', '.join(map(str, candidates))}); make it with `{recipe}` and point "
+                            f"model.pretrained at what it writes")
+
+
+#: A ShapeWorld VLM set written on the spot: ``shapeworld:<split>:<n>`` (every task) or
+#: ``shapeworld:<split>:<n>:<task>[+<task>...]`` (those tasks, e.g. ``shapeworld:heldout:48:grounding``).
+VLM_SPEC = re.compile(r"^shapeworld:(train|heldout):([1-9][0-9]*)(?::([a-z_]+(?:\+[a-z_]+)*))?$")
+
+
+def check_vlm_spec(value: str) -> str | None:
+    """None if ``value`` names a ShapeWorld VLM set (:data:`VLM_SPEC`), else what is wrong with it."""
+    match = VLM_SPEC.match(value)
+    if match is None:
+        return (f"{value!r} is not a ShapeWorld VLM set: write shapeworld:<train|heldout>:<n>[:<task>+<task>] "
+                f"(tasks {', '.join(VLM_TASKS)})")
+    bad = [t for t in (match.group(3) or "").split("+") if t and t not in VLM_TASKS]
+    if bad:
+        return f"{value!r}: unknown ShapeWorld task {bad[0]!r}; tasks: {', '.join(VLM_TASKS)}"
+    return None
+
+
+def resolve_vlm_spec(value: str, *, coord_format: str | None, seed: int = 0,
+                     directory: str | os.PathLike | None = None) -> str:
+    """A VLM JSONL path: ``value`` as given, or for :data:`VLM_SPEC` the set :func:`write_vlm_dataset` writes (once,
+    atomically, into ``directory``, default ``$MMRL_CACHE`` / ``~/.cache/mmrl``) with its boxes in
+    ``coord_format``, the format the policy answers in (Qwen2.5-VL ``qwen25``, Qwen2-VL / Qwen3-VL ``qwen2``). A
+    ValueError when the spelling is wrong or the format is unknown."""
+    if not isinstance(value, str) or not value.startswith("shapeworld:"):
+        return value
+    problem = check_vlm_spec(value)
+    if problem:
+        raise ValueError(problem)
+    if coord_format is None:
+        raise ValueError(f"{value} writes boxes in the model's coordinate format, which is unknown for this model "
+                         f"(not a Qwen-VL model type mmrl knows); write the data yourself "
+                         f"(mmrl.data.shapeworld.write_vlm_dataset(..., coord_format=...))")
+    from mmrl.pipelines.flow.tiny import ensure_built
+
+    match = VLM_SPEC.match(value)
+    split, n = match.group(1), int(match.group(2))
+    tasks = tuple(match.group(3).split("+")) if match.group(3) else VLM_TASKS
+    name = "" if tasks == VLM_TASKS else "-" + "+".join(tasks)
+    folder = ensure_built(f"shapeworld-{PROMPTS_VERSION}-{split}-{n}{name}-{coord_format}-seed{seed}",
+                          lambda out: write_vlm_dataset(out, split, n, seed=seed, tasks=tasks,
+                                                        coord_format=coord_format), directory)
+    return str(folder / f"{split}.jsonl")
 
 
 # ---------------------------------------------------------------------------------------------------- scene_for

@@ -138,6 +138,10 @@ def _check_vlm(config, *, media: bool) -> DataReport:
         return DataReport("vlm", "data.dataset", problems=["data.dataset is not set: a JSONL file or tiny:<kind>"])
     if dataset.startswith("tiny:"):
         return DataReport("vlm", dataset, checked=False)
+    if dataset.startswith("shapeworld:"):  # written on the spot in the policy's box format, then checked
+        from mmrl.build import resolve_vlm_dataset
+
+        dataset = resolve_vlm_dataset(config)
     report = DataReport("vlm", dataset, media=media)
     try:
         entries = parse_vlm_jsonl(dataset)

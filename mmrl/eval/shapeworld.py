@@ -19,10 +19,9 @@ world's :data:`~mmrl.data.shapeworld.IMAGE_SIZE`), 40 steps and guidance 4.5 (Fl
 """
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
 
+from mmrl.data.shapeworld import prompts_file
 from mmrl.eval.protocol import Defaults
 from mmrl.eval.runner import BenchmarkSpec, EvalError, EvalItem, EvalOptions, GenEvalScorer
 
@@ -48,27 +47,6 @@ def _split(name: str) -> str:
     if split not in SPLITS:
         raise EvalError(f"benchmark {name!r}: unknown ShapeWorld split {split!r}; splits: {', '.join(SPLITS)}")
     return split
-
-
-def _cache_dir() -> Path:
-    env = os.environ.get("MMRL_CACHE")
-    return (Path(env).expanduser() if env else Path.home() / ".cache" / "mmrl") / "eval-prompts"
-
-
-def prompts_file(split: str) -> Path:
-    """The split's prompt file (written once, atomically, named by its content's sha256)."""
-    from mmrl.data.shapeworld import write_prompts
-
-    folder = _cache_dir()
-    scratch = folder / f".shapeworld-{split}-{os.getpid()}.jsonl"
-    write_prompts(scratch, split)
-    data = scratch.read_bytes()
-    target = folder / f"shapeworld-{split}-{hashlib.sha256(data).hexdigest()[:16]}.jsonl"
-    if target.is_file() and target.read_bytes() == data:
-        scratch.unlink()
-    else:
-        os.replace(scratch, target)
-    return target
 
 
 # --------------------------------------------------------------------------------------------------- plug-in API

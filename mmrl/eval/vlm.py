@@ -103,8 +103,8 @@ VLM_EVAL_KEYS: dict[str, str] = {
     "benchmarks": "list of rec, multi_object, temporal_grounding, multiple_choice, numeric (the lines of data=FILE "
                   "with that task) and charades_sta (the shipped Charades-STA test annotations, videos from "
                   "video_dir=); default: every task in data=FILE",
-    "data": "a VLM JSONL file (mmrl.data.vlm format; tiny:grounding, tiny:temporal_grounding); default: the config's "
-            "data.dataset",
+    "data": "a VLM JSONL file (mmrl.data.vlm format; tiny:grounding, tiny:temporal_grounding, "
+            "shapeworld:<split>:<n>[:<tasks>]); default: the config's data.dataset",
     "video_dir": "for charades_sta: the folder of the Charades v1 videos, <video_id>.mp4 (not shipped)",
     "output_dir": "where samples.jsonl, protocol.json and summary.json go; default RUN/eval/<checkpoint> or "
                   "<config output_dir>/eval/base; an existing one is resumed",
@@ -370,21 +370,12 @@ def _vlm_generator(cfg, ckpt: _Checkpoint) -> dict[str, Any]:
 
 
 def _model_coord_format(cfg) -> tuple[str | None, str | None]:
-    """``(model type, its box coordinate format)``, read as :func:`mmrl.build.build_reward_fn` reads them: the name of a
-    ``tiny:<model_type>`` model, else ``AutoConfig.from_pretrained(model.pretrained).model_type``; ``(None, None)``
-    when it cannot be read."""
+    """``(model type, its box coordinate format)``, read as :func:`mmrl.build.build_reward_fn` reads them
+    (:func:`mmrl.build.policy_model_type`); ``(None, None)`` when it cannot be read."""
+    from mmrl.build import policy_model_type
     from mmrl.rewards.grounding import QWEN_COORD_FORMATS
 
-    m = cfg.model
-    if m.pretrained.startswith("tiny:"):
-        model_type = m.pretrained.split(":", 1)[1]
-    else:
-        try:
-            from transformers import AutoConfig
-
-            model_type = AutoConfig.from_pretrained(m.pretrained, revision=m.revision).model_type
-        except Exception:  # offline without the config, a bad path: no default, lines must say (their rows: NaN)
-            model_type = None
+    model_type = policy_model_type(cfg, warn=False)
     return model_type, QWEN_COORD_FORMATS.get(model_type)
 
 
@@ -581,15 +572,19 @@ class _Plan:
 
 def _data_samples(options: VLMEvalOptions, cfg) -> tuple[dict[str, list], Path]:
     """The JSONL's samples grouped by benchmark, in file order: ``({benchmark: [(index, sample), ...]}, file)``."""
+    from mmrl.build import resolve_vlm_dataset
+    from mmrl.config import ConfigError
     from mmrl.data.prompts import DataError
-    from mmrl.data.synthetic import resolve_dataset
     from mmrl.data.vlm import read_vlm_jsonl
 
     value = options.data or cfg.data.dataset
     if value is None:
         raise EvalError("no data to evaluate: give data=FILE (a VLM JSONL) or set data.dataset in the config, or run "
                         "benchmarks=[charades_sta] video_dir=DIR")
-    path = Path(resolve_dataset(value))
+    try:
+        path = Path(resolve_vlm_dataset(cfg, value))
+    except ConfigError as exc:
+        raise EvalError(f"{'data=' if options.data else 'data.dataset='}{value}: {str(exc).split(': ', 1)[1]}") from None
     if not path.is_file():
         where = "data=" if options.data else "data.dataset="
         hint = "" if path.is_absolute() else " (relative paths resolve from the working directory)"

@@ -13,7 +13,15 @@ class ModelLoadError(RuntimeError):
 
 
 def resolve_pretrained(pretrained: str) -> str:
-    """``tiny:sd3`` / ``tiny:flux`` -> the cached tiny build (made on first use); anything else unchanged."""
+    """``tiny:sd3`` / ``tiny:flux`` -> the cached tiny build (made on first use); ``shapeworld:sd3`` -> the shipped
+    ShapeWorld base (:func:`mmrl.data.shapeworld.base_model_path`); anything else unchanged."""
+    if pretrained.startswith("shapeworld:"):
+        from mmrl.data.shapeworld import base_model_path
+
+        try:
+            return str(base_model_path(pretrained.split(":", 1)[1]))
+        except (ValueError, FileNotFoundError) as exc:
+            raise ModelLoadError(f"model.pretrained={pretrained!r}: {exc}") from None
     if pretrained.startswith("tiny:"):
         from mmrl.pipelines.flow.tiny import ensure_tiny
 

@@ -161,6 +161,16 @@ class LogProbOutput:
 
 
 def resolve_vlm_pretrained(pretrained: str) -> str:
+    """``tiny:<model_type>`` -> the cached tiny build; ``shapeworld:qwen_vl`` -> the shipped ShapeWorld base
+    (:func:`mmrl.data.shapeworld.base_model_path`); anything else unchanged."""
+    if pretrained.startswith("shapeworld:"):
+        from mmrl.data.shapeworld import base_model_path
+        from mmrl.pipelines.flow.loading import ModelLoadError
+
+        try:
+            return str(base_model_path(pretrained.split(":", 1)[1]))
+        except (ValueError, FileNotFoundError) as exc:
+            raise ModelLoadError(f"model.pretrained={pretrained!r}: {exc}") from None
     if pretrained.startswith("tiny:"):
         from mmrl.pipelines.vlm.tiny import ensure_tiny_vlm
 
