@@ -40,12 +40,13 @@ DEFAULT_OUT = Path("runs") / "credit_curves"
 RECIPE = REPO / "configs" / "shapes" / "tp_grpo.yaml"
 
 
-def heldout(trainer, config, label: str, workdir: Path) -> dict:
-    """The held-out ShapeWorld metrics of the trainer's live weights (clock stopped by the caller)."""
-    from mmrl.eval.runner import evaluate_policy, plan_training_eval
+def heldout(trainer, config, planned, label: str, workdir: Path) -> dict:
+    """The held-out ShapeWorld metrics of the trainer's live weights (clock stopped by the caller); ``planned``:
+    :func:`mmrl.eval.runner.plan_training_eval` of ``config``, read once per run."""
+    from mmrl.eval.runner import evaluate_policy
 
-    summary = evaluate_policy(trainer.policy, config, trainer.update, workdir / "eval" / label,
-                              planned=plan_training_eval(config), echo=lambda _: None)
+    summary = evaluate_policy(trainer.policy, config, trainer.update, workdir / "eval" / label, planned=planned,
+                              echo=lambda _: None)
     return summary["benchmarks"]["shapeworld@heldout"]["metrics"]
 
 
@@ -58,15 +59,19 @@ def run(method: str, seconds: float, evals: int, eval_limit: int, seed: int, wor
     if pretrained:
         overrides.append(f"model.pretrained={pretrained}")
     config = load_config(recipe, overrides)
+    from mmrl.eval.runner import plan_training_eval
+
+    planned = plan_training_eval(config)
     torch.manual_seed(seed)
     trainer = build_trainer(config)
     samples = config.data.prompts_per_step * config.data.group_size  # final-image reward calls per update
     marks = [seconds * (k + 1) / evals for k in range(evals)]
     rows, scores, spent = [], [], 0.0
 
-    def score(at: float) -> None:
-        metrics = heldout(trainer, config, f"{method}-{len(scores)}", workdir)
-        scores.append({"method": method, "seconds": round(at, 1), "update": trainer.update,
+    def score(at: float) -> None:  # ``at``: the budget mark; ``trained_s``: the training seconds really spent
+        metrics = heldout(trainer, config, planned, f"{method}-{len(scores)}", workdir)
+        scores.append({"method": method, "seconds": round(at, 1), "trained_s": round(spent, 1),
+                       "update": trainer.update,
                        "overall": metrics["overall"], **{f"tag/{k}": v for k, v in metrics["per_tag"].items()}})
         print(json.dumps(scores[-1]), flush=True)
 
@@ -96,7 +101,7 @@ def plot(rows: list[dict], scores: list[dict], path: Path) -> None:
         by_step.plot([r["step"] for r in mine], [r["reward"] for r in mine], marker="o", ms=2, label=method)
         by_time.plot([r["wall_s"] for r in mine], [r["reward"] for r in mine], marker="o", ms=2, label=method)
         evals = [s for s in scores if s["method"] == method]
-        held.plot([s["seconds"] for s in evals], [s["overall"] for s in evals], marker="o", label=method)
+        held.plot([s["trained_s"] for s in evals], [s["overall"] for s in evals], marker="o", label=method)
     by_step.set(xlabel="update", ylabel="mean training reward (ShapeWorld partial)", title="reward per update")
     by_time.set(xlabel="training wall clock (s)", ylabel="mean training reward", title="reward per second")
     held.set(xlabel="training wall clock (s)", ylabel="held-out overall (strict)", title="held-out ShapeWorld")

@@ -175,10 +175,10 @@ def policy_coord_format(config: Config) -> str | None:
     return coord_format
 
 
-def resolve_vlm_dataset(config: Config, value: str | None = None) -> str:
+def resolve_vlm_dataset(config: Config, value: str | None = None, *, where: str = "data.dataset") -> str:
     """``value`` (default ``data.dataset``) as a JSONL path: ``tiny:<kind>`` the cached synthetic set, a ShapeWorld
     spec (``shapeworld:<split>:<n>[:<tasks>]``) the set written with the policy's coordinate format
-    (:func:`policy_coord_format`), anything else unchanged. A bad spec is a ConfigError."""
+    (:func:`policy_coord_format`), anything else unchanged. A bad spec is a ConfigError ``"<where>: ..."``."""
     from mmrl.data.shapeworld import resolve_vlm_spec
     from mmrl.data.synthetic import resolve_dataset
 
@@ -187,7 +187,7 @@ def resolve_vlm_dataset(config: Config, value: str | None = None) -> str:
         try:
             return resolve_vlm_spec(value, coord_format=policy_coord_format(config), seed=0)
         except ValueError as exc:
-            raise ConfigError(f"data.dataset: {exc}") from None
+            raise ConfigError(f"{where}: {exc}") from None
     return resolve_dataset(value)
 
 

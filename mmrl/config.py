@@ -728,11 +728,11 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         if d.prompts is None and not d.prompt_list:
             raise ConfigError("data: set data.prompts (a .txt or .jsonl file) or data.prompt_list")
         if d.prompts is not None and d.prompts.startswith("shapeworld:"):
-            from mmrl.data.shapeworld import SPLITS
+            from mmrl.data.shapeworld import check_prompts_spec
 
-            if d.prompts.split(":", 1)[1] not in SPLITS:
-                raise ConfigError(f"data.prompts={d.prompts!r}: unknown ShapeWorld split; write "
-                                  f"{' or '.join('shapeworld:' + s for s in SPLITS)}")
+            problem = check_prompts_spec(d.prompts)
+            if problem:
+                raise ConfigError(f"data.prompts: {problem}")
         elif check_files and d.prompts is not None and not Path(d.prompts).is_file():
             raise ConfigError(f"data.prompts: prompt file not found: {d.prompts}{_path_hint(d.prompts)}")
     if check_files:

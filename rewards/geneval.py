@@ -85,6 +85,7 @@ __all__ = [
     "select_detections",
     "check_geneval_metadata",
     "evaluate_geneval",
+    "verdict_details",
     "geneval_summary",
     "color_crop",
     "Mask2FormerDetector",
@@ -275,6 +276,15 @@ class GenEvalResult:
     def partial(self) -> float:
         """Fraction of clauses that hold."""
         return sum(self.clauses) / len(self.clauses) if self.clauses else float(self.correct)
+
+
+def verdict_details(metadata: Mapping[str, Any], result: GenEvalResult,
+                    objects: Mapping[str, Sequence[Detection]]) -> dict[str, Any]:
+    """One sample's ``last_details`` entry of a GenEval-rule reward: tag, verdict, clauses, the failure reasons and
+    how many detections of each class were kept."""
+    return {"tag": metadata.get("tag"), "correct": result.correct, "partial": result.partial,
+            "clauses": result.clauses, "reason": "\n".join(result.reasons),
+            "detected": {k: len(v) for k, v in objects.items()}}
 
 
 def evaluate_geneval(
@@ -825,9 +835,7 @@ class GenEval(Reward):
                     continue
                 strict[pos] = float(result.correct)
                 partial[pos] = result.partial
-                details[i] = {"tag": meta.get("tag"), "correct": result.correct, "partial": result.partial,
-                              "clauses": result.clauses, "reason": "\n".join(result.reasons),
-                              "detected": {k: len(v) for k, v in objects.items()}}
+                details[i] = verdict_details(meta, result, objects)
         self.last_details = details
         main = strict if self.variant == "strict" else partial
         return {self.name: main, "strict": strict, "partial": partial}

@@ -52,7 +52,8 @@ import torch
 from PIL import Image
 
 from ._base import ImageBatch, Reward, register_reward
-from .geneval import Detection, GenEvalResult, check_geneval_metadata, evaluate_geneval, select_detections
+from .geneval import (Detection, GenEvalResult, check_geneval_metadata, evaluate_geneval, select_detections,
+                      verdict_details)
 
 __all__ = ["COLOR_THRESHOLD", "MIN_SIDE", "ShapeDetection", "detect", "classify", "check_shapeworld_metadata",
            "score_image", "soft_score", "ShapeWorldReward", "ShapeWorldPartial", "ShapeWorldSoft"]
@@ -298,9 +299,7 @@ class ShapeWorldReward(Reward):
                 continue
             strict[pos] = float(result.correct)
             partial[pos] = result.partial
-            details[i] = {"tag": meta.get("tag"), "correct": result.correct, "partial": result.partial,
-                          "clauses": result.clauses, "reason": "\n".join(result.reasons),
-                          "detected": {k: len(v) for k, v in objects.items()},
+            details[i] = {**verdict_details(meta, result, objects),
                           "detections": [{"shape": d.label, "color": getattr(d, "color", None),
                                           "score": round(float(d.score), 4), "box": [float(v) for v in d.box]}
                                          for v in objects.values() for d in v]}

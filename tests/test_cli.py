@@ -462,15 +462,15 @@ def test_credit_curves_writes_to_out_not_to_the_committed_results(tmp_path, monk
     def fake_run(method, seconds, evals, eval_limit, seed, workdir, recipe, pretrained):
         rows = [{"method": method, "step": s + 1, "reward": 0.1 * s, "wall_s": float(s), "extra_nfe": 0.0,
                  "reward_calls": 4.0} for s in range(int(seconds))]
-        held = [{"method": method, "seconds": seconds * k / evals, "update": k, "overall": 0.1 * k,
-                 "tag/colors": 0.2 * k} for k in range(evals + 1)]
+        held = [{"method": method, "seconds": seconds * k / evals, "trained_s": seconds * k / evals + 0.5,
+                 "update": k, "overall": 0.1 * k, "tag/colors": 0.2 * k} for k in range(evals + 1)]
         return rows, held
 
     monkeypatch.setattr(module, "run", fake_run)
     out = tmp_path / "bench"
     module.main(["--seconds", "3", "--evals", "2", "--methods", "outcome", "cosine", "--out", str(out)])
     assert (out / "credit_curves.csv").read_text().splitlines()[0] == "method,step,reward,wall_s,extra_nfe,reward_calls"
-    assert (out / "credit_heldout.csv").read_text().splitlines()[0] == "method,seconds,update,overall,tag/colors"
+    assert (out / "credit_heldout.csv").read_text().splitlines()[0] == "method,seconds,trained_s,update,overall,tag/colors"
     assert len((out / "credit_heldout.csv").read_text().splitlines()) == 1 + 2 * 3
     assert (out / "credit_curves.png").is_file()
     monkeypatch.chdir(tmp_path)

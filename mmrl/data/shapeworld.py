@@ -51,7 +51,7 @@ __all__ = [
     "SHAPES", "COLORS", "BACKGROUND", "IMAGE_SIZE", "VLM_IMAGE_SIZE", "TAGS", "SPLITS", "POSITIONS", "NUMBERS",
     "HELDOUT_PAIRINGS", "PROMPTS_VERSION", "VLM_TASKS", "VIDEO_FRAMES", "VIDEO_FPS", "Obj", "Scene", "shape_mask",
     "render", "render_array", "is_heldout", "prompt_set", "scene_for", "write_prompts", "write_vlm_dataset",
-    "write_video", "split_rng", "prompts_file", "resolve_prompts_spec", "PROMPTS_SPEC_PREFIX",
+    "write_video", "split_rng", "prompts_file", "check_prompts_spec", "resolve_prompts_spec", "PROMPTS_SPEC_PREFIX",
     "BASE_MODELS", "base_model_path", "VLM_SPEC", "check_vlm_spec", "resolve_vlm_spec",
 ]
 
@@ -326,16 +326,24 @@ def prompts_file(split: str) -> Path:
     return target
 
 
+def check_prompts_spec(value: str) -> str | None:
+    """None if ``value`` (starting ``shapeworld:``) names a split's prompts, else what is wrong with it."""
+    split = value[len(PROMPTS_SPEC_PREFIX):]
+    if split not in SPLITS:
+        return f"{value!r}: unknown ShapeWorld split {split!r}; write shapeworld:train or shapeworld:heldout"
+    return None
+
+
 def resolve_prompts_spec(path: str | os.PathLike) -> str | os.PathLike:
     """``shapeworld:<split>`` -> :func:`prompts_file` of that split (a ValueError naming the splits for another
     split); any other path unchanged. What ``data.prompts`` goes through (:func:`mmrl.data.prompts.read_prompts`)."""
     text = str(path)
     if not text.startswith(PROMPTS_SPEC_PREFIX):
         return path
-    split = text[len(PROMPTS_SPEC_PREFIX):]
-    if split not in SPLITS:
-        raise ValueError(f"{text!r}: unknown ShapeWorld split {split!r}; write shapeworld:train or shapeworld:heldout")
-    return prompts_file(split)
+    problem = check_prompts_spec(text)
+    if problem:
+        raise ValueError(problem)
+    return prompts_file(text[len(PROMPTS_SPEC_PREFIX):])
 
 
 #: The shipped base models (``model.pretrained: shapeworld:<name>``): ``name -> (folder under assets/shapeworld/,

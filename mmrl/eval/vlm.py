@@ -582,9 +582,9 @@ def _data_samples(options: VLMEvalOptions, cfg) -> tuple[dict[str, list], Path]:
         raise EvalError("no data to evaluate: give data=FILE (a VLM JSONL) or set data.dataset in the config, or run "
                         "benchmarks=[charades_sta] video_dir=DIR")
     try:
-        path = Path(resolve_vlm_dataset(cfg, value))
+        path = Path(resolve_vlm_dataset(cfg, value, where=f"{'data=' if options.data else 'data.dataset='}{value}"))
     except ConfigError as exc:
-        raise EvalError(f"{'data=' if options.data else 'data.dataset='}{value}: {str(exc).split(': ', 1)[1]}") from None
+        raise EvalError(str(exc)) from None
     if not path.is_file():
         where = "data=" if options.data else "data.dataset="
         hint = "" if path.is_absolute() else " (relative paths resolve from the working directory)"
