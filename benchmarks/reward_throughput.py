@@ -318,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {out}")
+    print(json.dumps({"bench": "rewards", "speedup_vs_loop": {r["reward"]: r["ratio"] for r in rows},
+                      "images_per_s": {r["reward"]: r["mmrl_images_per_s"] for r in rows}, "out": str(out)}))
     return 0
 
 

@@ -603,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
+    print(json.dumps({"bench": "vlm-grpo", "speedup_vs_trl": ratio, "median_step_speedup_vs_trl": ratio_median,
+                      "ok": not problems, "problems": problems, "out": str(args.out)}))
     return 1 if problems else 0
 
 

@@ -55,7 +55,12 @@ def build_source(config: Config):
         if not samples:  # read_vlm_jsonl already raises on a file with no usable sample
             raise DataError(f"{config.data.dataset}: no usable sample")
         return VLMSampleSource(samples, seed=config.seed, shuffle=config.data.shuffle, problems=samples.problems)
-    return PromptSource(build_prompt_items(config), seed=config.seed, shuffle=config.data.shuffle)
+    items = build_prompt_items(config)
+    if config.data.balance_tags:
+        from mmrl.data.prompts import balance_by_tag
+
+        items = balance_by_tag(items)
+    return PromptSource(items, seed=config.seed, shuffle=config.data.shuffle)
 
 
 def vlm_media(config: Config, processor):
@@ -243,13 +248,21 @@ def build_trainer(config: Config):
     if config.algorithm.beta > 0:
         policy.init_reference()
     scorer = None
-    if config.train.overlap_scoring and "on_chunk" in inspect.signature(policy.rollout).parameters:
+    if overlap_scoring_on(config, accelerator.device) and "on_chunk" in inspect.signature(policy.rollout).parameters:
         from mmrl.rewards.async_scoring import AsyncScorer
 
         scorer = AsyncScorer(reward_fn)
     trainer = Trainer(config, policy, reward_fn, prompts, accelerator, scorer=scorer)
     trainer._eval_plan = eval_plan
     return trainer
+
+
+def overlap_scoring_on(config: Config, device: torch.device) -> bool:
+    """``train.overlap_scoring`` resolved for the device the policy runs on: ``'auto'`` is on for an accelerator (the
+    reward's kernels on their own stream, its CPU work beside the sampler's kernels) and off on the CPU (the sampler
+    uses every core already; scoring in between chunks costs the same work without two threads competing)."""
+    value = config.train.overlap_scoring
+    return torch.device(device).type != "cpu" if value == "auto" else bool(value)
 
 
 def cpu_threads_default() -> None:

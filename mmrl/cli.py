@@ -14,6 +14,8 @@
     mmrl serve-rewards CONFIG [--host H --port P]   serve CONFIG's rewards over HTTP (mmrl.rewards.remote)
     mmrl score (--config CONFIG | --rewards MAP) --images DIR [--prompts F.csv|F.jsonl] --out F.csv|F.json
                                              score a folder of images with mmrl's rewards (mmrl.score)
+    mmrl bench NAME [options]                a benchmark of benchmarks/ (flow-grpo, vlm-grpo, rewards,
+                                             credit-curves), side by side with its peer; one JSON line
     mmrl --version                           also: python -m mmrl ...
 
 Options and positional arguments may come in any order (``mmrl config validate --no-check-files CONFIG``).
@@ -540,6 +542,10 @@ def make_parser() -> argparse.ArgumentParser:
     serve_rw.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     serve_rw.set_defaults(func=_cmd_serve_rewards)
 
+    bench = command("bench", f"a benchmark side by side with its peer ({', '.join(BENCHES)}); one JSON line",
+                    add_help=False)
+    bench.add_argument("name", nargs="?", help="; `mmrl bench NAME --help` for its options")
+
     score = command("score", "score a folder of images with mmrl's rewards (no training)")
     score.add_argument("--config", default=None, help="YAML config whose `rewards:` mapping is used")
     score.add_argument("--rewards", default=None, help="inline rewards mapping, e.g. '{jpeg_compressibility: 1}'")
@@ -553,6 +559,44 @@ def make_parser() -> argparse.ArgumentParser:
     score.add_argument("--quiet", action="store_true", help="no progress or summary on the terminal")
     score.set_defaults(func=_cmd_score)
     return parser
+
+
+# ---------------------------------------------------------------------------------------------- bench
+
+#: ``mmrl bench NAME`` -> the script in the repository's benchmarks/ folder.
+BENCHES = {"flow-grpo": "flow_grpo_bench.py", "vlm-grpo": "vlm_grpo_vs_trl.py", "rewards": "reward_throughput.py",
+           "credit-curves": "credit_curves.py"}
+
+
+def benchmarks_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _cmd_bench(argv: list[str]) -> int:
+    """``mmrl bench NAME [options]``: runs ``benchmarks/<script>`` with the options (``--help`` for its own) in a
+    fresh interpreter, so its threads and its peer's imports stay out of this process; exit code = the script's."""
+    import subprocess
+
+    names = ", ".join(BENCHES)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: mmrl bench NAME [options]\n\nNAME: {names}. `mmrl bench NAME --help` lists NAME's options. "
+              f"Each compares mmrl with its peer in one run and prints one JSON line (and writes its results under "
+              f"benchmarks/results/).")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in BENCHES:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(BENCHES), n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else f"; one of {names}"
+        print(f"mmrl: error: unknown benchmark {name!r}{hint}", file=sys.stderr, flush=True)
+        return 2
+    script = benchmarks_dir() / BENCHES[name]
+    if not script.is_file():
+        print(f"mmrl: error: {script} not found: mmrl bench runs the scripts of a source checkout's benchmarks/ "
+              f"folder (git clone ... && pip install -e .)", file=sys.stderr, flush=True)
+        return 2
+    return subprocess.call([sys.executable, str(script), *rest])
 
 
 # ---------------------------------------------------------------------------------------------- entry
@@ -641,6 +685,9 @@ def _print_error(exc: BaseException) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # the script parses its own options
+        return _cmd_bench(argv[1:])
     try:
         try:
             args = make_parser().parse_args(argv)

@@ -4,7 +4,7 @@
 alongside; it warns (``logging`` warning on ``mmrl.health``, printed on the main process) once per episode:
 
 * ``health/no_signal_streak``: consecutive updates in which no sample carried signal (every advantage exactly
-  0, ``samples/trained == 0``). Warned from :data:`STREAK` updates on, with the likely cause read from the same
+  0, ``samples/informative == 0``; ``samples/trained`` counts every sample the update trained on). Warned from :data:`STREAK` updates on, with the likely cause read from the same
   metrics: no parseable answer (``reward_info/<r>/num_unparseable`` covers every sample), every reward NaN, or
   rewards that do not vary within any group.
 * ``health/nan_reward_streak``: consecutive updates in which more than half of the samples got a NaN reward.
@@ -36,7 +36,7 @@ KL_FLOOR = 1e-3
 
 
 def _samples(metrics: dict[str, float]) -> float:
-    return metrics.get("samples/trained", 0.0) + metrics.get("samples/zero_advantage", 0.0)
+    return metrics.get("samples/trained", 0.0)
 
 
 def no_signal_cause(metrics: dict[str, float]) -> str:
@@ -76,7 +76,8 @@ class RunHealth:
         n = _samples(metrics)
         warnings = 0
 
-        self.no_signal = self.no_signal + 1 if n and metrics.get("samples/trained", 0.0) == 0 else 0
+        informative = metrics.get("samples/informative", n - metrics.get("samples/zero_advantage", 0.0))
+        self.no_signal = self.no_signal + 1 if n and informative == 0 else 0
         if self.no_signal == STREAK:
             warnings += 1
             self.warn(f"update {step}: {STREAK} updates in a row with no trainable signal (every advantage is 0, "

@@ -778,7 +778,11 @@ class Trainer:
             rollout = self.policy.rollout(items, c.data.group_size, **kwargs, on_chunk=batches.add)
             batches.flush()
             t1 = time.perf_counter()
-            results = [f.result() for f in futures]
+            try:
+                results = [f.result() for f in futures]
+            finally:
+                if hasattr(self.scorer, "release"):  # the worker thread ends: training runs without it (OpenMP)
+                    self.scorer.release()
             for result in results:
                 self._count_reward_info(result.info)
             scores = {k: torch.cat([r[k].float().cpu() for r in results]) for k in results[0]}
@@ -979,7 +983,10 @@ class Trainer:
         metrics["reward/mean"] = metrics["reward/total"]
         metrics.update(adv_stats)
         metrics.update(sampling_stats)
-        metrics["samples/trained"] = float(len(advantages) * acc.num_processes - adv_stats["samples/zero_advantage"])
+        # every sample goes through the training pass (a zero advantage still carries the KL term and the step);
+        # the informative ones are those whose advantage is not all zero
+        metrics["samples/trained"] = float(len(advantages) * acc.num_processes)
+        metrics["samples/informative"] = metrics["samples/trained"] - adv_stats["samples/zero_advantage"]
         metrics.update(train_metrics)
         metrics["kl"] = train_metrics.get("kl", 0.0)
         if "completion_length" in rollout.extras:

@@ -3,8 +3,12 @@
 Mirrors ``ddpo_pytorch/rewards.py`` (kvablack/ddpo-pytorch): each image is quantised to uint8
 with ``(x * 255).round().clamp(0, 255)``, encoded with pillow as ``JPEG`` at ``quality=95`` and
 scored by its encoded size in **kilobytes, decimal: bytes / 1000** (not KiB). Incompressibility is
-the size; compressibility is its negation. Flow-GRPO's ``jpeg_compressibility`` further divides
-by 500 (``-size_kb / 500``); set ``scale_divisor=500`` to reproduce that, the default 1.0 is DDPO.
+the size; compressibility is its negation. The defaults are Flow-GRPO's (yifan123/flow_grpo
+``flow_grpo/rewards.py``), the anchor of mmrl's flow trainer: ``jpeg_incompressibility`` is the size
+in kB (as DDPO), ``jpeg_compressibility`` is ``-size_kb / 500`` (``scale_divisor=500``; DDPO's
+``-size_kb`` is ``scale_divisor=1``). The raw size is also returned as ``jpeg_size_kb``. With
+group-normalised advantages the divisor changes nothing; it matters for ``algorithm.scale: none``
+and for a sum with other rewards.
 
 Images are encoded one after another: pillow (13.0) holds the GIL while encoding a JPEG, to a
 ``BytesIO`` or to a file descriptor alike, so a thread pool measured no faster (0.95-0.98x on 2
@@ -31,12 +35,17 @@ def jpeg_size_kb(image, quality: int = 95) -> float:
 
 class _JpegSize(Reward):
     sign: float = 1.0
+    #: Flow-GRPO's divisor for this reward.
+    flow_grpo_divisor: float = 1.0
 
-    def __init__(self, quality: int = 95, scale_divisor: float = 1.0):
+    def __init__(self, quality: int = 95, scale_divisor: float | None = None):
         """Args:
-        quality: pillow JPEG quality (DDPO: 95).
-        scale_divisor: the score is divided by this (DDPO: 1; Flow-GRPO's compressibility: 500).
+        quality: pillow JPEG quality (DDPO and Flow-GRPO: 95).
+        scale_divisor: the score is divided by this; default Flow-GRPO's (compressibility 500,
+            incompressibility 1); DDPO: 1.
         """
+        if scale_divisor is None:
+            scale_divisor = self.flow_grpo_divisor
         super().__init__()
         if not 1 <= int(quality) <= 100:
             raise ValueError(f"quality must be in [1, 100], got {quality}")
@@ -66,6 +75,8 @@ class JpegIncompressibility(_JpegSize):
 
 @register_reward("jpeg_compressibility")
 class JpegCompressibility(_JpegSize):
-    """Negated JPEG size in kB (bytes / 1000) at quality 95: larger = simpler image (DDPO)."""
+    """Negated JPEG size in kB (bytes / 1000) at quality 95, divided by 500 (Flow-GRPO; DDPO: ``scale_divisor=1``):
+    larger = simpler image."""
 
     sign = -1.0
+    flow_grpo_divisor = 500.0

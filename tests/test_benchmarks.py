@@ -38,3 +38,32 @@ def test_vlm_grpo_vs_trl_smoke(tmp_path):
     assert mmrl["counts_per_step"]["vision_images"] == prompts
     assert trl["counts_per_step"]["vision_images"] == n * (2 + epochs)
     assert report["ratio_steps_per_s_mmrl_over_trl"] > 0
+
+
+def test_flow_grpo_bench_same_work_through_mmrl_bench(tmp_path):
+    """`mmrl bench flow-grpo`: one JSON line; mmrl and the plain loop put the same rows through the transformer
+    (sampling without grad, training with it; mmrl in one training call, the loop in one per trained step) and make
+    the same optimizer steps; the compute floor replays mmrl's calls."""
+    out = tmp_path / "flow.json"
+    proc = subprocess.run([sys.executable, "-m", "mmrl.cli", "bench", "flow-grpo", "--steps", "1", "--warmup", "0",
+                           "--cfg", "on", "--prompts", "1", "--group", "2", "--num-steps", "4", "--threads", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line == json.loads(out.read_text()) and line["bench"] == "flow-grpo" and line["ok"] is True
+    work = line["results"]["cfg"]["work"]
+    n, trained = 2, 3  # 1 prompt x 2 images; 4 steps, int(4 * 0.99) = 3 trained
+    for side in ("mmrl", "plain"):
+        assert work[side]["rows"] == {"no_grad": n * 4 * 2, "grad": n * trained * 2}  # x2: the CFG halves
+        assert work[side]["images"] == n and work[side]["optimizer_steps"] == 1
+    assert work["mmrl"]["calls"]["grad"] == 1 and work["plain"]["calls"]["grad"] == trained
+    assert line["results"]["cfg"]["floor_s"] > 0 and line["mmrl_over_floor"]["cfg"] > 0
+
+
+def test_mmrl_bench_names_and_errors(capsys):
+    from mmrl.cli import BENCHES, benchmarks_dir, main
+
+    assert all((benchmarks_dir() / script).is_file() for script in BENCHES.values())
+    assert main(["bench", "--help"]) == 0 and "flow-grpo" in capsys.readouterr().out
+    assert main(["bench", "flow-grp"]) == 2
+    assert "unknown benchmark 'flow-grp'; did you mean 'flow-grpo'?" in capsys.readouterr().err

@@ -219,3 +219,29 @@ def test_prompt_file_missing_or_empty(tmp_path):
     with pytest.raises(DataError) as info:
         read_prompts(bad)
     assert str(info.value) == f"{bad}:2: not UTF-8 text (byte 0)"
+
+
+def test_balance_tags_gives_every_category_an_equal_share_of_a_pass(tmp_path):
+    from collections import Counter
+
+    from mmrl.build import build_source
+    from mmrl.config import ConfigError
+    from mmrl.data.prompts import PromptItem, balance_by_tag
+
+    items = [PromptItem("a", {"tag": "x"}), PromptItem("b", {"tag": "y"}), PromptItem("c", {"tag": "y"}),
+             PromptItem("d", {"tag": "y"})]
+    assert [i.prompt for i in balance_by_tag(items)] == ["a", "a", "a", "b", "c", "d"]  # cycled to the largest
+    source = build_source(load_config(TINY_RECIPE, ["data.prompts=shapeworld:train", "data.balance_tags=true"]))
+    plain = build_source(load_config(TINY_RECIPE, ["data.prompts=shapeworld:train"]))
+    per_tag = Counter(i.metadata["tag"] for i in plain.items)
+    assert per_tag["color_attr"] == 84 and per_tag["single_object"] == 2  # the split itself is unbalanced
+    batch = source.next_batch(len(source.items))  # one whole pass, shuffled
+    assert Counter(i.metadata["tag"] for i in batch) == {tag: 84 for tag in per_tag}
+    assert {i.prompt for i in batch} == {i.prompt for i in plain.items}  # every prompt still in it
+    untagged = tmp_path / "p.jsonl"
+    untagged.write_text('{"prompt": "a cat", "tag": "animals"}\n{"prompt": "a dog"}\n')
+    with pytest.raises(DataError, match="prompt 2 .*'a dog'.* no 'tag'"):
+        build_source(load_config(TINY_RECIPE, [f"data.prompts={untagged}", "data.balance_tags=true"]))
+    with pytest.raises(ConfigError, match="balance_tags applies to flow prompts"):
+        load_config(None, ["model.family=qwen_vl", "data.dataset=tiny:grounding", "data.balance_tags=true"],
+                    check_files=False)

@@ -64,7 +64,8 @@ def test_a_bad_sample_on_one_rank_is_replaced_and_the_run_completes(tmp_path, mo
     assert [m["step"] for m in metrics] == [1, 2]
     # counted over every rank (rank 0, which logs, skipped nothing), cumulative over the run
     assert [m["samples/skipped_prompt_too_long"] for m in metrics] == [1.0, 2.0]
-    assert metrics[0]["samples/trained"] + metrics[0]["samples/zero_advantage"] == 4  # 2 ranks x 1 group x 2
+    assert metrics[0]["samples/trained"] == 4  # 2 ranks x 1 group x 2, all trained on
+    assert metrics[0]["samples/informative"] + metrics[0]["samples/zero_advantage"] == 4
 
 
 @pytest.fixture(scope="module")

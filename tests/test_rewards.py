@@ -120,7 +120,8 @@ def test_jpeg_sizes_match_pillow_in_kb():
     inc = build_reward("jpeg_incompressibility")(x, None)
     com = build_reward("jpeg_compressibility")(x, None)
     torch.testing.assert_close(inc["jpeg_incompressibility"], expected, rtol=0, atol=1e-6)
-    torch.testing.assert_close(com["jpeg_compressibility"], -expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(com["jpeg_compressibility"], -expected / 500, rtol=0, atol=1e-8)  # Flow-GRPO's scale
+    torch.testing.assert_close(com["jpeg_size_kb"], expected, rtol=0, atol=1e-6)
     assert inc["jpeg_incompressibility"].dtype == torch.float32
     assert inc["jpeg_incompressibility"].device.type == "cpu"
     # kB is bytes / 1000: a byte count is an integer
@@ -135,11 +136,13 @@ def test_jpeg_flat_more_compressible_than_noise():
     assert inc[1] > inc[0]
 
 
-def test_jpeg_scale_divisor_flow_grpo():
+def test_jpeg_scale_divisor_flow_grpo_default_ddpo_on_request():
     x = grid_images(2)
-    base = build_reward("jpeg_compressibility")(x, None)["jpeg_compressibility"]
-    scaled = build_reward("jpeg_compressibility", scale_divisor=500)(x, None)["jpeg_compressibility"]
-    torch.testing.assert_close(scaled, base / 500)
+    ddpo = build_reward("jpeg_compressibility", scale_divisor=1)(x, None)["jpeg_compressibility"]
+    default = build_reward("jpeg_compressibility")(x, None)["jpeg_compressibility"]
+    torch.testing.assert_close(default, ddpo / 500)  # Flow-GRPO: -size_kb / 500
+    inc = build_reward("jpeg_incompressibility")(x, None)["jpeg_incompressibility"]
+    torch.testing.assert_close(inc, -ddpo)  # incompressibility: the size itself in both anchors
 
 
 # --------------------------------------------------------------------------------------------

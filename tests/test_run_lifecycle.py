@@ -97,14 +97,15 @@ def test_health_warns_on_a_run_with_nothing_to_learn(tmp_path, monkeypatch, caps
 def test_health_rules_by_hand():
     warnings = []
     health = RunHealth(warn=warnings.append)
-    base = {"samples/trained": 8.0, "samples/zero_advantage": 0.0, "samples/nan_reward": 0.0, "clipfrac": 0.1,
+    base = {"samples/trained": 8.0, "samples/informative": 8.0, "samples/zero_advantage": 0.0, "samples/nan_reward": 0.0,
+            "clipfrac": 0.1,
             "kl": 0.01, "grad_norm": 1.0}
     for step in range(1, 6):
         assert health.check({**base, "step": step})["health/warnings"] == 0
     out = health.check({**base, "step": 6, "kl": 0.5, "grad_norm": 20.0, "clipfrac": 0.7})
     assert out["health/kl_spike"] == out["health/grad_norm_spike"] == out["health/clipfrac_high"] == 1.0
     assert out["health/warnings"] == 3 and len(warnings) == 3
-    nan = {**base, "samples/trained": 0.0, "samples/zero_advantage": 8.0, "samples/nan_reward": 8.0}
+    nan = {**base, "samples/informative": 0.0, "samples/zero_advantage": 8.0, "samples/nan_reward": 8.0}
     for step in range(7, 10):
         out = health.check({**nan, "step": step})
     assert out["health/nan_reward_streak"] == 3 and out["health/no_signal_streak"] == 3

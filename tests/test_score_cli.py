@@ -210,6 +210,49 @@ def test_async_scorer_copy_protects_against_in_place_edits():
         assert torch.equal(future.result(timeout=5)["m"], torch.ones(2))
 
 
+def test_async_scorer_release_ends_its_worker_thread_and_restarts_on_submit():
+    """The trainer releases the scorer after each rollout: a live worker that ran torch ops keeps an OpenMP team and
+    slows every op of the training that follows (issue 12); an ended one does not."""
+    import threading
+
+    others = set(threading.enumerate())  # other tests' scorers may still hold threads
+
+    def workers():
+        return [t for t in threading.enumerate() if t.name.startswith("mmrl-reward") and t not in others]
+
+    def torch_reward(images, prompts, metadata=None):
+        return {"m": (images * 2 + 1).mean(dim=(1, 2, 3))}
+
+    scorer = AsyncScorer(torch_reward)
+    assert workers() == []  # nothing starts before the first submit
+    first = scorer.submit(torch.ones(2, 3, 4, 4))
+    assert torch.equal(first.result(timeout=5)["m"], torch.full((2,), 3.0))
+    assert len(workers()) == 1
+    scorer.release()
+    assert workers() == []  # ended, not parked
+    again = scorer.submit(torch.zeros(1, 3, 4, 4))  # a new worker for the next rollout
+    assert torch.equal(again.result(timeout=5)["m"], torch.ones(1))
+    scorer.close()
+    assert workers() == []
+
+
+def test_overlap_scoring_auto_is_on_for_accelerators_only():
+    from mmrl.build import overlap_scoring_on
+    from mmrl.config import ConfigError, load_config
+
+    def config(value):
+        return load_config(None, [f"train.overlap_scoring={value}"])
+
+    assert load_config(None, []).train.overlap_scoring == "auto"
+    assert overlap_scoring_on(config("auto"), torch.device("cpu")) is False
+    assert overlap_scoring_on(config("auto"), torch.device("cuda", 0)) is True
+    assert overlap_scoring_on(config("true"), torch.device("cpu")) is True
+    assert overlap_scoring_on(config("false"), torch.device("cuda", 0)) is False
+    for bad in ("sometimes", "1"):
+        with pytest.raises(ConfigError, match="overlap_scoring"):
+            config(bad)
+
+
 def test_json_errors_name_the_column_once(folder, tmp_path, capsys):
     for text, words in (('{"image": "red.png", "prompt": "unterminated', "Unterminated string starting at column"),
                         ('{"image": "red.png", "prompt": "tab\there"}', "Invalid control character at column"),

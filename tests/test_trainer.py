@@ -115,6 +115,8 @@ def test_nan_rewards_are_counted_and_excluded(tmp_path, tiny_path):
     assert math.isfinite(metrics[0]["reward/mean"]) and math.isfinite(metrics[0]["loss"])
     # NaN samples get advantage 0; the other two (one per group) have no group partner either
     assert metrics[0]["samples/zero_advantage"] == 4.0
+    # every advantage is 0, yet the loop trained on all four samples: counted as trained, none informative
+    assert metrics[0]["samples/trained"] == 4.0 and metrics[0]["samples/informative"] == 0.0
 
 
 def test_nonfinite_loss_is_skipped_and_logged(tmp_path, tiny_path, monkeypatch):
@@ -191,7 +193,8 @@ def test_two_process_gloo_run_keeps_replicas_in_sync(tmp_path, tiny_path):
         assert torch.equal(w0[key], w1[key]), key
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
-    assert metrics[0]["samples/trained"] + metrics[0]["samples/zero_advantage"] == 8  # 2 processes x 4 samples
+    assert metrics[0]["samples/trained"] == 8  # 2 processes x 4 samples, all trained on
+    assert metrics[0]["samples/informative"] + metrics[0]["samples/zero_advantage"] == 8
 
 
 def test_embedded_default_is_the_shipped_tiny_recipe(tmp_path):

@@ -94,6 +94,21 @@ def read_prompts(path: str | Path) -> list[PromptItem]:
     return items
 
 
+def balance_by_tag(items: list[PromptItem]) -> list[PromptItem]:
+    """Each ``metadata['tag']`` value's prompts cycled to the largest tag's count, tags in order of first appearance
+    (``data.balance_tags``): a pass over the result holds every category equally often. A prompt without a tag is
+    a :class:`DataError`."""
+    by_tag: dict[str, list[PromptItem]] = {}
+    for index, item in enumerate(items):
+        tag = item.metadata.get("tag")
+        if not isinstance(tag, str) or not tag:
+            raise DataError(f"data.balance_tags: prompt {index + 1} ({item.prompt!r}) has no 'tag' in its metadata "
+                            f"(a JSONL prompt file with GenEval metadata, or shapeworld:<split>)")
+        by_tag.setdefault(tag, []).append(item)
+    longest = max(len(group) for group in by_tag.values())
+    return [group[i % len(group)] for group in by_tag.values() for i in range(longest)]
+
+
 class OrderedSource(Generic[T]):
     """Endless, seeded order over a list of items: a fresh permutation each pass (or file order), resumable by
     position. The shared ordering behind :class:`PromptSource` and ``mmrl.data.vlm.VLMSampleSource``.

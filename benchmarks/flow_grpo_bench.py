@@ -1,0 +1,254 @@
+#!/usr/bin/env python
+"""One Flow-GRPO update: mmrl's trainer vs a plain loop written the way such loops usually are, with and without CFG.
+
+Workload (the Flow-GRPO epoch of issue 12): the tiny random SD3 (``tiny:sd3``, 32 px), ``--prompts`` prompts x
+``--group`` images, ``--num-steps`` SDE steps (Flow-GRPO's ``sde``, noise level 0.7), every step but the last
+trained (``timestep_fraction`` 0.99), LoRA r32 on the attention projections, the brightness reward, one AdamW step
+per update, CFG 4.5 (and 1.0, no unconditional half).
+
+* ``mmrl``: ``build_trainer(config).step()`` with mmrl's defaults (``train.overlap_scoring: auto``, every trained
+  step of a minibatch in one batched forward).
+* ``plain``: the same model, LoRA, optimizer and formulas (:func:`mmrl.pipelines.flow.sde.sde_step`), in the loop
+  Flow-GRPO's ``scripts/train_sd3.py`` runs: sampling one batch after another, the rewards after all sampling, then
+  one forward + backward per sample batch and trained timestep, one optimizer step at the end.
+
+Both sides are timed alternately (a busy machine slows both), ``--warmup`` updates first, then the median of
+``--steps`` updates is reported with the ratio plain / mmrl (> 1: mmrl faster). The check that both did the same
+work counts, by a forward pre-hook on the transformer, the calls and the rows (samples x CFG halves) each side
+ran through it with and without grad; rows must be equal (mmrl makes fewer, larger calls), as must the images
+sampled and the optimizer steps. The compute floor (``floor_s``) replays mmrl's transformer calls of an update at
+the same shapes with random inputs, forward only for sampling and forward + backward for training: ``mmrl_over_floor``
+is the trainer's overhead over the bare model work (issue 12's ``overhead`` target: at most 1.10).
+
+The official Flow-GRPO script is not run here (it needs its own environment and a checkout patched to the tiny
+model); the ratio against it, measured by hand, is in issue 12.
+
+    python benchmarks/flow_grpo_bench.py [--steps 5] [--warmup 1] [--prompts 2] [--group 4] [--num-steps 10] \
+        [--threads 1] [--cfg both|on|off] [--set KEY=VALUE ...] [--out PATH]
+    mmrl bench flow-grpo [same options]
+
+Prints one JSON line (and writes it to ``--out``, default ``benchmarks/results/flow_grpo_bench.json``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "configs" / "tiny" / "flow_grpo.yaml"
+
+
+def overrides(args, guidance: float, out_dir: Path) -> list[str]:
+    return [
+        f"output_dir={out_dir}", "resume=null", f"data.prompts_per_step={args.prompts}",
+        f"data.group_size={args.group}", f"sampling.num_steps={args.num_steps}", "sampling.sde=flow_grpo",
+        "sampling.noise_level=0.7", "sampling.train_steps=fraction", "sampling.timestep_fraction=0.99",
+        f"sampling.guidance_scale={guidance}", "model.lora_rank=32", "model.lora_alpha=64",
+        "train.inner_epochs=1", f"train.batch_size={args.prompts * args.group}", "train.gradient_accumulation_steps=1",
+        f"train.sample_batch_size={args.prompts * args.group}", "algorithm.beta=0.0",
+        "logging.eval_every=0", "logging.save_every=0", "logging.progress_bar=false", "eval.every=0",
+        "rewards={brightness: 1.0}", *args.set,
+    ]
+
+
+class Counter:
+    """Calls and rows through the transformer's forward, split by grad mode."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.calls = {"grad": 0, "no_grad": 0}
+        self.rows = {"grad": 0, "no_grad": 0}
+        self.log: list[tuple[bool, dict]] = []  # (with grad, the tensor kwargs' shapes and dtypes) of each call
+        module.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, _module, args, kwargs):
+        x = kwargs.get("hidden_states", args[0] if args else None)
+        key = "grad" if torch.is_grad_enabled() else "no_grad"
+        self.calls[key] += 1
+        self.rows[key] += int(x.shape[0])
+        self.log.append((torch.is_grad_enabled(), {k: (v.shape, v.dtype) for k, v in kwargs.items()
+                                                   if isinstance(v, torch.Tensor)}))
+
+    def snapshot(self) -> dict:
+        return {"calls": dict(self.calls), "rows": dict(self.rows)}
+
+
+def diff(after: dict, before: dict) -> dict:
+    return {k: {m: after[k][m] - before[k][m] for m in after[k]} for k in after}
+
+
+class PlainLoop:
+    """A Flow-GRPO-style update on the trainer's own policy objects (see the module docstring)."""
+
+    def __init__(self, trainer):
+        self.t = trainer
+        self.policy = trainer.policy
+        self.optimizer = trainer.optimizer
+        self.steps = 0
+
+    def update(self, items, generator: torch.Generator) -> int:
+        from mmrl.pipelines.flow.sde import sde_step
+
+        p, c = self.policy, self.t.config
+        family, model = p.family, p.transformer
+        prompts = [i.prompt for i in items for _ in range(c.data.group_size)]
+        metadata = [i.metadata for i in items for _ in range(c.data.group_size)]
+        sigmas, timesteps = p.schedule(c.sampling.num_steps)
+        trained = list(range(int(c.sampling.num_steps * c.sampling.timestep_fraction)))
+        negative = p._negative
+        batch = c.train.sample_batch_size
+        shape = family.latent_shape(p.resolution)
+        samples = []
+        model.eval()
+        with torch.no_grad():  # sampling, batch after batch
+            for start in range(0, len(prompts), batch):
+                chunk = prompts[start:start + batch]
+                cond = family.encode(chunk)
+                x = torch.randn((len(chunk), *shape), generator=generator)
+                lat, logps = [x], []
+                for s in range(c.sampling.num_steps):
+                    t = torch.full((len(chunk),), float(timesteps[s]))
+                    v = family.velocity(model, x, t, cond, negative, p.guidance_scale)
+                    out = sde_step(x, v, sigmas[s].item(), sigmas[s + 1].item(), kind="flow_grpo",
+                                   noise_level=0.7, generator=generator, sigma_one_substitute=sigmas[1].item())
+                    x = out.prev_sample
+                    lat.append(x)
+                    logps.append(out.log_prob)
+                samples.append({"cond": cond, "latents": torch.stack(lat, 1), "logps": torch.stack(logps, 1),
+                                "images": family.decode(x)})
+        images = torch.cat([s["images"] for s in samples])
+        rewards = self.t.reward_fn(images, prompts, metadata)["total"].float()  # after all sampling
+        groups = rewards.view(-1, c.data.group_size)
+        adv = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, unbiased=False, keepdim=True) + 1e-4))
+        adv = adv.flatten().clamp(-5, 5)
+        model.train()
+        row = 0
+        for s_batch in samples:  # one forward + backward per batch and trained timestep
+            n = s_batch["latents"].shape[0]
+            a = adv[row:row + n]
+            row += n
+            for j in trained:
+                x, x_next = s_batch["latents"][:, j], s_batch["latents"][:, j + 1]
+                t = torch.full((n,), float(timesteps[j]))
+                v = family.velocity(model, x, t, s_batch["cond"], negative, p.guidance_scale)
+                out = sde_step(x, v, sigmas[j].item(), sigmas[j + 1].item(), kind="flow_grpo", noise_level=0.7,
+                               prev_sample=x_next, sigma_one_substitute=sigmas[1].item())
+                ratio = torch.exp(out.log_prob - s_batch["logps"][:, j])
+                loss = torch.maximum(-a * ratio, -a * ratio.clamp(1 - 0.2, 1 + 0.2)).mean()
+                (loss / len(trained) * n / len(prompts)).backward()
+        torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return len(prompts)
+
+
+def replay_floor(model: torch.nn.Module, calls: list[tuple[bool, dict]]) -> float:
+    """Seconds of the bare transformer work of one update: the same calls at the same shapes, random inputs, a
+    forward (no grad) for each sampling call and a forward + backward for each training call (the compute floor)."""
+    generator = torch.Generator().manual_seed(1)
+    inputs = [(grad, {k: (torch.rand(shape, generator=generator) * 999).to(dtype) if k == "timestep"
+                      else torch.randn(shape, generator=generator).to(dtype) for k, (shape, dtype) in spec.items()})
+              for grad, spec in calls]
+    start = time.perf_counter()
+    for grad, kwargs in inputs:
+        with torch.set_grad_enabled(grad):
+            out = model(**kwargs, return_dict=False)[0]
+            if grad:
+                out.float().square().mean().backward()
+    elapsed = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    return elapsed
+
+
+def run_setting(args, guidance: float, tmp: Path) -> dict:
+    from mmrl.build import build_trainer
+    from mmrl.cli import quiet_libraries
+    from mmrl.config import load_config
+
+    quiet_libraries()
+
+    trainer = build_trainer(load_config(RECIPE, overrides(args, guidance, tmp / f"cfg{guidance}")))
+    counter = Counter(trainer.policy.transformer)
+    plain = PlainLoop(trainer)
+    times = {"mmrl": [], "plain": [], "floor": []}
+    work = {"mmrl": [], "plain": []}
+    generator = torch.Generator().manual_seed(0)
+    mmrl_opt_steps = 0.0  # the trainer's optimizer_steps metric counts from the start of the run
+    for k in range(args.warmup + args.steps):
+        for side in (("mmrl", "plain") if k % 2 == 0 else ("plain", "mmrl")):
+            before = counter.snapshot()
+            counter.log = []
+            start = time.perf_counter()
+            if side == "mmrl":
+                metrics = trainer.step()
+                images = args.prompts * args.group
+                opt_steps, mmrl_opt_steps = metrics["optimizer_steps"] - mmrl_opt_steps, metrics["optimizer_steps"]
+            else:
+                items = trainer.prompts.next_batch(args.prompts)
+                images = plain.update(items, generator)
+                opt_steps = 1.0
+            elapsed = time.perf_counter() - start
+            if k >= args.warmup:
+                times[side].append(elapsed)
+                work[side].append({**diff(counter.snapshot(), before), "images": images, "optimizer_steps": opt_steps})
+                if side == "mmrl":
+                    times["floor"].append(replay_floor(trainer.policy.transformer, counter.log))
+    med = {side: statistics.median(v) for side, v in times.items()}
+    problems = []
+    for key in ("images", "optimizer_steps"):
+        if {w[key] for w in work["mmrl"]} != {w[key] for w in work["plain"]}:
+            problems.append(f"{key} differ: mmrl {work['mmrl'][0][key]}, plain {work['plain'][0][key]}")
+    for mode in ("grad", "no_grad"):
+        m, p = work["mmrl"][0]["rows"][mode], work["plain"][0]["rows"][mode]
+        if m != p:
+            problems.append(f"transformer rows ({mode}) differ: mmrl {m}, plain {p}")
+    return {"guidance_scale": guidance, "mmrl_s": med["mmrl"], "plain_s": med["plain"], "floor_s": med["floor"],
+            "speedup_vs_plain": med["plain"] / med["mmrl"], "mmrl_over_floor": med["mmrl"] / med["floor"],
+            "plain_over_floor": med["plain"] / med["floor"], "mmrl_steps_s": times["mmrl"],
+            "plain_steps_s": times["plain"], "work": {"mmrl": work["mmrl"][0], "plain": work["plain"][0]},
+            "problems": problems}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=5, help="timed updates per side")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--num-steps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or None)
+    ap.add_argument("--cfg", choices=("both", "on", "off"), default="both")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an mmrl config override for the mmrl side (repeatable), e.g. train.overlap_scoring=true")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "flow_grpo_bench.json")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import tempfile
+
+    settings = {"both": (4.5, 1.0), "on": (4.5,), "off": (1.0,)}[args.cfg]
+    with tempfile.TemporaryDirectory(prefix="mmrl-bench-") as tmp:
+        results = {("cfg" if g > 1 else "no_cfg"): run_setting(args, g, Path(tmp)) for g in settings}
+    line = {"bench": "flow-grpo", "speedup_vs_plain": {k: round(v["speedup_vs_plain"], 3) for k, v in results.items()},
+            "mmrl_over_floor": {k: round(v["mmrl_over_floor"], 3) for k, v in results.items()},
+            "results": results, "ok": not any(v["problems"] for v in results.values()),
+            "settings": {k: v for k, v in vars(args).items() if k != "out"} | {"torch_threads": torch.get_num_threads()},
+            "versions": {"torch": torch.__version__, "python": platform.python_version()}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(line, indent=1, default=str) + "\n")
+    print(json.dumps(line, default=str))
+    return 0 if line["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
