@@ -14,6 +14,7 @@
     mmrl serve-rewards CONFIG [--host H --port P]   serve CONFIG's rewards over HTTP (mmrl.rewards.remote)
     mmrl score (--config CONFIG | --rewards MAP) --images DIR [--prompts F.csv|F.jsonl] --out F.csv|F.json
                                              score a folder of images with mmrl's rewards (mmrl.score)
+    mmrl doctor CONFIG [key=value ...]       porting self-check on one small batch (exit 1 when a check fails)
     mmrl bench NAME [options]                a benchmark of benchmarks/ (flow-grpo, vlm-grpo, rewards,
                                              credit-curves), side by side with its peer; one JSON line
     mmrl --version                           also: python -m mmrl ...
@@ -41,7 +42,7 @@ from mmrl.config import FIELDS_HEADER, ConfigError, config_to_dict, describe, lo
 from mmrl.stopping import signal_exit_code as _signal_exit_code
 
 #: Commands that load models or libraries whose loading progress bars are silenced (see :func:`quiet_libraries`).
-_LOADING_COMMANDS = ("train", "sample", "tiny", "serve-rewards", "score", "sft", "pretrain", "eval")
+_LOADING_COMMANDS = ("train", "sample", "tiny", "serve-rewards", "score", "sft", "pretrain", "eval", "doctor")
 
 
 class UsageError(ValueError):
@@ -542,6 +543,13 @@ def make_parser() -> argparse.ArgumentParser:
     serve_rw.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     serve_rw.set_defaults(func=_cmd_serve_rewards)
 
+    doctor = command("doctor", "porting self-check on one small batch of CONFIG's policy: ratio 1 on-policy, replayed "
+                               "= sampled log-probs, reference = base, SDE at noise 0 = ODE, exported weights reload, "
+                               "finite rewards; exit 1 when a check fails")
+    doctor.add_argument("config", help="YAML config")
+    doctor.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.dtype=bfloat16")
+    doctor.set_defaults(func=_cmd_doctor)
+
     bench = command("bench", f"a benchmark side by side with its peer ({', '.join(BENCHES)}); one JSON line",
                     add_help=False)
     bench.add_argument("name", nargs="?", help="; `mmrl bench NAME --help` for its options")
@@ -559,6 +567,23 @@ def make_parser() -> argparse.ArgumentParser:
     score.add_argument("--quiet", action="store_true", help="no progress or summary on the terminal")
     score.set_defaults(func=_cmd_score)
     return parser
+
+
+# ---------------------------------------------------------------------------------------------- doctor
+
+
+def _cmd_doctor(args) -> int:
+    from mmrl.doctor import format_checks, run_doctor
+
+    config = load_config(args.config, args.overrides)
+    print(f"mmrl doctor: {args.config} ({config.model.family} {config.model.pretrained}, {config.model.dtype}, "
+          f"{'LoRA' if config.model.use_lora else 'full fine-tuning'}), one batch of 2 prompts x 2 samples", flush=True)
+    checks = run_doctor(config)
+    print(format_checks(checks))
+    failed = [c.name for c in checks if not c.ok]
+    print(f"{len(checks) - len(failed)} of {len(checks)} checks passed" + (f"; failed: {', '.join(failed)}"
+                                                                          if failed else ""))
+    return 1 if failed else 0
 
 
 # ---------------------------------------------------------------------------------------------- bench
