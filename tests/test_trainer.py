@@ -165,6 +165,15 @@ OTHER_COMMANDS = {"pretrain_sd3.yaml": "pretrain", "sft_qwen_vl.yaml": "sft"}
 
 @pytest.mark.parametrize("path", sorted(str(p) for p in Path(__file__).parents[1].glob("configs/**/*.yaml")))
 def test_every_shipped_config_validates(path):
+    if Path(path).parent.name == "accelerate":  # accelerate's own launch configs
+        from accelerate.commands.config.config_args import load_config_from_file
+
+        launch = load_config_from_file(path)
+        expected = {"one_gpu.yaml": ("NO", 1, 1), "ddp_one_node.yaml": ("MULTI_GPU", 8, 1),
+                    "ddp_multi_node.yaml": ("MULTI_GPU", 16, 2)}[Path(path).name]
+        assert (str(launch.distributed_type).split(".")[-1], launch.num_processes, launch.num_machines) == expected
+        assert launch.mixed_precision == "no" and not launch.use_cpu  # mmrl's train.mixed_precision decides
+        return
     command = OTHER_COMMANDS.get(Path(path).name, "train")
     if command == "pretrain":
         from mmrl.pretrain import load_pretrain_config
@@ -177,6 +186,13 @@ def test_every_shipped_config_validates(path):
     else:
         config = load_config(path, check_files=False)
     assert config.train.steps >= 1
+
+
+def test_slurm_example_is_valid_bash_naming_the_multi_node_config():
+    script = Path(__file__).parents[1] / "configs" / "accelerate" / "slurm_ddp.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    assert "configs/accelerate/ddp_multi_node.yaml" in text and "--machine_rank \\$SLURM_NODEID" in text
 
 
 def test_two_process_gloo_run_keeps_replicas_in_sync(tmp_path, tiny_path):
