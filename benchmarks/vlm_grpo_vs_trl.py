@@ -124,7 +124,7 @@ def mmrl_config(args, output_dir: str):
 
     overrides = [
         f"output_dir={output_dir}", "resume=null", f"seed={args.seed}",
-        "model.pretrained=tiny:qwen2_5_vl", "model.dtype=float32", "model.use_lora=false", "model.freeze_vision=true",
+        "model.pretrained=tiny:qwen2_5_vl", "model.dtype=float32", "model.use_lora=false", f"model.freeze_vision={'false' if args.train_vision else 'true'}",
         "model.gradient_checkpointing=false",
         f"generation.temperature={args.temperature}", "generation.top_p=1.0", "generation.top_k=0",
         f"generation.max_new_tokens={args.max_new_tokens}",
@@ -242,8 +242,11 @@ def build_trl_dataset(config, processor):
     from mmrl.data.synthetic import resolve_dataset
     from mmrl.data.vlm import read_vlm_jsonl
 
+    from mmrl.build import policy_coord_format
+
     media = vlm_media(config, processor)
     system = config.generation.system_prompt
+    coord_format = policy_coord_format(config)  # what mmrl's rewards default to for this model type
     rows = []
     for sample in read_vlm_jsonl(resolve_dataset(config.data.dataset)):
         images, _ = media(sample)  # fills metadata image_size / input_size exactly as mmrl's rollout does
@@ -253,7 +256,7 @@ def build_trl_dataset(config, processor):
         rows.append({
             "id": str(sample.id), "prompt": prompt, "image": images[0],
             "solution": meta["solution"], "task": meta["task"],
-            "boxes": meta["boxes"], "coord_format": meta["coord_format"],
+            "boxes": meta["boxes"], "coord_format": meta.get("coord_format", coord_format),
             "image_size": meta["image_size"], "input_size": meta["input_size"],
         })
     return Dataset.from_list(rows)
@@ -301,7 +304,7 @@ def run_trl(args) -> dict:
         model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32)
         processor = AutoProcessor.from_pretrained(str(model_dir))
         for name, param in model.named_parameters():  # mmrl's rule: everything but the vision tower trains
-            param.requires_grad_(not QwenVLPolicy._is_vision(name))
+            param.requires_grad_(args.train_vision or not QwenVLPolicy._is_vision(name))
         suppressed = sorted({i for i in (getattr(model.config, k, None) for k in (
             "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")) if i is not None})
         dataset = build_trl_dataset(config, processor)
@@ -435,6 +438,8 @@ def run_child(framework: str, args) -> dict:
     for key in ("steps", "prompts", "group", "max_new_tokens", "batch_size", "inner_epochs", "beta", "lr",
                 "temperature", "threads", "seed"):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    if args.train_vision:
+        cmd.append("--train-vision")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error",
@@ -488,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inner-epochs", type=int, default=2, help="passes over each step's completions (num_iterations)")
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (>0 adds a frozen reference model)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--train-vision", action="store_true",
+                   help="train every parameter, the vision tower included (mmrl: model.freeze_vision=false)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in both runs")
     p.add_argument("--seed", type=int, default=0)
@@ -586,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
                      if k not in ("child", "child_out")} | {
             "model": "tiny:qwen2_5_vl", "model_dir": str(model_dir), "dataset": "tiny:grounding",
             "dataset_jsonl": str(data), "rewards": REWARD_WEIGHTS, "completions_per_step": n,
-            "fine_tuning": "full language model, vision tower frozen", "dtype": "float32", "device": "cpu",
+            "fine_tuning": "every parameter, vision tower included" if args.train_vision
+            else "full language model, vision tower frozen", "dtype": "float32", "device": "cpu",
             "processes": 1},
         "versions": versions(),
         "ratio_steps_per_s_mmrl_over_trl": ratio,

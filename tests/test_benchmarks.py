@@ -15,12 +15,14 @@ import pytest
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "vlm_grpo_vs_trl.py"
 
 
-def test_vlm_grpo_vs_trl_smoke(tmp_path):
+@pytest.mark.parametrize("train_vision", [False, True])
+def test_vlm_grpo_vs_trl_smoke(tmp_path, train_vision):
     pytest.importorskip("trl")
     out = tmp_path / "bench.json"
     prompts, group, batch, epochs = 1, 2, 2, 2
     cmd = [sys.executable, str(SCRIPT), "--steps", "1", "--prompts", str(prompts), "--group", str(group),
-           "--batch-size", str(batch), "--inner-epochs", str(epochs), "--max-new-tokens", "4", "--out", str(out)]
+           "--batch-size", str(batch), "--inner-epochs", str(epochs), "--max-new-tokens", "4", "--out", str(out),
+           *(["--train-vision"] if train_vision else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -35,9 +37,14 @@ def test_vlm_grpo_vs_trl_smoke(tmp_path):
     assert mmrl["counts_per_step"]["lm_grad_calls"] == trl["counts_per_step"]["lm_grad_calls"] == epochs * n // batch
     # vision: mmrl encodes each prompt's image once; TRL once per completion in generation, old log-probs and
     # every training forward
-    assert mmrl["counts_per_step"]["vision_images"] == prompts
     assert trl["counts_per_step"]["vision_images"] == n * (2 + epochs)
+    if train_vision:  # a trained vision tower is run again in every training forward (its features carry gradients)
+        assert prompts < mmrl["counts_per_step"]["vision_images"] <= trl["counts_per_step"]["vision_images"]
+    else:
+        assert mmrl["counts_per_step"]["vision_images"] == prompts
     assert report["ratio_steps_per_s_mmrl_over_trl"] > 0
+    # the tiny Qwen2.5-VL: 156,224 language-model parameters; the vision tower adds to them when trained too
+    assert (mmrl["trainable_params"] > 156_224) == train_vision and mmrl["trainable_params"] == trl["trainable_params"]
 
 
 def test_flow_grpo_bench_same_work_through_mmrl_bench(tmp_path):
