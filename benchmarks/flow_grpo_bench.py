@@ -24,7 +24,7 @@ The official Flow-GRPO script is not run here (it needs its own environment and 
 model); the ratio against it, measured by hand, is in issue 12.
 
     python benchmarks/flow_grpo_bench.py [--steps 5] [--warmup 1] [--prompts 2] [--group 4] [--num-steps 10] \
-        [--threads 1] [--cfg both|on|off] [--set KEY=VALUE ...] [--out PATH]
+        [--threads 1] [--cfg both|on|off] [--width 384 --layers 8] [--set KEY=VALUE ...] [--out PATH]
     mmrl bench flow-grpo [same options]
 
 Prints one JSON line (and writes it to ``--out``, default ``benchmarks/results/flow_grpo_bench.json``).
@@ -48,8 +48,33 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "configs" / "tiny" / "flow_grpo.yaml"
 
 
+def mid_size_pipeline(width: int, layers: int, directory: Path) -> Path:
+    """The tiny SD3 pipeline with its transformer replaced by a random one of ``layers`` joint blocks and ``width``
+    channels (heads of 64), seeded: the ``overhead`` workload of a mid-size model (tens of millions of parameters)
+    without downloading anything. The text encoders and the VAE stay tiny."""
+    import json
+    import shutil
+
+    from diffusers import SD3Transformer2DModel
+
+    from mmrl.pipelines.flow.loading import resolve_pretrained
+
+    tiny = Path(resolve_pretrained("tiny:sd3"))
+    out = directory / f"sd3-w{width}-l{layers}"
+    if not out.exists():
+        shutil.copytree(tiny, out, ignore=shutil.ignore_patterns("transformer"))
+        config = {k: v for k, v in json.loads((tiny / "transformer" / "config.json").read_text()).items()
+                  if not k.startswith("_")}
+        config.update(num_layers=layers, attention_head_dim=64, num_attention_heads=width // 64,
+                      caption_projection_dim=width, dual_attention_layers=())
+        torch.manual_seed(0)
+        SD3Transformer2DModel(**config).save_pretrained(out / "transformer")
+    return out
+
+
 def overrides(args, guidance: float, out_dir: Path) -> list[str]:
-    return [
+    model = [f"model.pretrained={args.pipeline}"] if args.pipeline else []
+    return [*model,
         f"output_dir={out_dir}", "resume=null", f"data.prompts_per_step={args.prompts}",
         f"data.group_size={args.group}", f"sampling.num_steps={args.num_steps}", "sampling.sde=flow_grpo",
         "sampling.noise_level=0.7", "sampling.train_steps=fraction", "sampling.timestep_fraction=0.99",
@@ -228,6 +253,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or None)
     ap.add_argument("--cfg", choices=("both", "on", "off"), default="both")
+    ap.add_argument("--width", type=int, default=0, help="a random transformer of this width (a multiple of 64) "
+                    "instead of the tiny one's, with --layers joint blocks: the mid-size overhead workload")
+    ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an mmrl config override for the mmrl side (repeatable), e.g. train.overlap_scoring=true")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "flow_grpo_bench.json")
@@ -237,12 +265,22 @@ def main(argv=None) -> int:
     import tempfile
 
     settings = {"both": (4.5, 1.0), "on": (4.5,), "off": (1.0,)}[args.cfg]
+    if args.width and (args.width % 64 or args.layers < 1):
+        ap.error("--width must be a multiple of 64 and --layers >= 1")
     with tempfile.TemporaryDirectory(prefix="mmrl-bench-") as tmp:
+        args.pipeline = mid_size_pipeline(args.width, args.layers, Path(tmp)) if args.width else None
         results = {("cfg" if g > 1 else "no_cfg"): run_setting(args, g, Path(tmp)) for g in settings}
+        from diffusers import SD3Transformer2DModel
+
+        from mmrl.pipelines.flow.loading import resolve_pretrained
+
+        folder = Path(args.pipeline or resolve_pretrained("tiny:sd3")) / "transformer"
+        transformer_params = sum(p.numel() for p in SD3Transformer2DModel.from_pretrained(folder).parameters())
     line = {"bench": "flow-grpo", "speedup_vs_plain": {k: round(v["speedup_vs_plain"], 3) for k, v in results.items()},
             "mmrl_over_floor": {k: round(v["mmrl_over_floor"], 3) for k, v in results.items()},
             "results": results, "ok": not any(v["problems"] for v in results.values()),
-            "settings": {k: v for k, v in vars(args).items() if k != "out"} | {"torch_threads": torch.get_num_threads()},
+            "settings": {k: v for k, v in vars(args).items() if k not in ("out", "pipeline")}
+            | {"torch_threads": torch.get_num_threads(), "transformer_parameters": transformer_params},
             "versions": {"torch": torch.__version__, "python": platform.python_version()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(line, indent=1, default=str) + "\n")
