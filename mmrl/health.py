@@ -4,8 +4,8 @@
 alongside; it warns (``logging`` warning on ``mmrl.health``, printed on the main process) once per episode:
 
 * ``health/no_signal_streak``: consecutive updates in which no sample carried signal (every advantage exactly
-  0, ``samples/informative == 0``; ``samples/trained`` counts every sample the update trained on). Warned from :data:`STREAK` updates on, with the likely cause read from the same
-  metrics: no parseable answer (``reward_info/<r>/num_unparseable`` covers every sample), every reward NaN, or
+  0, ``samples/informative == 0``; ``samples/trained`` counts every sample the update trained on). Warned from
+  :data:`STREAK` updates on, with the likely cause read from the same metrics: no parseable answer (``reward_info/<r>/num_unparseable`` covers every sample), every reward NaN, or
   rewards that do not vary within any group.
 * ``health/nan_reward_streak``: consecutive updates in which more than half of the samples got a NaN reward.
 * ``health/clipfrac_high``: 1 when more than :data:`CLIPFRAC_LIMIT` of the actions were clipped (the policy
