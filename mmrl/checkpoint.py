@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from mmrl.distributed import copy_full_into
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 COMPLETE_MARKER = "state.json"
 
@@ -125,4 +127,4 @@ def load_trainable(params: dict[str, torch.Tensor], weights: dict[str, torch.Ten
                          f"now): was it written with another model or LoRA setup?")
     with torch.no_grad():
         for name, param in params.items():
-            param.copy_(weights[name])
+            copy_full_into(param, weights[name])  # an FSDP shard keeps its slice

@@ -75,6 +75,7 @@ import yaml
 from mmrl.config import (ConfigError, GenerationConfig, _build, _set_dotted, config_from_dict, config_to_dict,
                          dump_config, opt, parse_overrides, read_config_file, yaml_key_lines)
 from mmrl.data.prompts import DataError
+from mmrl.distributed import is_dtensor
 from mmrl.data.shapeworld import check_vlm_spec
 
 logger = logging.getLogger(__name__)
@@ -641,8 +642,10 @@ class SFTRun:
         self.optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
                                            eps=t.adam_eps)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, t.lr_scheduler, t.warmup_steps, t.steps)
-        self.policy.prepare(acc)
-        self.optimizer = acc.prepare(self.optimizer)
+        self.optimizer = self.policy.prepare(acc, self.optimizer)
+        if any(is_dtensor(p) for p in self.policy.trainable_parameters()):
+            raise ConfigError("mmrl sft does not shard with FSDP (its generation-based evaluation and checkpoints "
+                              "expect whole weights): launch it with DDP (configs/accelerate/ddp_one_node.yaml)")
         self.step = 0
         self.stop_signal = None
 

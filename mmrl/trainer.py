@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object
+from accelerate.utils import DistributedType, gather_object
 
 from mmrl.checkpoint import (COMPLETE_MARKER, latest_checkpoint, load_checkpoint, load_trainable, rng_state,
                              save_checkpoint, set_rng_state)
@@ -38,6 +38,8 @@ from mmrl.core.credit import (
     value_anchored_advantages,
 )
 from mmrl.core.losses import policy_loss
+from mmrl.distributed import (broadcast_from_main, check_engine, full_model_state, full_optimizer_state,
+                              full_tensor, is_dtensor, load_full_optimizer_state)
 from mmrl.core.noise import adapt_noise_levels
 from mmrl.ema import EMA
 from mmrl.health import RunHealth
@@ -175,8 +177,17 @@ class Trainer:
         steps_per_epoch = -(-self._micro_batches_per_epoch() // self._micro_per_optimizer_step())
         total_optimizer_steps = config.train.steps * config.train.inner_epochs * steps_per_epoch
         self.lr_scheduler = build_lr_scheduler(self.optimizer, o.lr_scheduler, o.warmup_steps, total_optimizer_steps)
-        policy.prepare(accelerator)
-        self.optimizer = accelerator.prepare(self.optimizer)
+        check_engine(accelerator)
+        if accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes > 1:
+            broadcast_from_main(policy.trainable_parameters())  # DDP would broadcast rank 0's initial weights itself
+        if a.beta > 0 and not getattr(policy, "use_lora", True):
+            policy.init_reference()  # the frozen copy of a full fine-tune, taken before FSDP could shard what it copies
+        self.optimizer = policy.prepare(accelerator, self.optimizer)
+        #: FSDP2: the trainable parameters are DTensor shards (:mod:`mmrl.distributed`)
+        self.sharded = any(is_dtensor(p) for p in policy.trainable_parameters())
+        if self.sharded and o.ema:
+            raise ConfigError("optim.ema is not supported with FSDP sharding: its shadow weights would be shards, "
+                              "which checkpoints and evaluation do not gather; turn optim.ema off or train with DDP")
         self.ema = EMA(policy.named_trainable_parameters(), o.ema_decay, update_interval=o.ema_update_interval,
                        warmup=o.ema_warmup) if o.ema else None
         self.base_noise_levels = getattr(policy, "step_noise_levels", torch.zeros(0)).clone()
@@ -200,11 +211,24 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------- checkpoints
 
+    def _full_weights(self):
+        """The policy's whole weights for the block when FSDP shards them (every process enters), else nothing."""
+        return self.policy.full_weights() if hasattr(self.policy, "full_weights") else contextlib.nullcontext()
+
     def save(self) -> None:
         acc = self.accelerator
         acc.wait_for_everyone()
+        if self.sharded:  # the whole weights and optimizer state, gathered to the main process (collectives)
+            model_state = full_model_state(self.policy.model)
+            optimizer_state = full_optimizer_state(self.policy.model, self.optimizer)
         if acc.is_main_process:
-            objects = {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict(),
+            if self.sharded:  # the same files as an unsharded run's, whole tensors keyed by the same names
+                trainable = {name: model_state[name] for name in self.policy.named_trainable_parameters()}
+                export = lambda directory: self.policy.export(directory, state_dict=model_state)  # noqa: E731
+            else:
+                trainable, export, optimizer_state = (self.policy.named_trainable_parameters(), self._export,
+                                                      self.optimizer.state_dict())
+            objects = {"optimizer": optimizer_state, "lr_scheduler": self.lr_scheduler.state_dict(),
                        "rng": rng_state()}
             if self.ema is not None:
                 objects["ema"] = self.ema.state_dict()
@@ -215,9 +239,8 @@ class Trainer:
                 state["value_anchor"] = self.value_anchor
             if hasattr(self.policy, "step_noise_levels"):
                 state["noise_levels"] = self.policy.step_noise_levels.tolist()
-            save_checkpoint(self.output_dir / "checkpoints", self.update,
-                            trainable=self.policy.named_trainable_parameters(), state=state, objects=objects,
-                            export=self._export, keep_last=self.config.logging.keep_last)
+            save_checkpoint(self.output_dir / "checkpoints", self.update, trainable=trainable, state=state,
+                            objects=objects, export=export, keep_last=self.config.logging.keep_last)
         acc.wait_for_everyone()
 
     def resume(self, target: str) -> int | None:
@@ -231,7 +254,15 @@ class Trainer:
             load_trainable(self.policy.named_trainable_parameters(), trainable, path)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        self.optimizer.load_state_dict(objects["optimizer"])
+        sharded_state = isinstance(next(iter(objects["optimizer"]["param_groups"][0]["params"]), 0), str)
+        if sharded_state != self.sharded:  # FSDP's state is keyed by parameter name, the plain optimizer's by index
+            raise ConfigError(f"checkpoint {path} was written {'with' if sharded_state else 'without'} FSDP sharding "
+                              f"and this run is {'' if self.sharded else 'not '}sharded: resume it the way it was "
+                              f"written (the process count may change)")
+        if self.sharded:
+            load_full_optimizer_state(self.policy.model, self.optimizer, objects["optimizer"])
+        else:
+            self.optimizer.load_state_dict(objects["optimizer"])
         self.lr_scheduler.load_state_dict(objects["lr_scheduler"])
         self._apply_optimizer_config()
         if self.ema is not None and "ema" in objects:
@@ -376,9 +407,9 @@ class Trainer:
         else:
             if scaler is not None:
                 acc.unscale_gradients()
-            grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+            grads = [full_tensor(p.grad.detach().float().norm()) for p in params if p.grad is not None]
             norm = torch.linalg.vector_norm(torch.stack(grads)) if grads else torch.tensor(0.0)
-        norm = float(norm)
+        norm = float(full_tensor(norm))
         if scaler is not None:
             self.optimizer.step()
             stepped = not self.optimizer.step_was_skipped
@@ -418,7 +449,6 @@ class Trainer:
                                                    max_weight=a.token_weight_max)
         max_length = self._max_actions(rollout)
         sequence_chunks = a.ratio_level == "sequence" and len(step_chunks) > 1
-        params = policy.trainable_parameters()
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
         skipped_loss = 0
@@ -474,7 +504,7 @@ class Trainer:
                         if not torch.isfinite(loss):
                             # keep every process in the same backward (DDP) but contribute nothing
                             skipped_loss += 1
-                            loss = sum((p * 0.0).sum() for p in params)
+                            loss = sum((p * 0.0).sum() for p in policy.trainable_parameters())
                         else:
                             step_loss += float(loss.detach())
                         acc.backward(loss)
@@ -487,7 +517,9 @@ class Trainer:
                             else:
                                 add(key, float(value), active)
                 step_losses.append(step_loss)
-                stepped, norm = self._optimizer_step(params)
+                # the optimizer's own parameters: under FSDP the list taken before a forward can hold the gathered
+                # tensors of a module still unsharded then, not the shards the gradients are reduced into
+                stepped, norm = self._optimizer_step([p for g in self.optimizer.param_groups for p in g["params"]])
                 if stepped:
                     self.lr_scheduler.step()
                     self.optimizer_steps += 1
@@ -537,8 +569,10 @@ class Trainer:
         """Fixed evaluation on the main process, EMA weights when enabled: for image policies an ODE grid of fixed
         prompts (rows) x seeds (columns) in ``samples/step_<k>.png``; for text policies greedy answers to the first
         items in ``samples/step_<k>.jsonl``. Both are scored with the run's rewards (``eval/reward/*``)."""
-        if not self.accelerator.is_main_process:
-            return {}
+        with self._full_weights():
+            return self._evaluate_main() if self.accelerator.is_main_process else {}
+
+    def _evaluate_main(self) -> dict[str, float]:
         c = self.config
         items = list(c.data.eval_prompts) or list(self.prompts.items[:c.data.num_eval_prompts])
         seeds = list(c.data.eval_seeds)
@@ -568,8 +602,10 @@ class Trainer:
         """``eval.benchmarks`` on the live policy (EMA weights when enabled), main process only, into
         ``output_dir/eval/update_<k>/`` (:func:`mmrl.eval.runner.evaluate_policy`); the metrics
         ``eval/<benchmark>/<metric>``."""
-        if not self.accelerator.is_main_process:
-            return {}
+        with self._full_weights():
+            return self._benchmarks_main() if self.accelerator.is_main_process else {}
+
+    def _benchmarks_main(self) -> dict[str, float]:
         from mmrl.eval.runner import evaluate_policy, plan_training_eval, training_metrics
 
         try:
@@ -960,13 +996,15 @@ class Trainer:
         self.reward_counts: dict[str, float] = {}
         self.credit_stats: dict[str, float] = {}
         items = self.prompts.next_batch(c.data.prompts_per_step, rank=acc.process_index, world=acc.num_processes)
-        if c.data.skip_bad_samples:  # skipped samples are replaced; without skipping a bad one is an error
-            rollout, scores = self._refill_skipped(*self._sample_or_none(items, generator, timer), generator, timer)
-        else:
-            rollout, scores = self._sample(items, generator, timer)
-        sampling_stats = {}
-        if c.algorithm.dynamic_sampling:
-            rollout, scores, sampling_stats = self._dynamic_sampling(rollout, scores, generator, timer)
+        with self._full_weights():  # sharded: one all-gather for the whole rollout, no collective per forward
+            if c.data.skip_bad_samples:  # skipped samples are replaced; without skipping a bad one is an error
+                rollout, scores = self._refill_skipped(*self._sample_or_none(items, generator, timer), generator,
+                                                       timer)
+            else:
+                rollout, scores = self._sample(items, generator, timer)
+            sampling_stats = {}
+            if c.algorithm.dynamic_sampling:
+                rollout, scores, sampling_stats = self._dynamic_sampling(rollout, scores, generator, timer)
         t2 = time.perf_counter()
         advantages, adv_stats = self._advantages(rollout, scores)
         if c.algorithm.advantage_transform == "evidence_weighted":

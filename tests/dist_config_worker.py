@@ -1,25 +1,40 @@
 """Run under torchrun by the multi-process tests: train a config on 2 gloo processes, save each replica's weights
-(``rank<k>.safetensors``) and, on every rank, the data position it ended at (``rank<k>.json``)."""
+(``rank<k>.safetensors``) and, on every rank, the data position it ended at (``rank<k>.json``). A first argument
+``--fsdp`` shards the model with FSDP2 (``configs/accelerate/fsdp2.yaml``, see ``layout.select_fsdp2``) instead of
+DDP."""
 
 import json
 import os
 import sys
 
+from pathlib import Path
+
 import torch
 from safetensors.torch import save_file
 
-from mmrl.build import build_trainer
-from mmrl.config import load_config
+sys.path.insert(0, str(Path(__file__).parent))
+
+from layout import select_fsdp2  # noqa: E402
+from mmrl.build import build_trainer  # noqa: E402
+from mmrl.config import load_config  # noqa: E402
 
 
 def main() -> None:
-    out, config_path, *overrides = sys.argv[1:]
+    args = sys.argv[1:]
+    fsdp = args[0] == "--fsdp"
+    if fsdp:
+        select_fsdp2()
+        args = args[1:]
+    out, config_path, *overrides = args
     config = load_config(config_path, [f"output_dir={out}/run", *overrides])
     trainer = build_trainer(config)
     assert trainer.accelerator.num_processes == 2, trainer.accelerator.num_processes
+    assert trainer.sharded == fsdp
     trainer.train()
     rank = trainer.accelerator.process_index
-    weights = {k: v.detach().cpu().contiguous() for k, v in trainer.policy.named_trainable_parameters().items()}
+    with trainer._full_weights():  # sharded: the whole tensors (a collective)
+        weights = {k: v.detach().cpu().contiguous().clone()
+                   for k, v in trainer.policy.named_trainable_parameters().items()}
     save_file(weights, f"{out}/rank{rank}.safetensors")
     state = {"data": trainer.prompts.state_dict(), "skipped": dict(getattr(trainer.policy, "skipped", {}))}
     if hasattr(trainer.policy, "step_noise_levels"):

@@ -8,6 +8,8 @@ weights after the update. Two configs that differ only in a layout knob must giv
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 
 import torch
 
@@ -115,3 +117,36 @@ def assert_same_update(a, b, *, rtol: float = 1e-5) -> None:
         assert y.norm() > 0, f"optimizer step {k} has a zero gradient: the comparison would prove nothing"
         assert relative_error(x, y) <= rtol, (k, relative_error(x, y))
     assert relative_error(wa, wb) <= rtol, relative_error(wa, wb)
+
+
+FSDP_CONFIG = Path(__file__).parents[1] / "configs" / "accelerate" / "fsdp2.yaml"
+
+
+def select_fsdp2() -> None:
+    """Make mmrl's accelerator shard with FSDP2 as ``accelerate launch --config_file configs/accelerate/fsdp2.yaml``
+    does on GPUs. accelerate never selects FSDP on CPU (its MULTI_CPU type stays DDP), although torch's
+    ``fully_shard`` runs on gloo CPU processes; so a test worker exports the config's ``fsdp_config`` the way
+    ``accelerate launch`` does (``FSDP_<KEY>`` variables) and, once mmrl has built its accelerator, switches the
+    accelerator's state to FSDP with the plugin those variables describe. Everything after that (``prepare``,
+    the loop, the checkpoint) is the production path."""
+    import yaml
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    import mmrl.build as build
+
+    fsdp_config = yaml.safe_load(FSDP_CONFIG.read_text())["fsdp_config"]
+    for key, value in fsdp_config.items():
+        os.environ["FSDP_" + key.removeprefix("fsdp_").upper()] = str(value).lower() if isinstance(value, bool) \
+            else str(value)
+    original = build.build_accelerator
+
+    def build_accelerator(config):
+        accelerator = original(config)
+        state = AcceleratorState()
+        state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables
+        state.distributed_type = DistributedType.FSDP
+        assert accelerator.is_fsdp2
+        return accelerator
+
+    build.build_accelerator = build_accelerator

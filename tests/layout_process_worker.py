@@ -1,9 +1,12 @@
 """Run by test_layout_processes.py: one update of a real Trainer on ONE global batch of 2 prompts x 4 samples,
 either all 8 samples on one process or split 4 + 4 over two gloo processes (under torchrun).
 
-    python tests/layout_process_worker.py OUT FAMILY AGGREGATION SPLIT [MODEL_PATH]          # one process
+    python tests/layout_process_worker.py OUT FAMILY AGGREGATION SPLIT [MODEL_PATH] [--full]   # one process
     python -m torch.distributed.run --nproc_per_node 2 --master_port PORT \\
-        tests/layout_process_worker.py OUT FAMILY AGGREGATION SPLIT [MODEL_PATH]              # two processes
+        tests/layout_process_worker.py OUT FAMILY AGGREGATION SPLIT [MODEL_PATH] [--full] [--fsdp]  # two
+
+``--full``: full fine-tuning instead of the recipe's LoRA. ``--fsdp``: the processes shard the model with FSDP2
+as ``configs/accelerate/fsdp2.yaml`` configures it (see :func:`select_fsdp2`) instead of DDP.
 
 Sampling randomness is seeded per process by design, so every process samples the SAME global rollout (same
 items, same generator, group ids 0..1) and keeps its share of the rows: SPLIT ``contiguous`` gives process r
@@ -26,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from layout import cut_completions, flat_weights, take_rows  # noqa: E402
+from layout import cut_completions, flat_weights, select_fsdp2, take_rows  # noqa: E402
 from mmrl.build import build_trainer  # noqa: E402
 from mmrl.config import load_config  # noqa: E402
 
@@ -44,32 +47,39 @@ def common(world: int, aggregation: str) -> list[str]:
             "logging.tensorboard=false"]
 
 
-def build_config(out: Path, family: str, aggregation: str, world: int, model: str | None):
+def build_config(out: Path, family: str, aggregation: str, world: int, model: str | None, full: bool = False):
+    extra = ["model.use_lora=false", "optim.lr=1e-3"] if full else []
     if family == "flow":
         return load_config(TINY_RECIPE, [f"output_dir={out}/run", f"model.pretrained={model}", "sampling.num_steps=4",
                                   "sampling.eval_num_steps=4", "sampling.max_sequence_length=16",
-                                  "algorithm.clip_low=0.2", *common(world, aggregation)])
+                                  "algorithm.clip_low=0.2", *common(world, aggregation), *extra])
     if family == "vlm":
         return load_config(str(REPO / "configs/tiny/vlm_grounding.yaml"),
                            [f"output_dir={out}/run", "generation.max_new_tokens=12",
-                            "rewards={test_short_completion: 1.0}", *common(world, aggregation)])
+                            "rewards={test_short_completion: 1.0}", *common(world, aggregation), *extra])
     raise SystemExit(f"unknown family {family!r}")
 
 
 def main() -> None:
-    out, family, aggregation, split, *rest = sys.argv[1:]
+    flags = {a for a in sys.argv[1:] if a.startswith("--")}
+    out, family, aggregation, split, *rest = [a for a in sys.argv[1:] if not a.startswith("--")]
     out = Path(out)
     model = rest[0] if rest else None
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    trainer = build_trainer(build_config(out, family, aggregation, world, model))
+    if "--fsdp" in flags:
+        select_fsdp2()
+    trainer = build_trainer(build_config(out, family, aggregation, world, model, full="--full" in flags))
     acc = trainer.accelerator
     assert acc.num_processes == world, (acc.num_processes, world)
+    assert trainer.sharded == ("--fsdp" in flags), trainer.sharded
     rank = acc.process_index
-    initial = flat_weights(trainer.policy).clone()
+    with trainer._full_weights():  # sharded: the whole weights (a collective)
+        initial = flat_weights(trainer.policy).clone()
 
     # the same global rollout on every process (same items, same generator), then this process's rows
     items = trainer.prompts.items[:PROMPTS]
-    rollout = trainer.policy.rollout(items, GROUP, generator=torch.Generator().manual_seed(1234))
+    with trainer._full_weights():  # what Trainer.step does around sampling
+        rollout = trainer.policy.rollout(items, GROUP, generator=torch.Generator().manual_seed(1234))
     assert len(rollout) == PROMPTS * GROUP and rollout.group_ids.tolist() == [0] * GROUP + [1] * GROUP
     if family == "vlm":
         cut_completions(trainer.policy, rollout)
@@ -89,9 +99,11 @@ def main() -> None:
     if trainer.scorer is not None:
         trainer.scorer.close()
 
+    with trainer._full_weights():
+        weights = flat_weights(trainer.policy).clone()
     result = {"metrics": metrics, "adv_stats": adv_stats, "advantages": advantages.cpu(), "rows": rows,
               "scores": {k: v.cpu() for k, v in scores.items()}, "actions": float(local.mask.sum()),
-              "initial": initial, "weights": flat_weights(trainer.policy).clone()}
+              "initial": initial, "weights": weights, "sharded": trainer.sharded}
     torch.save(result, out / f"rank{rank}.pt")
     if rank == 0:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1))

@@ -15,6 +15,10 @@ computed from one process's rewards). What must agree, to 1e-5 relative:
 * the two replicas, bit for bit.
 
 ``bnpo`` is TRL's per-process action mean: not invariant to the process count, by definition (documented below).
+
+FSDP2 (``configs/accelerate/fsdp2.yaml``): the same comparison with the two processes SHARDING the model instead of
+replicating it (each keeps half of every parameter and its optimizer state; gradients are reduce-scattered), for
+both families with LoRA and with full fine-tuning: the sharded update is the one-process update.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ GROUP = 4  # the worker's group size: global rows 4g .. 4g+3 are group g
 INVARIANT = [("flow", "grpo", "contiguous"), ("vlm", "grpo", "contiguous"),
              ("vlm", "dapo", "contiguous"), ("flow", "grpo", "interleaved"), ("vlm", "dapo", "interleaved")]
 TWO_PROCESS_RUNS = [*INVARIANT, ("vlm", "bnpo", "contiguous")]
+# FSDP2 cases: (family, aggregation, full fine-tuning); vlm dapo exercises the global action count under sharding
+SHARDED = [("flow", "grpo", False), ("flow", "grpo", True), ("vlm", "dapo", False), ("vlm", "dapo", True)]
 BASE_PORT = 29611  # + the index in TWO_PROCESS_RUNS: every torchrun launch of the module has its own port
 
 
@@ -50,8 +56,9 @@ def runs(tmp_path_factory):
     cache: dict[tuple, list[dict]] = {}
     sd3: list[str] = []
 
-    def launch(family: str, aggregation: str, split: str, processes: int) -> list[dict]:
-        key = (family, aggregation, split if processes > 1 else None, processes)
+    def launch(family: str, aggregation: str, split: str, processes: int, full: bool = False,
+               fsdp: bool = False) -> list[dict]:
+        key = (family, aggregation, split if processes > 1 else None, processes, full, fsdp)
         if key not in cache:
             if family == "flow" and not sd3:
                 sd3.append(str(build_tiny_sd3(base / "sd3")))
@@ -59,19 +66,22 @@ def runs(tmp_path_factory):
             out.mkdir()
             launcher = [sys.executable]
             if processes > 1:
-                port = BASE_PORT + TWO_PROCESS_RUNS.index((family, aggregation, split))
+                port = BASE_PORT + (len(TWO_PROCESS_RUNS) + SHARDED.index((family, aggregation, full)) if fsdp
+                                    else TWO_PROCESS_RUNS.index((family, aggregation, split)))
                 launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(processes),
                              "--master_port", str(port)]
-            cmd = [*launcher, str(WORKER), str(out), family, aggregation, split, *(sd3 if family == "flow" else [])]
+            flags = ["--full"] * full + ["--fsdp"] * fsdp
+            cmd = [*launcher, str(WORKER), str(out), family, aggregation, split, *(sd3 if family == "flow" else []),
+                   *flags]
             result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
             assert result.returncode == 0, f"{processes} process(es): rc {result.returncode}\n{result.stderr[-4000:]}"
             cache[key] = [torch.load(out / f"rank{r}.pt") for r in range(processes)]
         return cache[key]
 
-    def run(family: str, aggregation: str, split: str = "contiguous"):
+    def run(family: str, aggregation: str, split: str = "contiguous", full: bool = False, fsdp: bool = False):
         # one process first: it also builds the tiny VLM into the cache, before two processes could race for it
-        one = launch(family, aggregation, split, 1)[0]
-        return one, launch(family, aggregation, split, 2)
+        one = launch(family, aggregation, split, 1, full)[0]
+        return one, launch(family, aggregation, split, 2, full, fsdp)
 
     return run
 
@@ -163,3 +173,31 @@ def test_logged_policy_metrics_describe_the_whole_batch(runs):
     for key in ("kl", "policy_loss", "approx_kl", "ratio/mean"):
         want = one["metrics"][key]
         assert abs(r0["metrics"][key] - want) <= RTOL * abs(want) + 1e-7, (key, r0["metrics"][key], want)
+
+
+@pytest.mark.parametrize("family,aggregation,full", SHARDED,
+                         ids=[f"{f}-{a}-{'full' if full else 'lora'}" for f, a, full in SHARDED])
+def test_fsdp_sharded_update_is_the_one_process_update(runs, family, aggregation, full):
+    """Two processes that shard the model (FSDP2) make the update one process makes: the rollout runs on the
+    gathered weights, the loss on the shards, the gradient is reduce-scattered and each process steps its half."""
+    one, two = runs(family, aggregation, full=full, fsdp=True)
+    r0, r1 = two
+    assert r0["sharded"] and r1["sharded"] and not one["sharded"]
+    assert torch.equal(r0["initial"], one["initial"]) and torch.equal(r1["initial"], one["initial"])
+    adv, adv_one = gathered_advantages(one, two)
+    assert adv_one.abs().sum() > 0
+    torch.testing.assert_close(adv, adv_one, rtol=1e-6, atol=1e-7)
+    m1, m2 = one["metrics"], r0["metrics"]
+    assert abs(m2["loss"] - m1["loss"]) <= RTOL * abs(m1["loss"]) + 1e-7, (m2["loss"], m1["loss"])
+    assert abs(m2["grad_norm"] - m1["grad_norm"]) <= RTOL * m1["grad_norm"], (m2["grad_norm"], m1["grad_norm"])
+    kl = action_weighted(two, "kl")
+    assert m1["kl"] > 0 and abs(kl - m1["kl"]) <= RTOL * m1["kl"], (kl, m1["kl"])
+    moved = relative_error(one["weights"], one["initial"])
+    assert moved > 1e-3, moved
+    weights = relative_error(r0["weights"], one["weights"])
+    update = relative_error(r0["weights"] - r0["initial"], one["weights"] - one["initial"])
+    print(f"\nfsdp {family}/{aggregation}/{'full' if full else 'lora'}: weights {weights:.3g}, update {update:.3g} "
+          f"(moved {moved:.3g}), {one['weights'].numel()} trainable values")
+    assert weights <= RTOL, weights
+    assert update <= 10 * RTOL, update
+    assert torch.equal(r0["weights"], r1["weights"])  # the gathered halves are the same model on both processes

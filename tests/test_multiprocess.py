@@ -1,5 +1,6 @@
 """Two gloo processes (torchrun) stay in step where one process's data or statistics could differ: a bad sample
-skipped on one rank only, and adaptive noise levels computed from the whole batch and resumed on every rank."""
+skipped on one rank only, adaptive noise levels computed from the whole batch and resumed on every rank, and a
+sharded (FSDP2) run's checkpoint and resume."""
 
 from __future__ import annotations
 
@@ -22,10 +23,13 @@ WORKER = Path(__file__).with_name("dist_config_worker.py")
 QUIET = ["logging.progress_bar=false", "logging.tensorboard=false", "logging.eval_every=0"]
 
 
-def torchrun(tmp_path: Path, port: int, config: str, *overrides: str) -> None:
+def torchrun(tmp_path: Path, port: int, *args: str) -> None:
+    """``args``: [``--fsdp``] CONFIG OVERRIDE..."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    flags = [a for a in args[:1] if a == "--fsdp"]
+    config, *overrides = args[len(flags):]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           str(WORKER), str(tmp_path), config, *QUIET, *overrides]
+           str(WORKER), *flags, str(tmp_path), config, *QUIET, *overrides]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
 
@@ -92,3 +96,30 @@ def test_adaptive_noise_levels_agree_on_every_rank_and_resume(tmp_path, tiny_sd3
     assert t0["noise_levels"] == t1["noise_levels"] == s0["noise_levels"]
     for key in w0:
         assert torch.equal(w0[key], w1[key]) and torch.equal(w0[key], r0[key]) and torch.equal(r0[key], r1[key]), key
+
+
+def test_a_sharded_run_checkpoints_whole_weights_and_resumes_exactly(tmp_path, tiny_sd3):
+    """FSDP2 (``configs/accelerate/fsdp2.yaml``) on 2 processes: the checkpoint holds the WHOLE trainable tensors
+    and the whole optimizer state (gathered, not one process's shards), the main process's evaluation grid runs on
+    the gathered weights, and 1 + resume + 1 updates give exactly the weights of 2 straight updates."""
+    common = [f"model.pretrained={tiny_sd3}", "sampling.num_steps=4", "sampling.eval_num_steps=4",
+              "sampling.max_sequence_length=16", "data.prompts_per_step=1", "data.group_size=4", "train.batch_size=2",
+              "train.gradient_accumulation_steps=2", "optim.lr=1e-2", "algorithm.clip_low=0.2", "algorithm.beta=0.04",
+              "logging.save_every=1", "logging.eval_every=1", "data.num_eval_prompts=1", "data.eval_seeds=[0]"]
+    config = str(REPO / "configs/tiny/flow_grpo.yaml")
+    torchrun(tmp_path / "straight", 29549, "--fsdp", config, *common, "train.steps=2")
+    torchrun(tmp_path / "resumed", 29551, "--fsdp", config, *common, "train.steps=1")
+    torchrun(tmp_path / "resumed", 29553, "--fsdp", config, *common, "train.steps=2", "resume=auto")
+    w0, w1, _, _ = replicas(tmp_path / "straight")
+    r0, r1, _, _ = replicas(tmp_path / "resumed")
+    checkpoint = tmp_path / "straight" / "run" / "checkpoints" / "step_2"
+    saved = load_file(str(checkpoint / "trainable.safetensors"))
+    assert set(saved) == set(w0) and len(saved) > 0
+    for key in w0:
+        assert torch.equal(w0[key], w1[key]) and torch.equal(w0[key], r0[key]) and torch.equal(r0[key], r1[key]), key
+        assert torch.equal(saved[key], w0[key]), key  # whole tensors, not a shard
+    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=False)
+    for name, state in optimizer["state"].items():  # keyed by parameter name, whole moments
+        assert tuple(state["exp_avg"].shape) == tuple(saved[name].shape), name
+    assert (tmp_path / "straight" / "run" / "samples" / "step_2.png").is_file()
+    assert (checkpoint / "export").is_dir()

@@ -170,9 +170,13 @@ def test_every_shipped_config_validates(path):
 
         launch = load_config_from_file(path)
         expected = {"one_gpu.yaml": ("NO", 1, 1), "ddp_one_node.yaml": ("MULTI_GPU", 8, 1),
-                    "ddp_multi_node.yaml": ("MULTI_GPU", 16, 2)}[Path(path).name]
+                    "ddp_multi_node.yaml": ("MULTI_GPU", 16, 2), "fsdp2.yaml": ("FSDP", 8, 1)}[Path(path).name]
         assert (str(launch.distributed_type).split(".")[-1], launch.num_processes, launch.num_machines) == expected
         assert launch.mixed_precision == "no" and not launch.use_cpu  # mmrl's train.mixed_precision decides
+        if Path(path).name == "fsdp2.yaml":  # the version mmrl supports, blocks as shard units, whole checkpoints
+            fsdp = launch.fsdp_config
+            assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+            assert fsdp["fsdp_state_dict_type"] == "FULL_STATE_DICT"
         return
     command = OTHER_COMMANDS.get(Path(path).name, "train")
     if command == "pretrain":

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from mmrl.pipelines.flow.schedule import StepPlan, plan_steps
 from mmrl.core.kl import flow_kl
+from mmrl.distributed import full_weights, unsharded_class
 from mmrl.pipelines.flow.sde import sde_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -206,9 +207,17 @@ class FlowPolicy:
     def named_trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
         return {n: p for n, p in self.transformer.named_parameters() if p.requires_grad}
 
-    def prepare(self, accelerator) -> None:
-        """Wrap the trainable module for distributed training (DDP) with ``accelerator.prepare``."""
-        self.model = accelerator.prepare(self.transformer)
+    def prepare(self, accelerator, optimizer):
+        """Wrap the trainable module and its optimizer for distributed training with ``accelerator.prepare``, the
+        two together (FSDP2 swaps the optimizer's parameters for their shards): DDP wraps the transformer, FSDP2
+        shards it in place. Returns the prepared optimizer."""
+        self.model, optimizer = accelerator.prepare(self.transformer, optimizer)
+        return optimizer
+
+    def full_weights(self):
+        """Every parameter whole, with no per-forward collective, for the block (:func:`mmrl.distributed.full_weights`;
+        a no-op unless the transformer is FSDP-sharded). Every process enters it."""
+        return full_weights(self.model)
 
     def _set_mode(self, train: bool) -> None:
         """Train mode for the gradient-carrying forward of ``logprobs`` (LoRA dropout applies), eval mode for every
@@ -244,17 +253,24 @@ class FlowPolicy:
                 for p in self.transformer.parameters()}  # buffers were never cast: they keep the load dtype
         self._reference_model = copy.deepcopy(self.transformer, memo).requires_grad_(False).eval()
 
-    def lora_state_dict(self) -> dict[str, Tensor]:
+    def lora_state_dict(self, state_dict: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """The LoRA tensors, from the live transformer or from its ``state_dict`` (a sharded model's, gathered)."""
         from peft.utils import get_peft_model_state_dict
 
-        return get_peft_model_state_dict(self.transformer)
+        return get_peft_model_state_dict(self.transformer, state_dict=state_dict)
 
-    def export(self, directory: str) -> None:
-        """Trainable part in the format its ecosystem loads: diffusers LoRA file or a full transformer folder."""
+    def export(self, directory: str, state_dict: dict[str, Tensor] | None = None) -> None:
+        """Trainable part in the format its ecosystem loads: diffusers LoRA file or a full transformer folder.
+        ``state_dict``: the transformer's whole state when FSDP shards it (:func:`mmrl.distributed.full_model_state`)."""
         if self.use_lora:
-            self.family.save_lora(directory, self.lora_state_dict())
-        else:
+            self.family.save_lora(directory, self.lora_state_dict() if state_dict is None else
+                                  self.lora_state_dict(state_dict))
+        elif state_dict is None:
             self.transformer.save_pretrained(f"{directory}/transformer")
+        else:  # a plain transformer of the same config holding the gathered weights writes the same folder
+            plain = unsharded_class(self.transformer).from_config(self.transformer.config)
+            plain.load_state_dict(state_dict)
+            plain.save_pretrained(f"{directory}/transformer")
 
     # -------------------------------------------------------------------------------------- sampling
 

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from mmrl.core.losses import k3_kl
+from mmrl.distributed import full_weights
 from mmrl.data.prompts import EmptyBatchError
 
 logger = logging.getLogger(__name__)
@@ -308,8 +309,17 @@ class QwenVLPolicy:
     def named_trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
 
-    def prepare(self, accelerator) -> None:
-        self.train_model = accelerator.prepare(self.model)
+    def prepare(self, accelerator, optimizer):
+        """Wrap the model and its optimizer with ``accelerator.prepare``, together (FSDP2 swaps the optimizer's
+        parameters for their shards): DDP wraps, FSDP2 shards in place. Returns the prepared optimizer."""
+        self.train_model, optimizer = accelerator.prepare(self.model, optimizer)
+        return optimizer
+
+    def full_weights(self):
+        """Every parameter whole, with no per-forward collective, for the block (:func:`mmrl.distributed.full_weights`;
+        a no-op unless the model is FSDP-sharded): ``generate`` may run a different number of forwards on each
+        process. Every process enters it."""
+        return full_weights(self.train_model)
 
     def init_reference(self) -> None:
         """Full fine-tuning: freeze a copy of the current model as the reference, with the trainable parameters
@@ -332,9 +342,10 @@ class QwenVLPolicy:
             self.init_reference()
             yield self._reference_model
 
-    def export(self, directory: str) -> None:
-        """The trainable part as its ecosystem loads it: a PEFT adapter folder, or the full model + processor."""
-        self.model.save_pretrained(directory)
+    def export(self, directory: str, state_dict: dict[str, Tensor] | None = None) -> None:
+        """The trainable part as its ecosystem loads it: a PEFT adapter folder, or the full model + processor.
+        ``state_dict``: the model's whole state when FSDP shards it (:func:`mmrl.distributed.full_model_state`)."""
+        self.model.save_pretrained(directory, **({} if state_dict is None else {"state_dict": state_dict}))
         if not self.use_lora:
             self.processor.save_pretrained(directory)
 
