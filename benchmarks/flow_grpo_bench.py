@@ -32,9 +32,7 @@ Prints one JSON line (and writes it to ``--out``, default ``benchmarks/results/f
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -43,6 +41,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from common import finish, versions  # noqa: E402  (benchmarks/ is the script folder: on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "configs" / "tiny" / "flow_grpo.yaml"
@@ -281,11 +280,8 @@ def main(argv=None) -> int:
             "results": results, "ok": not any(v["problems"] for v in results.values()),
             "settings": {k: v for k, v in vars(args).items() if k not in ("out", "pipeline")}
             | {"torch_threads": torch.get_num_threads(), "transformer_parameters": transformer_params},
-            "versions": {"torch": torch.__version__, "python": platform.python_version()}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(line, indent=1, default=str) + "\n")
-    print(json.dumps(line, default=str))
-    return 0 if line["ok"] else 1
+            "versions": versions()}
+    return finish(line, args.out)
 
 
 if __name__ == "__main__":

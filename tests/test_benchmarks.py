@@ -6,6 +6,7 @@ show the difference the benchmark is about (mmrl: one image per prompt per step;
 forward).
 """
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,25 @@ def test_flow_grpo_bench_same_work_through_mmrl_bench(tmp_path):
         assert work[side]["images"] == n and work[side]["optimizer_steps"] == 1
     assert work["mmrl"]["calls"]["grad"] == 1 and work["plain"]["calls"]["grad"] == trained
     assert line["results"]["cfg"]["floor_s"] > 0 and line["mmrl_over_floor"]["cfg"] > 0
+
+
+def test_overhead_bench_replays_the_trainers_model_work(tmp_path):
+    """`mmrl bench overhead --family vlm`: the floor replays exactly the calls one update made (one generate of
+    the group's tokens; per minibatch of the 2 inner epochs one training forward, plus the old and reference
+    log-prob passes of the first epoch) and the quotient is reported."""
+    out = tmp_path / "overhead.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MMRL_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "mmrl.cli", "bench", "overhead", "--family", "vlm", "--steps", "1",
+                           "--warmup", "0", "--hidden", "128", "--layers", "2", "--max-new-tokens", "4",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line == json.loads(out.read_text()) and line["bench"] == "overhead" and line["ok"] is True
+    vlm = line["results"]["vlm"]
+    assert vlm["generate_calls"] == 1 and vlm["new_tokens"] == [4]  # 2 prompts x 4 completions in one call
+    # tiny recipe: batch 4 of 8 samples, 2 inner epochs: 4 training forwards; old + reference passes: 2 + 2
+    assert vlm["forwards"] == {"grad": 4, "no_grad": 4}
+    assert vlm["floor_s"] > 0 and vlm["mmrl_over_floor"] > 0
 
 
 def test_mmrl_bench_names_and_errors(capsys):
