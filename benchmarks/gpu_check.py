@@ -134,7 +134,7 @@ def text_encoder_config(config_cls, tiny_folder: Path, dims: dict):
 
 def qwen25vl_3b(out: Path, device: str, dtype: torch.dtype, smoke: bool) -> tuple[Path, dict]:
     """The tiny Qwen2.5-VL's folder (tokenizer, processor, token ids) with a random model of the 3B's sizes."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration
 
     from mmrl.pipelines.vlm.tiny import ensure_tiny_vlm
 
@@ -144,8 +144,7 @@ def qwen25vl_3b(out: Path, device: str, dtype: torch.dtype, smoke: bool) -> tupl
         return out, {"model": count(Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny))}
     config = qwen25vl_3b_config(tiny)
     model = build(Qwen2_5_VLForConditionalGeneration, config, device, dtype)
-    model.generation_config.update(**Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny).generation_config
-                                   .to_dict())
+    model.generation_config = GenerationConfig.from_pretrained(tiny)
     sizes = {"model": count(model)}
     for path in out.glob("*.safetensors*"):
         path.unlink()

@@ -42,7 +42,7 @@ def mid_size_vlm(directory: Path, hidden: int = 512, layers: int = 8, vision_hid
     """The tiny Qwen2.5-VL folder with a random model of the given sizes (seeded)."""
     import shutil
 
-    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoConfig, GenerationConfig, Qwen2_5_VLForConditionalGeneration
 
     from mmrl.pipelines.vlm.tiny import ensure_tiny_vlm
 
@@ -63,7 +63,7 @@ def mid_size_vlm(directory: Path, hidden: int = 512, layers: int = 8, vision_hid
         setattr(config.vision_config, key, value)
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    model.generation_config = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny).generation_config
+    model.generation_config = GenerationConfig.from_pretrained(tiny)
     for path in out.glob("*.safetensors*"):
         path.unlink()
     model.save_pretrained(out)
@@ -77,16 +77,16 @@ class Recorder:
     def __init__(self, policy):
         self.generates: list[tuple[dict, int]] = []
         self.forwards: list[tuple[bool, dict]] = []
-        self._in_generate = False
+        self._paused = False
         self.model = policy.model  # the PEFT model (LoRA) or the model: what the policy calls
         original = self.model.generate
 
         def generate(*args, **kwargs):
-            self._in_generate = True
+            self._paused = True
             try:
                 sequences = original(*args, **kwargs)
             finally:
-                self._in_generate = False
+                self._paused = False
             self.generates.append((dict(kwargs), sequences.shape[1] - kwargs["input_ids"].shape[1]))
             return sequences
 
@@ -95,7 +95,7 @@ class Recorder:
         policy.base_model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, _module, args, kwargs):
-        if not self._in_generate:
+        if not self._paused:
             self.forwards.append((torch.is_grad_enabled(),
                                   {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}))
 
@@ -108,7 +108,7 @@ class Recorder:
         import copy
 
         calls, forwards = list(self.generates), list(self.forwards)
-        self._in_generate = True  # the replay's own forwards are not recorded
+        self._paused = True  # the replay's own forwards are not recorded either
         start = time.perf_counter()
         for kwargs, produced in calls:
             kwargs = dict(kwargs)
@@ -122,7 +122,7 @@ class Recorder:
                 if grad:
                     logits.float().logsumexp(-1).mean().backward()
         elapsed = time.perf_counter() - start
-        self._in_generate = False
+        self._paused = False
         self.model.zero_grad(set_to_none=True)
         return elapsed
 

@@ -58,10 +58,6 @@ def fsdp_modules(module: torch.nn.Module | None) -> list[torch.nn.Module]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
-def is_sharded(module: torch.nn.Module | None) -> bool:
-    return bool(fsdp_modules(module))
-
-
 def _reshards_after_forward(module) -> bool:
     """Whether ``module`` frees its gathered parameters after each forward (FSDP2 keeps this per parameter group;
     the root's is False unless set)."""

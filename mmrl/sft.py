@@ -75,8 +75,8 @@ import yaml
 from mmrl.config import (ConfigError, GenerationConfig, _build, _set_dotted, config_from_dict, config_to_dict,
                          dump_config, opt, parse_overrides, read_config_file, yaml_key_lines)
 from mmrl.data.prompts import DataError
-from mmrl.distributed import is_dtensor
 from mmrl.data.shapeworld import check_vlm_spec
+from mmrl.distributed import is_dtensor
 
 logger = logging.getLogger(__name__)
 

@@ -213,7 +213,7 @@ class Trainer:
 
     def _full_weights(self):
         """The policy's whole weights for the block when FSDP shards them (every process enters), else nothing."""
-        return self.policy.full_weights() if hasattr(self.policy, "full_weights") else contextlib.nullcontext()
+        return self.policy.full_weights() if self.sharded else contextlib.nullcontext()
 
     def save(self) -> None:
         acc = self.accelerator

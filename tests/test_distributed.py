@@ -11,7 +11,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from mmrl.config import ConfigError
-from mmrl.distributed import check_engine, copy_full_into, full_tensor, full_weights, is_dtensor, is_sharded
+from mmrl.distributed import check_engine, copy_full_into, fsdp_modules, full_tensor, full_weights, is_dtensor
 
 
 @pytest.mark.parametrize("kind,fsdp2", [(DistributedType.NO, False), (DistributedType.MULTI_CPU, False),
@@ -33,7 +33,7 @@ def test_deepspeed_is_refused_with_the_config_to_use():
 def test_helpers_leave_an_unsharded_model_alone():
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     before = [p.clone() for p in model.parameters()]
-    assert not is_sharded(model) and not is_sharded(None)
+    assert fsdp_modules(model) == [] and fsdp_modules(None) == []
     with full_weights(model):
         out = model(torch.ones(1, 3))
     assert out.shape == (1, 2)

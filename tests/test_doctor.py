@@ -39,8 +39,8 @@ def test_doctor_catches_a_broken_sampler_and_a_broken_export(tmp_path, monkeypat
     from peft.utils import get_peft_model_state_dict
 
     monkeypatch.setattr(FlowPolicy, "lora_state_dict",  # an export that writes the untrained (zero) update
-                        lambda self: {k: torch.zeros_like(v)
-                                      for k, v in get_peft_model_state_dict(self.transformer).items()})
+                        lambda self, state_dict=None: {k: torch.zeros_like(v) for k, v in
+                                                       get_peft_model_state_dict(self.transformer).items()})
     checks = by_name(run_doctor(load_config(TINY_RECIPE, [f"output_dir={tmp_path}"])))
     assert not checks["replay_matches_rollout"].ok and "= 0.001" in checks["replay_matches_rollout"].figure
     assert not checks["export_reloads"].ok

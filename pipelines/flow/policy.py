@@ -263,8 +263,7 @@ class FlowPolicy:
         """Trainable part in the format its ecosystem loads: diffusers LoRA file or a full transformer folder.
         ``state_dict``: the transformer's whole state when FSDP shards it (:func:`mmrl.distributed.full_model_state`)."""
         if self.use_lora:
-            self.family.save_lora(directory, self.lora_state_dict() if state_dict is None else
-                                  self.lora_state_dict(state_dict))
+            self.family.save_lora(directory, self.lora_state_dict(state_dict))
         elif state_dict is None:
             self.transformer.save_pretrained(f"{directory}/transformer")
         else:  # a plain transformer of the same config holding the gathered weights writes the same folder
