@@ -127,8 +127,8 @@ def test_full_finetuning_reference_keeps_the_load_dtype(tiny_sd3):
     # before any update the only difference is fp32 vs bf16 arithmetic: a tiny KL
     assert out.kl.max().item() < 1e-2
     assert torch.isfinite(out.logps).all() and out.logps.requires_grad
-    with torch.no_grad():
-        next(iter(policy.transformer.parameters())).add_(0.5)
+    with torch.no_grad():  # the output projection: a shift of the patch embedding's weights is normalised away
+        policy.transformer.proj_out.weight.add_(0.5)
     moved = policy.logprobs(rollout, torch.arange(2), with_kl=True).kl
-    assert moved.sum() > out.kl.sum()
+    assert moved.sum() > 100 * out.kl.sum()
 
