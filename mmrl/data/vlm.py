@@ -269,6 +269,11 @@ def _build(record, *, default_id: str, source: str, base: Path,
     video_path = _resolve(video_value, base, "video") if video_value is not None else None
     meta = _check_task_fields(record)
     meta["task"], meta["id"] = task, str(sample_id)
+    # the resolved media, for rewards that look at them (judged perception rewards): absolute paths
+    if image_paths:
+        meta.setdefault("image_paths", [str(p) for p in image_paths])
+    if video_path is not None:
+        meta.setdefault("video_path", str(video_path))
     return VLMSample(id=str(sample_id), question=question, solution=solution,
                      image_paths=[str(p) for p in image_paths],
                      video_path=None if video_path is None else str(video_path),
