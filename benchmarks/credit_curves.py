@@ -52,7 +52,7 @@ def heldout(trainer, config, planned, label: str, workdir: Path) -> dict:
 
 def run(method: str, seconds: float, evals: int, eval_limit: int, seed: int, workdir: Path, recipe: Path,
         pretrained: str | None) -> tuple[list[dict], list[dict]]:
-    overrides = [f"output_dir={workdir / method}", f"algorithm.credit={method}", "train.steps=100000",
+    overrides = [f"output_dir={workdir / method}", "algorithm.variants=[]" if method == "outcome" else f"algorithm.variants=[{method}]", "train.steps=100000",
                  f"seed={seed}", "logging.eval_every=0", "logging.save_every=0", "logging.progress_bar=false",
                  "logging.tensorboard=false", "resume=null", "eval.every=0", "eval.benchmarks=[shapeworld@heldout]",
                  f"eval.limit={eval_limit}"]

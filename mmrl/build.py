@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from mmrl.algorithms import build_variants
 from mmrl.config import Config, ConfigError
 from mmrl.data.prompts import DataError, PromptItem, PromptSource, read_prompts
 
@@ -133,7 +134,7 @@ def build_policy(config: Config, device: torch.device | str = "cpu"):
         window_shift_every=s.window_shift_every, share_group_noise=s.share_group_noise, lora=lora,
         gradient_checkpointing=m.gradient_checkpointing, time_shift=s.time_shift,
         noise_schedule=list(s.noise_schedule) or None,
-        keep_x0=config.algorithm.credit != "outcome" and s.intermediate == "x0",
+        keep_x0=s.intermediate == "x0" and any("intermediate_images" in v.needs for v in build_variants(config)),
         merge_threshold=s.merge_threshold, merge_groups=s.merge_groups,
         sample_batch_size=config.train.sample_batch_size, device=device,
     )

@@ -11,6 +11,7 @@
     mmrl tiny KIND OUTDIR                    tiny random model (sd3, flux, qwen2_5_vl, qwen2_vl, qwen3_vl) or
                                              synthetic data set (grounding, temporal_grounding), CPU smoke runs
     mmrl rewards                             list registered rewards
+    mmrl variants [--markdown | --json]      list the algorithm variants (mmrl.algorithms) with options and papers
     mmrl serve-rewards CONFIG [--host H --port P]   serve CONFIG's rewards over HTTP (mmrl.rewards.remote)
     mmrl score (--config CONFIG | --rewards MAP) --images DIR [--prompts F.csv|F.jsonl] --out F.csv|F.json
                                              score a folder of images with mmrl's rewards (mmrl.score)
@@ -359,6 +360,17 @@ def _cmd_rewards(args) -> int:
     return 0
 
 
+def _cmd_variants(args) -> int:
+    import mmrl.algorithms  # noqa: F401 - registers the built-in variants
+    from mmrl.algorithms.base import REGISTRY, describe_variant, variants_listing, variants_table
+
+    if args.json:
+        print(json.dumps([describe_variant(REGISTRY[n]) for n in sorted(REGISTRY)], indent=1, default=str))
+    else:
+        print(variants_table() if args.markdown else variants_listing())
+    return 0
+
+
 def _cmd_serve_rewards(args) -> int:
     from mmrl.rewards import build_rewards
     from mmrl.rewards.remote import RewardServerError, load_reward_spec, serve
@@ -525,6 +537,11 @@ def make_parser() -> argparse.ArgumentParser:
     tiny.add_argument("outdir")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_tiny)
+
+    variants = command("variants", "list the algorithm variants (plug-ins) with their stages, options and papers")
+    variants.add_argument("--markdown", action="store_true", help="the README's table")
+    variants.add_argument("--json", action="store_true", help="one JSON list")
+    variants.set_defaults(func=_cmd_variants)
 
     rewards = command("rewards", "list registered rewards")
     rewards.set_defaults(func=_cmd_rewards)

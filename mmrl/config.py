@@ -110,10 +110,6 @@ class SamplingConfig:
     share_group_noise: bool = opt(False, "DanceGRPO: all samples of a group start from the same initial noise.")
     noise_schedule: list = opt([], "Timestep-specific SDE noise: one level per sampling step (empty = noise_level "
                                "on every step).")
-    adaptive_noise: bool = opt(False, "Reward-aware noise calibration (DenseGRPO's idea; rule in "
-                               "mmrl.core.noise.adapt_noise_levels): each trained step's noise level "
-                               "moves towards equal reward-gain spread across steps. Needs a dense credit.")
-    adaptive_noise_rate: float = opt(0.1, "Exponent of the per-update noise correction (0 = frozen).")
     intermediate: str = opt("ode", "How dense credit gets the image a step leads to: 'ode' (ODE completion to "
                             "sigma = 0, as TP-GRPO / DenseGRPO / TempFlow-GRPO) or 'x0' (one-step prediction "
                             "x - sigma v, no extra model evaluations).", choices=("ode", "x0"))
@@ -175,8 +171,6 @@ class DataConfig:
 class AlgorithmConfig:
     """Advantages and the clipped loss (mmrl.core)."""
 
-    advantage: str = opt("grpo", "Advantage estimator: 'grpo' (linear group normalisation) or 'gaussian_rank' (G2RPO).",
-                         choices=("grpo", "gaussian_rank"))
     scale: str = opt("batch", "Advantage scale: group | batch (group mean, batch std: Flow-GRPO global_std) | "
                      "none (Dr. GRPO).", choices=("group", "batch", "none"))
     std_ddof: int = opt(0, "0: biased std (Flow-GRPO tracker), 1: unbiased (TRL).", choices=(0, 1))
@@ -199,38 +193,10 @@ class AlgorithmConfig:
     ratio_level: str = opt("token", "Importance ratio per action ('token') or per sample ('sequence', GSPO).",
                            choices=("token", "sequence"))
     beta: float = opt(0.0, "KL coefficient to the reference policy (Flow-GRPO: 0.04 for GenEval, 0 for PickScore).")
-    credit: str = opt("outcome", "Credit assignment over denoising steps (flow policies): 'outcome' (every step "
-                      "gets the final reward), 'step_gain' (DenseGRPO: d_t = R_{t+1} - R_t), 'turning_point' "
-                      "(TP-GRPO), 'cosine' (cosine-similarity credit); dense rewards are normalised per step "
-                      "column within each group.", choices=("outcome", "step_gain", "turning_point", "cosine"))
-    credit_balance: bool = opt(False, "TP-GRPO: balance turning points between trajectories that end better and "
-                               "worse than their ODE baseline, within each sampling batch of "
-                               "train.sample_batch_size trajectories (as the anchor), so with it on "
-                               "sample_batch_size is part of the algorithm, not only a speed knob.")
-    credit_consistency_filter: bool = opt(True, "TP-GRPO: require sign(d_t) sign(R_n - R_{t+1}) > 0 at a turning "
-                                          "point.")
-    value_anchor_weight: float = opt(0.0, "VGPO-style value-anchored advantages (mmrl.core.credit."
-                                      "value_anchored_advantages): adds weight * (R - V) / value_anchor_scale to the "
-                                      "group term, V a running mean (decay 0.9) of each prompt's past rewards, so "
-                                      "advantages do not vanish when a group's rewards are all equal; 0 = off.")
-    value_anchor_scale: float = opt(1.0, "VGPO: the reward's natural scale dividing the absolute term.")
-    advantage_transform: str = opt("none", "Reshape advantages after normalisation: 'evidence_weighted' (GA-GRPO: "
-                                   "scaled by the grounding quality in rewards.<evidence_reward>) or "
-                                   "'token_variance' (TW-GRPO: per-token weights from the group's spread).",
-                                   choices=("none", "evidence_weighted", "token_variance"))
-    evidence_reward: str | None = opt(None, "GA-GRPO: the reward component in [0, 1] that measures grounding quality "
-                                      "(e.g. 'iou').")
-    evidence_floor: float = opt(0.0, "GA-GRPO: the weight of a response whose evidence quality is 0.")
-    token_weight_max: float = opt(1.4, "TW-GRPO: the largest token weight alpha (the paper's trainer: 1.4).")
-    dynamic_sampling: bool = opt(False, "DAPO dynamic sampling (text policies): groups whose rewards are all equal "
-                                 "are dropped and replaced by freshly sampled ones, up to max_sampling_rounds.")
-    max_sampling_rounds: int = opt(3, "Dynamic sampling: rollout rounds per update before training on what there is.")
-    temporal_contrast: bool = opt(False, "T-GRPO (Video-R1): also sample group_size/2 answers on shuffled frames; "
-                                  "correct answers on ordered frames get temporal_contrast_alpha when the group does "
-                                  "better on ordered than mu x shuffled.")
-    temporal_contrast_reward: str | None = opt(None, "T-GRPO: the accuracy component that decides correctness.")
-    temporal_contrast_alpha: float = opt(0.3, "T-GRPO bonus alpha (Video-R1: 0.3).")
-    temporal_contrast_mu: float = opt(0.8, "T-GRPO threshold mu (Video-R1: 0.8).")
+    variants: list = opt([], "Algorithm variants, registered plug-ins applied in this order, each a name or {name: "
+                         "..., <options>} (e.g. [{name: turning_point, balance: true}, {name: adaptive_noise}]); "
+                         "`mmrl variants` lists them with their options and papers. A third-party variant is "
+                         "'package.module:ClassName' or an 'mmrl.variants' entry point.")
 
 
 @dataclass
@@ -370,6 +336,30 @@ def _coerce(value: Any, annotation: Any, path: str) -> Any:
     raise ConfigError(f"{path}: expected {expected}, got {value!r}")
 
 
+#: keys that became algorithm variants (:mod:`mmrl.algorithms`): the error names the new spelling
+MOVED_KEYS = {
+    "algorithm.advantage": "algorithm.variants: [g2rpo] (advantage: gaussian_rank); grpo is the default estimator",
+    "algorithm.credit": "algorithm.variants: [step_gain] (or turning_point, cosine); outcome credit is the default",
+    "algorithm.credit_balance": "algorithm.variants: [{name: turning_point, balance: true}]",
+    "algorithm.credit_consistency_filter": "algorithm.variants: [{name: turning_point, consistency_filter: false}]",
+    "algorithm.value_anchor_weight": "algorithm.variants: [{name: vgpo, weight: 1.0}]",
+    "algorithm.value_anchor_scale": "algorithm.variants: [{name: vgpo, scale: 1.0}]",
+    "algorithm.advantage_transform": "algorithm.variants: [{name: ga_grpo, reward: iou}] (evidence_weighted) or "
+                                     "[tw_grpo] (token_variance)",
+    "algorithm.evidence_reward": "algorithm.variants: [{name: ga_grpo, reward: <component>}]",
+    "algorithm.evidence_floor": "algorithm.variants: [{name: ga_grpo, reward: <component>, floor: 0.0}]",
+    "algorithm.token_weight_max": "algorithm.variants: [{name: tw_grpo, max_weight: 1.4}]",
+    "algorithm.dynamic_sampling": "algorithm.variants: [dynamic_sampling]",
+    "algorithm.max_sampling_rounds": "algorithm.variants: [{name: dynamic_sampling, max_rounds: 3}]",
+    "algorithm.temporal_contrast": "algorithm.variants: [{name: t_grpo, reward: <accuracy component>}]",
+    "algorithm.temporal_contrast_reward": "algorithm.variants: [{name: t_grpo, reward: <accuracy component>}]",
+    "algorithm.temporal_contrast_alpha": "algorithm.variants: [{name: t_grpo, reward: <component>, alpha: 0.3}]",
+    "algorithm.temporal_contrast_mu": "algorithm.variants: [{name: t_grpo, reward: <component>, mu: 0.8}]",
+    "sampling.adaptive_noise": "algorithm.variants: [..., adaptive_noise]",
+    "sampling.adaptive_noise_rate": "algorithm.variants: [..., {name: adaptive_noise, rate: 0.1}]",
+}
+
+
 def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
@@ -379,6 +369,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     for key, value in data.items():
         path = f"{prefix}{key}"
         if key not in fields:
+            if path in MOVED_KEYS:
+                raise ConfigError(f"config key {path!r} is now an algorithm variant: write {MOVED_KEYS[path]} "
+                                  f"(`mmrl variants` lists them)")
             raise ConfigError(f"unknown config key {path!r}{_nearest(key, list(fields), prefix)}")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
@@ -578,7 +571,6 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         (s.eval_num_steps >= 1, "sampling.eval_num_steps must be >= 1"),
         (s.max_sequence_length >= 1, "sampling.max_sequence_length must be >= 1"),
         (s.time_shift is None or s.time_shift > 0, "sampling.time_shift must be > 0 (or null)"),
-        (s.adaptive_noise_rate >= 0, "sampling.adaptive_noise_rate must be >= 0"),
         (all(_is_number(x) and x >= 0 for x in s.noise_schedule),
          "sampling.noise_schedule must be a list of noise levels >= 0"),
         (o.lr > 0, "optim.lr must be > 0"),
@@ -613,11 +605,6 @@ def validate(config: Config, *, check_files: bool = True) -> None:
                                      "data.num_eval_prompts samples of data.dataset"),
         (a.advantage_clamp is None or a.advantage_clamp > 0, "algorithm.advantage_clamp must be > 0 (or null)"),
         (a.beta >= 0, "algorithm.beta must be >= 0"),
-        (a.value_anchor_weight >= 0, "algorithm.value_anchor_weight must be >= 0"),
-        (0.0 <= a.evidence_floor <= 1.0, "algorithm.evidence_floor must be in [0, 1]"),
-        (a.token_weight_max >= 1.0, "algorithm.token_weight_max must be >= 1 (token weights run from 1 to it)"),
-        (a.temporal_contrast_alpha >= 0 and a.temporal_contrast_mu >= 0,
-         "algorithm.temporal_contrast_alpha and temporal_contrast_mu must be >= 0"),
         (s.num_steps >= 2, "sampling.num_steps must be >= 2"),
         (0.0 < s.timestep_fraction <= 1.0, "sampling.timestep_fraction must be in (0, 1]"),
         (s.noise_level >= 0.0, "sampling.noise_level must be >= 0"),
@@ -660,42 +647,11 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         if s.merge_groups is not None and not 1 <= s.merge_groups <= s.num_steps - 1:
             raise ConfigError(f"sampling.merge_groups={s.merge_groups} must be in 1..{s.num_steps - 1} (the "
                               f"trainable steps of a {s.num_steps}-step schedule)")
-        if a.credit != "outcome" or s.adaptive_noise:
-            raise ConfigError("sampling.train_steps=entropy_merge samples on a merged sigma grid: it supports "
-                              "algorithm.credit=outcome only (no intermediate rewards, no adaptive_noise)")
-    if a.credit != "outcome" or s.adaptive_noise:
-        if config.model.family == "qwen_vl":
-            raise ConfigError("algorithm.credit / sampling.adaptive_noise apply to flow policies, not qwen_vl")
-        if s.adaptive_noise and a.credit == "outcome":
-            raise ConfigError("sampling.adaptive_noise calibrates from per-step reward gains: set algorithm.credit "
-                              "to a dense method (step_gain, turning_point, cosine)")
-        from mmrl.rewards import reward_scores_images
-
-        for key, spec in config.rewards.items():
-            name = spec.get("reward", key) if isinstance(spec, dict) else key
-            if not reward_scores_images(name):
-                raise ConfigError(f"algorithm.credit={a.credit!r} scores intermediate images, but reward {key!r} "
-                                  f"cannot score images (it judges text); use an image reward")
     if s.noise_schedule and len(s.noise_schedule) != s.num_steps:
         raise ConfigError(f"sampling.noise_schedule has {len(s.noise_schedule)} levels for {s.num_steps} steps")
-    if a.value_anchor_weight and (a.advantage != "grpo" or a.scale != "group" or a.credit != "outcome"
-                                  or a.reward_combination != "sum_then_normalize"):
-        raise ConfigError("algorithm.value_anchor_weight works with advantage=grpo, scale=group, credit=outcome and "
-                          "reward_combination=sum_then_normalize")
     if a.batch_normalize_sum and a.reward_combination != "normalize_then_sum":
         raise ConfigError("algorithm.batch_normalize_sum is GDPO's step after normalize_then_sum: set "
                           "algorithm.reward_combination=normalize_then_sum")
-    if a.value_anchor_scale <= 0:
-        raise ConfigError("algorithm.value_anchor_scale must be > 0")
-    if a.advantage_transform == "evidence_weighted" and not a.evidence_reward:
-        raise ConfigError("algorithm.evidence_reward: name the reward component that scores grounding quality "
-                          "(evidence_weighted advantages, GA-GRPO)")
-    if a.temporal_contrast and not a.temporal_contrast_reward:
-        raise ConfigError("algorithm.temporal_contrast_reward: name the accuracy component that judges answers (T-GRPO)")
-    if config.model.family != "qwen_vl" and (a.dynamic_sampling or a.temporal_contrast):
-        raise ConfigError("algorithm.dynamic_sampling / temporal_contrast apply to text policies (model.family: qwen_vl)")
-    if a.max_sampling_rounds < 1:
-        raise ConfigError("algorithm.max_sampling_rounds must be >= 1")
     if config.model.family == "qwen_vl":
         if d.dataset is None:
             raise ConfigError("data.dataset: a VLM run needs a JSONL dataset (see mmrl.data.vlm)")
@@ -750,6 +706,7 @@ def validate(config: Config, *, check_files: bool = True) -> None:
     if samples % t.batch_size:
         raise ConfigError(f"train.batch_size={t.batch_size} must divide the {samples} samples of an update "
                           f"(data.prompts_per_step x data.group_size)")
+    from mmrl.algorithms import VariantError, build_variants
     from mmrl.rewards import check_reward_arguments  # composition root: the config knows the reward registry
 
     for key, spec in config.rewards.items():
@@ -770,6 +727,10 @@ def validate(config: Config, *, check_files: bool = True) -> None:
             check_reward_arguments(name, kwargs)
         except ValueError as exc:
             raise ConfigError(f"rewards.{key}: {exc}") from None
+    try:  # names, options and combinations of the algorithm variants, before anything is built
+        build_variants(config)
+    except VariantError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 #: The header of ``mmrl config show --help-fields`` (YAML comments, so the whole listing parses as YAML).

@@ -52,7 +52,7 @@ def no_signal_cause(metrics: dict[str, float]) -> str:
     if n and metrics.get("samples/nan_reward", 0.0) >= n:
         return "every reward is NaN (see the rewards' nan reasons in the log)"
     return ("the rewards do not vary within any group (a saturated or too coarse reward, or data.group_size too "
-            "small); consider algorithm.dynamic_sampling")
+            "small); consider the dynamic_sampling variant (algorithm.variants: [dynamic_sampling])")
 
 
 class RunHealth:

@@ -151,6 +151,10 @@ class SFTDataConfig:
                             "'<think>...</think><answer>...</answer>' text.")
     shuffle: bool = opt(True, "Shuffle the training lines each pass (seeded by `seed`).")
     skip_bad_samples: bool = opt(False, "Skip (and count) lines with missing or corrupt media instead of stopping.")
+    thought_dropout: float = opt(0.0, "TON's thought dropout (Wang et al. 2025, arXiv 2505.16854): each training "
+                                      "target's <think> block is replaced by an empty thought with this probability "
+                                      "(seeded by seed, step and process), a cold start for GRPO that may skip "
+                                      "thinking; 0 = off.")
 
 
 @dataclass
@@ -235,6 +239,7 @@ def validate_sft(config: SFTConfig, *, check_files: bool = True) -> None:
         (d.train is not None, "data.train: a training JSONL is required (mmrl.data.vlm format with a "
                               f"{d.target_field!r} field per line)"),
         (bool(d.target_field.strip()), "data.target_field: must name a field"),
+        (0.0 <= d.thought_dropout <= 1.0, "data.thought_dropout must be in [0, 1]"),
         (t.steps >= 1, "train.steps: must be >= 1"),
         (t.batch_size >= 1, "train.batch_size: must be >= 1"),
         (t.gradient_accumulation_steps >= 1, "train.gradient_accumulation_steps: must be >= 1"),
@@ -501,6 +506,28 @@ def end_of_turn_id(policy) -> int:
     return policy.eos_ids[0]
 
 
+EMPTY_THOUGHT = "<think>\n\n</think>"
+_THINK_BLOCK = re.compile(r"<think>.*?</think>", re.S)
+
+
+def drop_thoughts(samples: list, probability: float, generator: torch.Generator, target_field: str) -> tuple[list, int]:
+    """TON's thought dropout: each sample's target ``<think>...</think>`` replaced by :data:`EMPTY_THOUGHT` with
+    ``probability`` (one draw per sample from ``generator``; a target without a think block is kept). Returns copies
+    (the data source's samples are not changed) and how many were dropped."""
+    if probability <= 0:
+        return list(samples), 0
+    draws = torch.rand(len(samples), generator=generator).tolist()
+    out, dropped = [], 0
+    for sample, draw in zip(samples, draws):
+        target = sample.metadata[target_field]
+        if draw < probability and _THINK_BLOCK.search(target):
+            sample = dataclasses.replace(sample, metadata={**sample.metadata,
+                                                           target_field: _THINK_BLOCK.sub(EMPTY_THOUGHT, target, 1)})
+            dropped += 1
+        out.append(sample)
+    return out, dropped
+
+
 def collate(policy, samples: list, target_field: str = "sft_target") -> SFTBatch:
     """One SFT batch for ``samples`` (each with ``metadata[target_field]``): the prompts exactly as the policy's
     rollouts encode them (:meth:`~mmrl.pipelines.vlm.qwen.QwenVLPolicy.encode_prompts`: chat template, system
@@ -727,6 +754,9 @@ class SFTRun:
         start = time.perf_counter()
         per_process = t.batch_size * t.gradient_accumulation_steps
         items = self.source.next_batch(per_process, rank=acc.process_index, world=acc.num_processes)
+        generator = torch.Generator().manual_seed(c.seed * 1_000_003 + self.step * 7_919 + acc.process_index)
+        items, dropped = drop_thoughts(items, c.data.thought_dropout, generator, c.data.target_field)
+        self.thoughts_dropped = dropped
         batches = [collate(policy, items[i:i + t.batch_size], c.data.target_field)
                    for i in range(0, len(items), t.batch_size)]
         tokens = sum(b.num_tokens for b in batches)
@@ -752,7 +782,8 @@ class SFTRun:
         self.step += 1
         return {"step": self.step, "loss": total / max(tokens, 1), "tokens": float(tokens), "lr": lr,
                 "grad_norm": grad_norm, "samples": float(sum(len(b.samples) for b in batches)),
-                "train/skipped_steps": float(skipped), "time/step": time.perf_counter() - start}
+                "train/skipped_steps": float(skipped), "train/thoughts_dropped": float(self.thoughts_dropped),
+                "time/step": time.perf_counter() - start}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -30,25 +30,14 @@ from accelerate.utils import DistributedType, gather_object
 from mmrl.checkpoint import (COMPLETE_MARKER, latest_checkpoint, load_checkpoint, load_trainable, rng_state,
                              save_checkpoint, set_rng_state)
 from mmrl.config import Config, ConfigError, config_to_dict, dump_config
+from mmrl.algorithms import (AdvantageContext, Intermediate, RewardContext, Rewards, SelectContext, SurrogateContext,
+                             TransformContext, build_variants)
 from mmrl.core.advantages import PerPromptStatTracker, combine_rewards
-from mmrl.core.credit import (
-    cosine_similarity_credit,
-    step_gain_credit,
-    turning_point_credit,
-    value_anchored_advantages,
-)
 from mmrl.core.losses import policy_loss
 from mmrl.distributed import (broadcast_from_main, check_engine, full_model_state, full_optimizer_state,
                               full_tensor, is_dtensor, load_full_optimizer_state)
-from mmrl.core.noise import adapt_noise_levels
 from mmrl.ema import EMA
 from mmrl.health import RunHealth
-from mmrl.core.variants import (
-    evidence_weighted_advantages,
-    select_informative_groups,
-    temporal_contrast_rewards,
-    token_weighted_advantages,
-)
 from mmrl.data.prompts import EmptyBatchError, PromptSource
 from mmrl.tracking import MetricsLogger, make_grid_image
 
@@ -160,9 +149,10 @@ class Trainer:
         self.accelerator = accelerator
         self.output_dir = Path(config.output_dir)
         a, o = config.algorithm, config.optim
-        self.estimator_kwargs = dict(estimator=a.advantage)
-        if a.advantage == "grpo":
-            self.estimator_kwargs.update(scale=a.scale, eps=a.eps, std_ddof=a.std_ddof, clamp=a.advantage_clamp)
+        self.estimator_kwargs = dict(estimator="grpo", scale=a.scale, eps=a.eps, std_ddof=a.std_ddof,
+                                     clamp=a.advantage_clamp)
+        #: the algorithm variants (mmrl.algorithms), in config order; the loop calls the stages they override
+        self.variants = build_variants(config)
         self.tracker = PerPromptStatTracker(**self.estimator_kwargs)
         params = policy.trainable_parameters()
         if not params:
@@ -190,11 +180,13 @@ class Trainer:
                               "which checkpoints and evaluation do not gather; turn optim.ema off or train with DDP")
         self.ema = EMA(policy.named_trainable_parameters(), o.ema_decay, update_interval=o.ema_update_interval,
                        warmup=o.ema_warmup) if o.ema else None
-        self.base_noise_levels = getattr(policy, "step_noise_levels", torch.zeros(0)).clone()
-        self.value_anchor: dict[str, float] = {}  # VGPO anchors: running mean reward per prompt
+        for variant in self.variants:
+            variant.setup(policy, config)
         self.scorer = scorer
         self.reward_counts: dict[str, float] = {}  # per update: unparseable / NaN counts of the reward components
-        self.credit_stats: dict[str, float] = {}  # per update: dense-credit costs and counts
+        self.variant_stats: dict[str, float] = {}  # per update: what the variants and their extra passes report
+        #: the score components entering the advantage and their weights (the reward's, as the variants leave them)
+        self.advantage_weights: dict[str, float] = dict(reward_fn.weights)
         self.update = 0  # completed updates
         self._eval_plan = None  # eval.benchmarks read once (mmrl.eval.runner.plan_training_eval)
         self.initial_eval: dict[str, float] = {}  # eval.benchmarks of the untrained weights (update 0 of this run)
@@ -232,11 +224,12 @@ class Trainer:
                        "rng": rng_state()}
             if self.ema is not None:
                 objects["ema"] = self.ema.state_dict()
+            variant_states = {v.name: v.state_dict() for v in self.variants if v.state_dict()}
+            if variant_states:  # torch-saved: a variant's state may hold tensors (GRPO-CARE's EMA reference)
+                objects["variants"] = variant_states
             state = {"update": self.update, "optimizer_steps": self.optimizer_steps,
                      "data": self.prompts.state_dict(), "tracker": self.tracker.state_dict(),
                      "config": config_to_dict(self.config)}
-            if self.value_anchor:
-                state["value_anchor"] = self.value_anchor
             if hasattr(self.policy, "step_noise_levels"):
                 state["noise_levels"] = self.policy.step_noise_levels.tolist()
             save_checkpoint(self.output_dir / "checkpoints", self.update, trainable=trainable, state=state,
@@ -272,7 +265,8 @@ class Trainer:
         self.optimizer_steps = state["optimizer_steps"]
         self.prompts.load_state_dict(state["data"])
         self.tracker.load_state_dict(state["tracker"])
-        self.value_anchor = dict(state.get("value_anchor", {}))
+        for variant in self.variants:
+            variant.load_state_dict(objects.get("variants", {}).get(variant.name, {}))
         if "noise_levels" in state:
             self.policy.step_noise_levels = torch.tensor(state["noise_levels"])
         return self.update
@@ -292,13 +286,33 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- steps
 
     def _score(self, rollout) -> dict[str, torch.Tensor]:
+        """The run's reward on a rollout; the character spans a text reward reports (``last_info["spans"]``, per
+        sample) go to ``rollout.spans`` by component, for span-scoped variants."""
+        spans: dict[str, list] = {}
+        scores = self._score_outputs(rollout.outputs, rollout.prompts, rollout.metadata, spans=spans)
+        if spans and hasattr(rollout, "spans"):
+            rollout.spans = spans
+        return scores
+
+    def _score_outputs(self, outputs, prompts: list[str], metadata: list[dict],
+                       spans: dict[str, list] | None = None) -> dict[str, torch.Tensor]:
+        """The run's reward on ``outputs`` in calls of ``train.reward_batch_size``, unparseable / NaN counts kept;
+        ``spans`` (given) collects each component's reported character spans per sample (``None`` where it reported
+        none)."""
         batch = self.config.train.reward_batch_size
         parts: list[dict[str, torch.Tensor]] = []
-        for start in range(0, len(rollout), batch):
+        infos: list[dict] = []
+        for start in range(0, len(prompts), batch):
             end = start + batch
-            parts.append(self.reward_fn(rollout.outputs[start:end], rollout.prompts[start:end],
-                                        rollout.metadata[start:end]))
-            self._count_reward_info(getattr(self.reward_fn, "last_info", {}))
+            parts.append(self.reward_fn(outputs[start:end], prompts[start:end], metadata[start:end]))
+            infos.append(getattr(self.reward_fn, "last_info", {}) or {})
+            self._count_reward_info(infos[-1])
+        if spans is not None:
+            names = {k for info in infos for k, c in info.get("components", {}).items() if c.get("spans") is not None}
+            for name in sorted(names):
+                spans[name] = [s for info, part in zip(infos, parts)
+                               for s in (info["components"].get(name, {}).get("spans")
+                                         or [None] * len(next(iter(part.values()))))]
         return {k: torch.cat([p[k].float().cpu() for p in parts]) for k in parts[0]}
 
     def _count_reward_info(self, info: dict) -> None:
@@ -309,25 +323,41 @@ class Trainer:
                     tag = f"reward_info/{name}/{key}"
                     self.reward_counts[tag] = self.reward_counts.get(tag, 0.0) + float(component[key])
 
+    def _users(self, stage: str) -> list:
+        """The configured variants that override ``stage``, in config order."""
+        return [v for v in self.variants if stage in v.stages()]
+
+    def _needs(self, what: str) -> bool:
+        return any(what in v.needs for v in self.variants)
+
     def _advantages(self, rollout, scores: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        """Gather rewards from every process, compute group-relative advantages globally, keep this process's rows."""
+        """Gather rewards from every process, compute group-relative advantages globally, keep this process's rows:
+        the loop's group normalisation, or the ``advantages`` stage of a variant that replaces it."""
         acc, a = self.accelerator, self.config.algorithm
-        weights = self._weights()
+        weights = self.advantage_weights
         local = {k: scores[k].to(acc.device) for k in weights}
         gathered = {k: acc.gather(v).cpu() for k, v in local.items()}
         n_local = len(rollout)
         start = acc.process_index * n_local
-        if a.per_prompt_stat_tracking:
-            keys = self._condition_keys(rollout)
-            keys_all = gather_object(keys) if acc.num_processes > 1 else keys
-            adv = self.tracker.update(keys_all, gathered, weights=weights, mode=a.reward_combination,
-                                      batch_normalize=a.batch_normalize_sum)
+        keys = self._condition_keys(rollout)
+        keys_all = gather_object(keys) if acc.num_processes > 1 else keys
+        group_ids = acc.gather(rollout.group_ids.to(acc.device)).cpu()
+        labels = keys_all if a.per_prompt_stat_tracking else group_ids
+
+        def default() -> torch.Tensor:
+            if a.per_prompt_stat_tracking:
+                return self.tracker.update(keys_all, gathered, weights=weights, mode=a.reward_combination,
+                                           batch_normalize=a.batch_normalize_sum)
+            return combine_rewards(gathered, group_ids, weights=weights, mode=a.reward_combination,
+                                   batch_normalize=a.batch_normalize_sum, **self.estimator_kwargs)
+
+        estimators = self._users("advantages")
+        if estimators:
+            adv = estimators[0].advantages(AdvantageContext(
+                components=gathered, weights=weights, labels=labels, group_ids=group_ids, keys=list(keys_all),
+                algorithm=a, update=self.update, default=default, stats=self.variant_stats))
         else:
-            labels = acc.gather(rollout.group_ids.to(acc.device)).cpu()
-            adv = combine_rewards(gathered, labels, weights=weights, mode=a.reward_combination,
-                                  batch_normalize=a.batch_normalize_sum, **self.estimator_kwargs)
-        if a.value_anchor_weight:
-            adv = self._value_anchored(gathered, weights, rollout, adv)
+            adv = default()
         nan_rows = torch.zeros(len(adv), dtype=torch.bool)
         for v in gathered.values():
             nan_rows |= ~torch.isfinite(v if v.dim() == 1 else v.sum(-1))
@@ -346,33 +376,17 @@ class Trainer:
         keys = getattr(rollout, "condition_keys", None)
         return list(keys) if keys is not None else list(rollout.prompts)
 
-    def _value_anchored(self, gathered, weights, rollout, adv) -> torch.Tensor:
-        """VGPO-style advantages: group term + weight (R - V) / scale, with V each prompt's running mean reward."""
-        a, acc = self.config.algorithm, self.accelerator
-        total = sum(w * gathered[k] for k, w in weights.items())
-        keys = self._condition_keys(rollout)
-        prompts = gather_object(keys) if acc.num_processes > 1 else keys
-        labels = acc.gather(rollout.group_ids.to(acc.device)).cpu()
-        finite = total[torch.isfinite(total)]
-        fallback = float(finite.mean()) if finite.numel() else 0.0
-        value = torch.tensor([self.value_anchor.get(p, fallback) for p in prompts])
-        adv = value_anchored_advantages(total, labels, value=value, weight=a.value_anchor_weight,
-                                        scale=a.value_anchor_scale, eps=a.eps, std_ddof=a.std_ddof,
-                                        clamp=a.advantage_clamp)
-        for prompt, r in zip(prompts, total.tolist()):  # update the anchors after using them
-            if r == r:
-                self.value_anchor[prompt] = 0.9 * self.value_anchor.get(prompt, r) + 0.1 * r
-        return adv
-
     @torch.no_grad()
-    def _old_logps(self, rollout, perm: torch.Tensor, step_chunks: list[torch.Tensor]) -> torch.Tensor:
-        """Log-probs of the sampling policy, computed in exactly the minibatch layout of the first inner epoch."""
+    def _old_logps(self, rollout, perm: torch.Tensor, step_chunks: list[torch.Tensor], **kwargs) -> torch.Tensor:
+        """Log-probs of the sampling policy, computed in exactly the minibatch layout of the first inner epoch
+        (``kwargs`` to the policy's ``logprobs``: ``masked_vision=True`` for the grey-canvas pass)."""
         old = torch.zeros(rollout.mask.shape)
         for i in range(0, len(perm), self.config.train.batch_size):
             idx = perm[i:i + self.config.train.batch_size]
             for steps in step_chunks:
                 with self.accelerator.autocast():
-                    old[idx[:, None], steps[None, :]] = self.policy.logprobs(rollout, idx, steps).logps.float().cpu()
+                    old[idx[:, None], steps[None, :]] = self.policy.logprobs(rollout, idx, steps,
+                                                                             **kwargs).logps.float().cpu()
         return old
 
     def _max_actions(self, rollout) -> int:
@@ -421,7 +435,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return stepped, norm
 
-    def _train_on(self, rollout, advantages: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
+    def _train_on(self, rollout, advantages: torch.Tensor, generator: torch.Generator,
+                  scores: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
         """K inner epochs of minibatches over samples x trained steps; one optimizer step per GA minibatches.
 
         The layout is a memory knob only: every chunk of steps (``train.timestep_chunk``) and every accumulated
@@ -441,12 +456,24 @@ class Trainer:
         on_policy = rollout.old_logps is None and single_step
         if rollout.old_logps is None and not on_policy:
             rollout.old_logps = self._old_logps(rollout, perms[0], step_chunks)
-        if a.advantage_transform == "token_variance" and rollout.old_logps is None:
+        if self._needs("old_logps") and rollout.old_logps is None:  # a variant reads the sampling policy's log-probs
             rollout.old_logps = self._old_logps(rollout, perms[0], step_chunks)
             on_policy = False
-        if a.advantage_transform == "token_variance":  # TW-GRPO: needs the sampling policy's per-token log-probs
-            advantages = token_weighted_advantages(advantages, rollout.old_logps, rollout.mask, rollout.group_ids,
-                                                   max_weight=a.token_weight_max)
+        if self._needs("masked_logps"):  # the same completions on grey canvases instead of the images (no gradient)
+            t0 = time.perf_counter()
+            rollout.masked_logps = self._old_logps(rollout, perms[0], step_chunks, masked_vision=True)
+            self.variant_stats["time/masked_forward"] = time.perf_counter() - t0
+        if self._needs("perturbed_logps"):  # the same completions on noise-perturbed images (no gradient)
+            t0 = time.perf_counter()
+            std = max(v.perturbation_std() for v in self.variants if "perturbed_logps" in v.needs)
+            rollout.perturbed_logps = self._old_logps(rollout, perms[0], step_chunks, perturbed_vision=std)
+            self.variant_stats["time/perturbed_forward"] = time.perf_counter() - t0
+        rows = torch.arange(n) + acc.process_index * n  # these samples' rows in the advantages stage's [N_all]
+        for variant in self._users("transform"):
+            advantages = variant.transform(TransformContext(
+                advantages=advantages, scores=scores or {}, rollout=rollout, update=self.update,
+                total_updates=c.train.steps, stats=self.variant_stats, policy=policy, rows=rows))
+        surrogates = self._users("surrogate")
         max_length = self._max_actions(rollout)
         sequence_chunks = a.ratio_level == "sequence" and len(step_chunks) > 1
         sums: dict[str, float] = {}
@@ -499,6 +526,7 @@ class Trainer:
                                 num_processes=acc.num_processes, sample_action_counts=counts.to(device),
                                 batch_action_count=local_items.to(device),
                                 sequence_log_ratio=None if sequence_log_ratio is None else sequence_log_ratio.to(device),
+                                surrogate=self._surrogate(surrogates[0], idx, rollout) if surrogates else None,
                             )
                         loss = result.loss
                         if not torch.isfinite(loss):
@@ -550,6 +578,19 @@ class Trainer:
         metrics["train/skipped_optimizer_steps"] = float(skipped_steps)
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         return metrics
+
+    @staticmethod
+    def _surrogate(variant, idx: torch.Tensor, rollout):
+        """The ``surrogate`` stage of ``variant`` as :func:`~mmrl.core.losses.policy_loss` calls it, for the rows
+        ``idx`` of this update's local batch."""
+        group_ids = rollout.group_ids[idx]
+
+        def per_action(logps, old_logps, log_ratio, ratio, advantages, mask, clip_low, clip_high):
+            return variant.surrogate(SurrogateContext(
+                logps=logps, old_logps=old_logps, log_ratio=log_ratio, ratio=ratio, advantages=advantages, mask=mask,
+                clip_low=clip_low, clip_high=clip_high, index=idx, group_ids=group_ids))
+
+        return per_action
 
     @contextlib.contextmanager
     def ema_weights(self):
@@ -793,19 +834,9 @@ class Trainer:
 
             tqdm.write(f"mmrl: warning: {message}")
 
-    def _weights(self) -> dict[str, float]:
-        """Reward components entering the advantage (the reward's own, plus T-GRPO's bonus when on); with a dense
-        credit method, the per-step rewards ``[N, T]`` it produced (normalised per step column within groups)."""
-        if self.config.algorithm.credit != "outcome":
-            return {"step_reward": 1.0}
-        weights = dict(self.reward_fn.weights)
-        if self.config.algorithm.temporal_contrast:
-            weights["temporal_bonus"] = 1.0
-        return weights
-
     def _sample(self, items: list, generator: torch.Generator, timer: dict[str, float]):
-        """Rollout and scores for ``items``; with T-GRPO also the shuffled-frame contrast bonus."""
-        c, a, acc = self.config, self.config.algorithm, self.accelerator
+        """Rollout and scores for ``items``, then the variants' ``rewards`` stage."""
+        c, acc = self.config, self.accelerator
         t0 = time.perf_counter()
         kwargs = {"generator": generator, "update": self.update, "group_offset": acc.process_index * len(items)}
         if self.scorer is not None:  # score chunk k on a worker thread while chunk k+1 is sampled
@@ -828,80 +859,72 @@ class Trainer:
             scores = self._score(rollout)
         timer["rollout"] += t1 - t0
         timer["reward"] += time.perf_counter() - t1
-        if a.temporal_contrast:
-            scores["temporal_bonus"] = self._temporal_bonus(items, rollout, scores, generator, timer)
-        if a.credit != "outcome":
-            t2 = time.perf_counter()
-            scores["step_reward"] = self._dense_credit(rollout)
-            timer["credit"] = timer.get("credit", 0.0) + time.perf_counter() - t2
-        return rollout, scores
+        return rollout, self._variant_rewards(items, rollout, scores, generator, timer)
 
-    def _dense_credit(self, rollout) -> torch.Tensor:
-        """Per-step rewards ``[N, T]`` from the rewards of the images each trained step leads to
-        (:mod:`mmrl.core.credit`); also adapts per-step noise levels when ``sampling.adaptive_noise`` is on."""
-        c, a = self.config, self.config.algorithm
+    def _variant_rewards(self, items, rollout, scores, generator, timer) -> dict[str, torch.Tensor]:
+        """The ``rewards`` stage of every variant that has one, in config order: extra rollouts and reward transforms
+        that add or replace score components and the weights of those entering the advantage."""
+        weights = dict(self.reward_fn.weights)
+        cache: dict[str, Intermediate] = {}
+
+        def score(other):
+            t0 = time.perf_counter()
+            out = self._score(other)
+            timer["reward"] += time.perf_counter() - t0
+            return out
+
+        def score_outputs(outputs, prompts, metadata):
+            t0 = time.perf_counter()
+            out = self._score_outputs(outputs, list(prompts), list(metadata))
+            timer["reward"] += time.perf_counter() - t0
+            return out
+
+        def sample(more_items, group_size, **kwargs):
+            t0 = time.perf_counter()
+            out = self.policy.rollout(more_items, group_size, generator=generator, update=self.update, **kwargs)
+            timer["rollout"] += time.perf_counter() - t0
+            return out
+
+        def intermediate() -> Intermediate:
+            if "value" not in cache:
+                t0 = time.perf_counter()
+                cache["value"] = self._intermediate(rollout)
+                timer["intermediate"] = timer.get("intermediate", 0.0) + time.perf_counter() - t0
+            return cache["value"]
+
+        for variant in self._users("rewards"):
+            out: Rewards = variant.rewards(RewardContext(
+                rollout=rollout, items=items, scores=scores, weights=weights, config=self.config, policy=self.policy,
+                accelerator=self.accelerator, update=self.update, score=score, score_outputs=score_outputs,
+                sample=sample, intermediate=intermediate, stats=self.variant_stats, timer=timer))
+            scores, weights = dict(out.scores), dict(out.weights)
+            missing = sorted(set(weights) - set(scores))
+            if missing:
+                raise ValueError(f"variant {variant.name!r} weights components {missing} it did not score")
+        self.advantage_weights = weights
+        return scores
+
+    def _intermediate(self, rollout) -> Intermediate:
+        """The images each trained step of a flow rollout leads to and their rewards ``R_0 .. R_T`` (the weighted
+        total of the reward's advantage components), with their costs in ``cost/extra_nfe``, ``cost/reward_calls``
+        and the pure-ODE sample's mean reward in ``reward/ode_baseline``."""
+        c = self.config
         images, nfe = self.policy.intermediate_images(rollout, mode=c.sampling.intermediate)
         n, k = images.shape[:2]
         weights = self.reward_fn.weights
+        batch = c.train.reward_batch_size
         totals = []
         for j in range(k):
-            parts = [self.reward_fn(images[i:i + c.train.reward_batch_size, j], rollout.prompts[i:i + c.train.reward_batch_size],
-                                    rollout.metadata[i:i + c.train.reward_batch_size])
-                     for i in range(0, n, c.train.reward_batch_size)]
+            parts = [self.reward_fn(images[i:i + batch, j], rollout.prompts[i:i + batch], rollout.metadata[i:i + batch])
+                     for i in range(0, n, batch)]
             scores = {key: torch.cat([p[key].float().cpu() for p in parts]) for key in weights}
             totals.append(sum(w * scores[key] for key, w in weights.items()))
         step_rewards = torch.stack(totals, dim=1)  # [N, T+1]: R_0 .. R_T
-        if a.credit == "step_gain":
-            dense = step_gain_credit(step_rewards)
-        elif a.credit == "turning_point":
-            # balancing runs within each sampling batch (sample_batch_size trajectories, as the anchor balances
-            # one per-device sampling batch), not over the whole rollout
-            sampling_batch = torch.arange(n) // c.train.sample_batch_size
-            result = turning_point_credit(step_rewards, balance=a.credit_balance, group_ids=sampling_batch,
-                                          consistency_filter=a.credit_consistency_filter)
-            dense = result.step_rewards
-            self.credit_stats["credit/turning_points"] = float(result.turning_points.sum())
-        else:
-            # centred pixels ([-1, 1], minus each image's mean): raw [0, 1] images all have cosine ~1 to each other
-            flat = images.reshape(n, k, -1) * 2 - 1
-            flat = flat - flat.mean(dim=-1, keepdim=True)
-            dense = cosine_similarity_credit(flat, flat[:, -1], step_rewards[:, -1])
-        self.credit_stats["cost/extra_nfe"] = self.credit_stats.get("cost/extra_nfe", 0.0) + float(nfe)
-        self.credit_stats["cost/reward_calls"] = self.credit_stats.get("cost/reward_calls", 0.0) + float(n * k)
-        self.credit_stats["reward/ode_baseline"] = float(step_rewards[:, 0].nanmean())
-        if c.sampling.adaptive_noise:
-            # from the statistics of the whole global batch, so every process computes the same levels (and the
-            # levels rank 0 checkpoints are every rank's)
-            acc = self.accelerator
-            everyone = acc.gather(step_rewards.to(acc.device)).cpu() if acc.num_processes > 1 else step_rewards
-            gains = step_gain_credit(everyone)
-            self.policy.step_noise_levels = adapt_noise_levels(
-                self.policy.step_noise_levels, rollout.plan.train, gains.std(dim=0), rate=c.sampling.adaptive_noise_rate,
-                base=self.base_noise_levels, max_level=1.0 if c.sampling.sde == "cps" else None)
-        return dense
-
-    def _temporal_bonus(self, items, rollout, scores, generator, timer) -> torch.Tensor:
-        """T-GRPO (Video-R1): group_size/2 answers per video on shuffled frames, then
-        :func:`mmrl.core.variants.temporal_contrast_rewards` on the accuracy component."""
-        a = self.config.algorithm
-        videos = [item for item in items if getattr(item, "video_path", None)]
-        if not videos:
-            return torch.zeros(len(rollout))
-        t0 = time.perf_counter()
-        shuffled = self.policy.rollout(videos, max(1, self.config.data.group_size // 2), generator=generator,
-                                       update=self.update, shuffle_frames=True)
-        t1 = time.perf_counter()
-        shuffled_scores = self._score(shuffled)
-        timer["rollout"] += t1 - t0
-        timer["reward"] += time.perf_counter() - t1
-
-        def keys(r):
-            return [f"{m.get('id')}|{p}" for m, p in zip(r.metadata, r.prompts)]
-
-        key = a.temporal_contrast_reward
-        return temporal_contrast_rewards(
-            torch.nan_to_num(scores[key]), torch.nan_to_num(shuffled_scores[key]), keys(rollout),
-            shuffled_group_ids=keys(shuffled), alpha=a.temporal_contrast_alpha, mu=a.temporal_contrast_mu)
+        stats = self.variant_stats
+        stats["cost/extra_nfe"] = stats.get("cost/extra_nfe", 0.0) + float(nfe)
+        stats["cost/reward_calls"] = stats.get("cost/reward_calls", 0.0) + float(n * k)
+        stats["reward/ode_baseline"] = float(step_rewards[:, 0].nanmean())
+        return Intermediate(images=images, step_rewards=step_rewards)
 
     def _sample_or_none(self, items, generator, timer):
         """:meth:`_sample`, or ``(None, None)`` when every item was skipped (``data.skip_bad_samples``)."""
@@ -949,44 +972,55 @@ class Trainer:
             scores = {k: torch.cat([p[k] for p in part_scores]) for k in part_scores[0]}
         raise AssertionError("unreachable")
 
-    def _dynamic_sampling(self, rollout, scores, generator, timer):
-        """DAPO dynamic sampling: drop groups whose rewards are all equal, sample replacements (same number of rounds
-        on every process), keep ``prompts_per_step`` groups, informative ones first."""
+    def _select(self, rollout, scores, generator, timer):
+        """The ``select`` stage: draw sampling rounds of ``prompts_per_step`` prompts (the same number on every
+        process) until the selecting variants have enough groups they want (or their round limit), then keep
+        ``prompts_per_step`` groups in order of priority (the sum of the variants' priorities; ties and fillers in
+        the order drawn)."""
         c, acc = self.config, self.accelerator
         need = c.data.prompts_per_step
-        weights = self._weights()
+        selectors = self._users("select")
+        min_rounds = max(v.sampling_rounds()[0] for v in selectors)
+        max_rounds = max(min_rounds, max(v.sampling_rounds()[1] for v in selectors))
         parts = [(rollout, scores)]
 
-        def informative(r, sc):
-            total = sum(w * sc[k] for k, w in weights.items())
-            return select_informative_groups(total, r.group_ids)
+        def priority(r, sc, rounds):
+            weights = self.advantage_weights
+            ctx = SelectContext(total=sum(w * sc[k] for k, w in weights.items()), group_ids=r.group_ids, scores=sc,
+                                need=need, rounds=rounds)
+            return sum(v.select(ctx) for v in selectors)
 
-        def count(r, mask):
-            return len(torch.unique(r.group_ids[mask]))
+        def wanted(r, p):
+            return len(torch.unique(r.group_ids[torch.isfinite(p)]))
 
-        have = count(rollout, informative(rollout, scores))
         rounds = 1
-        while rounds < c.algorithm.max_sampling_rounds:
-            short = torch.tensor(float(have < need), device=acc.device)
+        while rounds < max_rounds:
+            pool = self.policy.concat_rollouts([r for r, _ in parts]) if len(parts) > 1 else rollout
+            pool_scores = {k: torch.cat([sc[k] for _, sc in parts]) for k in scores}
+            short = torch.tensor(float(rounds < min_rounds or wanted(pool, priority(pool, pool_scores, rounds)) < need),
+                                 device=acc.device)
             if float(acc.reduce(short, reduction="sum") if acc.num_processes > 1 else short) == 0:
                 break
             items = self.prompts.next_batch(need, rank=acc.process_index, world=acc.num_processes)
             parts.append(self._sample(items, generator, timer))
-            have += count(parts[-1][0], informative(*parts[-1]))
             rounds += 1
-        chosen, dropped = [], 0
-        for want_informative in (True, False):  # informative groups first, then fill up with the rest
-            for r, sc in parts:
-                mask = informative(r, sc)
-                for g in torch.unique(r.group_ids).tolist():
-                    rows = (r.group_ids == g).nonzero().flatten()
-                    if bool(mask[rows[0]]) == want_informative and len(chosen) < need:
-                        chosen.append((r, sc, rows))
-        dropped = sum(len(torch.unique(r.group_ids)) for r, _ in parts) - len(chosen)
-        merged = self.policy.concat_rollouts([r.select(rows) for r, _, rows in chosen])
+        pool = self.policy.concat_rollouts([r for r, _ in parts]) if len(parts) > 1 else rollout
+        pool_scores = {k: torch.cat([sc[k] for _, sc in parts]) for k in scores}
+        prio = priority(pool, pool_scores, rounds)
+        groups = []  # (priority, order drawn, part, rows in the part, rows in the pool)
+        offset = 0
+        for index, (part, _) in enumerate(parts):
+            for g in torch.unique_consecutive(part.group_ids).tolist():
+                rows = (part.group_ids == g).nonzero().flatten()
+                groups.append((float(prio[offset + rows[0]]), len(groups), index, rows, offset + rows))
+            offset += len(part)
+        chosen = sorted(groups, key=lambda x: (-x[0], x[1]))[:need]  # wanted first, each in the order drawn
+        merged = self.policy.concat_rollouts([parts[i][0].select(rows) for _, _, i, rows, _ in chosen])
         merged.group_ids = merged.group_ids + acc.process_index * need
-        merged_scores = {k: torch.cat([sc[k][rows] for _, sc, rows in chosen]) for k in scores}
-        return merged, merged_scores, {"samples/sampling_rounds": float(rounds), "samples/dropped_groups": float(dropped)}
+        pool_rows = torch.cat([rows for *_, rows in chosen])
+        merged_scores = {k: v[pool_rows] for k, v in pool_scores.items()}
+        return merged, merged_scores, {"samples/sampling_rounds": float(rounds),
+                                       "samples/dropped_groups": float(len(groups) - len(chosen))}
 
     def step(self) -> dict[str, float]:
         """One update: sample, score, advantages, optimise."""
@@ -994,7 +1028,7 @@ class Trainer:
         generator = torch.Generator().manual_seed(_update_seed(c.seed, self.update, acc.process_index))
         timer = {"rollout": 0.0, "reward": 0.0}
         self.reward_counts: dict[str, float] = {}
-        self.credit_stats: dict[str, float] = {}
+        self.variant_stats: dict[str, float] = {}
         items = self.prompts.next_batch(c.data.prompts_per_step, rank=acc.process_index, world=acc.num_processes)
         with self._full_weights():  # sharded: one all-gather for the whole rollout, no collective per forward
             if c.data.skip_bad_samples:  # skipped samples are replaced; without skipping a bad one is an error
@@ -1003,14 +1037,11 @@ class Trainer:
             else:
                 rollout, scores = self._sample(items, generator, timer)
             sampling_stats = {}
-            if c.algorithm.dynamic_sampling:
-                rollout, scores, sampling_stats = self._dynamic_sampling(rollout, scores, generator, timer)
+            if self._users("select"):
+                rollout, scores, sampling_stats = self._select(rollout, scores, generator, timer)
         t2 = time.perf_counter()
         advantages, adv_stats = self._advantages(rollout, scores)
-        if c.algorithm.advantage_transform == "evidence_weighted":
-            advantages = evidence_weighted_advantages(advantages, scores[c.algorithm.evidence_reward],
-                                                      floor=c.algorithm.evidence_floor)
-        train_metrics = self._train_on(rollout, advantages, generator)
+        train_metrics = self._train_on(rollout, advantages, generator, scores=scores)
         t3 = time.perf_counter()
         self.update += 1
         metrics: dict[str, float] = {"step": self.update}
@@ -1040,12 +1071,9 @@ class Trainer:
         for reason, count in skipped.items():
             metrics[f"samples/skipped_{reason}"] = float(count)
         metrics.update(self.reward_counts)
-        metrics.update(self.credit_stats)
-        if "credit" in timer:
-            metrics["time/credit"] = timer["credit"]
-        if c.sampling.adaptive_noise:
-            for s, level in zip(rollout.plan.train.tolist(), self.policy.step_noise_levels[rollout.plan.train].tolist()):
-                metrics[f"noise_level/step_{s}"] = level
+        metrics.update(self.variant_stats)
+        if "intermediate" in timer:  # the images trained steps lead to, and their rewards
+            metrics["time/intermediate"] = timer["intermediate"]
         metrics["optimizer_steps"] = float(self.optimizer_steps)
         metrics["time/rollout"] = timer["rollout"]
         metrics["time/reward"] = timer["reward"]

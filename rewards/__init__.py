@@ -34,10 +34,20 @@ either kind of batch. Registered: ``think_answer_format``, ``choice_accuracy``,
 ``math_accuracy`` (math-verify) in :mod:`~mmrl.rewards.answer`; ``iou``, ``box_f1``,
 ``box_matched_iou``, ``box_weighted_pr`` (DIP-R1), ``box_set_f1`` (Falcon-Perception),
 ``box_salience_iou`` (GRiP), ``temporal_iou``, ``temporal_dual`` (Temporal-R1) in
-:mod:`~mmrl.rewards.grounding`; ``task_routed`` (Mixed-R1) in :mod:`~mmrl.rewards.routing`.
+:mod:`~mmrl.rewards.grounding`; ``task_routed`` (Mixed-R1) in :mod:`~mmrl.rewards.routing`; ``bmas``
+(Mixed-R1's open-ended reward: bidirectional max-average token-embedding similarity to ``solution``, on a
+Hugging Face text model) in :mod:`~mmrl.rewards.bmas`.
 The box rewards read coordinates in the sample's ``coord_format``, else their own ``coord_format``
 argument (``mmrl.build.build_reward_fn`` sets it from the Qwen-VL model type); with neither the sample
 is NaN, never silently taken as absolute pixels.
+
+Judged perception rewards (text rewards on a frozen Qwen-VL judge that sees the sample's media, the response and
+its annotations; shared machinery in :mod:`~mmrl.rewards._judge`):
+``perception_r1`` (Perception-R1: response consistent with the visual annotations) in :mod:`~mmrl.rewards.perception_r1`;
+``claimdiff`` (ClaimDiff-RL: verified claim differences, hallucinated and missing apart) in :mod:`~mmrl.rewards.claimdiff`;
+``medix_composite`` (MediX-R1: strict yes/no accuracy + judge-embedding similarity + format) in :mod:`~mmrl.rewards.medix`;
+``pest_feature`` (Pest-Thinker: the response cites observable evidence) in :mod:`~mmrl.rewards.pest_feature`;
+``video_ver`` (Video-VER: the reasoning is grounded in the video's frames) in :mod:`~mmrl.rewards.video_ver`.
 """
 from ._base import (
     ImageBatch,
@@ -53,7 +63,8 @@ from ._base import (
 )
 
 # Importing the modules registers their rewards; none imports a model library at import time.
-from . import aesthetic, answer, clipscore, diversity, geneval, grounding, hps, imagereward, jpeg, ocr, pickscore, pixel, reference, remote, routing, shapeworld, video, vlm_judge  # noqa: E402,F401  (registration side effect)
+from . import aesthetic, answer, bmas, clipscore, diversity, geneval, grounding, hps, imagereward, jpeg, ocr, pickscore, pixel, reference, remote, routing, shapeworld, video, vlm_judge  # noqa: E402,F401  (registration side effect)
+from . import claimdiff, medix, perception_r1, pest_feature, video_ver  # noqa: E402,F401  (judged perception rewards)
 from ._text import TextReward  # noqa: E402
 from .answer import (  # noqa: E402
     ChoiceAccuracy,

@@ -97,7 +97,7 @@ RANGE_ERRORS = [
     (["sampling.eval_num_steps=0"], "sampling.eval_num_steps must be >= 1"),
     (["sampling.max_sequence_length=0"], "sampling.max_sequence_length must be >= 1"),
     (["sampling.time_shift=0"], "sampling.time_shift must be > 0"),
-    (["sampling.adaptive_noise_rate=-1"], "adaptive_noise_rate must be >= 0"),
+    (["algorithm.variants=[{name: adaptive_noise, rate: -1}]"], "rate must be >= 0"),
     (["sampling.num_steps=3", "sampling.noise_schedule=[0.1, -0.2, 0.3]"], "noise_schedule must be a list of noise"),
     (["sampling.noise_level=.nan"], "sampling.noise_level: must be a finite number"),
     (["optim.lr=.inf"], "optim.lr: must be a finite number"),
@@ -109,8 +109,18 @@ RANGE_ERRORS = [
     (["data.prompt_list=[3]"], "data.prompt_list must be a list of non-empty strings"),
     (["algorithm.advantage_clamp=0"], "algorithm.advantage_clamp must be > 0"),
     (["algorithm.beta=-0.1"], "algorithm.beta must be >= 0"),
-    (["algorithm.evidence_floor=2"], r"algorithm.evidence_floor must be in \[0, 1\]"),
-    (["algorithm.token_weight_max=0.5"], "algorithm.token_weight_max must be >= 1"),
+    (["algorithm.variants=[{name: ga_grpo, reward: x, floor: 2}]"], r"floor must be in \[0, 1\]"),
+    (["algorithm.variants=[{name: tw_grpo, max_weight: 0.5}]"], "max_weight must be >= 1"),
+    (["algorithm.variants=[{name: tw_grpo, max_wieght: 2}]"], "has no option 'max_wieght'; did you mean 'max_weight'"),
+    (["algorithm.variants=[tw_grp]"], "unknown variant 'tw_grp'; did you mean 'tw_grpo'"),
+    (["algorithm.variants=[{max_weight: 2}]"], r"expected a variant name or \{name"),
+    (["algorithm.variants=[tw_grpo, tw_grpo]"], "'tw_grpo' is listed 2 times"),
+    (["algorithm.variants=[g2rpo, vgpo]"], "g2rpo and vgpo both replace the 'advantages' stage"),
+    (["algorithm.variants=[{name: tw_grpo, max_weight: many}]"], r"variants\[0\].max_weight: expected float"),
+    (["algorithm.variants=[mmrl.nothing_here:Variant]"], "cannot import 'Variant' from 'mmrl.nothing_here'"),
+    (["algorithm.variants=[mmrl.config:Config]"], "not a subclass of mmrl.algorithms.Variant"),
+    (["algorithm.token_weight_max=1.4"], r"'algorithm.token_weight_max' is now an algorithm variant: write "
+                                         r"algorithm.variants: \[\{name: tw_grpo, max_weight: 1.4\}\]"),
     (["seed=-1"], r"seed must be in \[0, 2\*\*63\)"),
     (["output_dir=''"], "output_dir must not be empty"),
 ]
@@ -150,8 +160,8 @@ def test_every_numeric_field_has_a_range_check_or_is_unbounded():
     import mmrl.config as module
 
     free = {"seed", "guidance_scale", "merge_threshold", "merge_groups", "noise_level", "timestep_fraction",
-            "window_size", "window_shift_every", "eps", "std_ddof", "clip_low", "clip_high", "value_anchor_scale",
-            "max_sampling_rounds", "ema_decay", "ema_update_interval", "keep_last", "steps", "inner_epochs",
+            "window_size", "window_shift_every", "eps", "std_ddof", "clip_low", "clip_high", 
+            "ema_decay", "ema_update_interval", "keep_last", "steps", "inner_epochs",
             "batch_size", "gradient_accumulation_steps", "timestep_chunk", "num_steps", "group_size",
             "prompts_per_step", "temperature", "top_p", "max_new_tokens", "max_prompt_length", "resolution"}
     source = inspect.getsource(module.validate)

@@ -25,7 +25,7 @@ def tiny_path(tmp_path_factory):
                                                  ("cosine", "ode"), ("step_gain", "x0")])
 def test_each_credit_mode_trains(tmp_path, tiny_path, credit, intermediate):
     assert main(["train", str(REPO / "configs/tiny/tp_grpo.yaml"), f"output_dir={tmp_path}",
-                 f"model.pretrained={tiny_path}", f"algorithm.credit={credit}",
+                 f"model.pretrained={tiny_path}", "algorithm.variants=[" + credit + "]",
                  f"sampling.intermediate={intermediate}", *SMALL]) == 0
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     first = metrics[0]
@@ -58,8 +58,12 @@ def test_dense_credit_config_errors(tmp_path):
         load_config(tp, ["rewards={iou: 1.0}"])
     with pytest.raises(ConfigError, match="longer than the 9 trainable steps"):
         load_config(tp, ["sampling.window_size=12"])
-    with pytest.raises(ConfigError, match="dense method"):
-        load_config(tp, ["algorithm.credit=outcome", "sampling.adaptive_noise=true"])
+    with pytest.raises(ConfigError, match=r"now an algorithm variant: write algorithm.variants: \[step_gain\]"):
+        load_config(tp, ["algorithm.credit=step_gain"])
+    with pytest.raises(ConfigError, match="both assign credit over denoising steps"):
+        load_config(tp, ["algorithm.variants=[step_gain, turning_point]"])
+    with pytest.raises(ConfigError, match="applies to vlm policies"):
+        load_config(tp, ["algorithm.variants=[dynamic_sampling]"])
     with pytest.raises(ConfigError, match="noise_schedule has 3 levels"):
         load_config(tp, ["sampling.noise_schedule=[0.1, 0.2, 0.3]"])
 
@@ -87,14 +91,17 @@ def test_value_anchored_advantages_do_not_vanish_for_uniform_groups(tmp_path, ti
             f"model.pretrained={tiny_path}", "rewards={test_constant_per_update: 1.0}", "train.steps=2",
             "data.prompts_per_step=1", "data.group_size=4", "train.batch_size=4", "logging.eval_every=0",
             "logging.progress_bar=false", "logging.tensorboard=false", "sampling.num_steps=4",
-            "sampling.max_sequence_length=16", "algorithm.value_anchor_weight=1.0", "train.overlap_scoring=false",
+            "sampling.max_sequence_length=16", "algorithm.variants=[vgpo]", "algorithm.scale=group", "train.overlap_scoring=false",
             "data.prompt_list=[a cat]"]
     assert main(args) == 0
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert metrics[0]["samples/zero_advantage"] == 4.0  # first update: V = the batch mean, nothing to anchor
     # second update: every sample scores 2, the prompt's anchor is 1 -> advantage (2 - 1) / 1 for all, not 0
     assert metrics[1]["samples/zero_advantage"] == 0.0 and metrics[1]["advantages/abs_mean"] == pytest.approx(1.0)
-    state = json.loads((tmp_path / "checkpoints" / "step_2" / "state.json").read_text())
-    assert state["value_anchor"]  # anchors saved for resume
-    with pytest.raises(ConfigError, match="value_anchor_weight"):
-        load_config(REPO / "configs/tiny/tp_grpo.yaml", ["algorithm.value_anchor_weight=1.0"])
+    from mmrl.checkpoint import load_checkpoint
+
+    _, _, objects = load_checkpoint(tmp_path / "checkpoints" / "step_2")
+    assert objects["variants"]["vgpo"]["anchors"] == {"a cat": pytest.approx(2.0 - 0.9 ** 4)}  # 4 samples of 2
+    with pytest.raises(ConfigError, match="variant 'vgpo' works with"):
+        load_config(REPO / "configs/tiny/tp_grpo.yaml", ["algorithm.variants=[turning_point, vgpo]",
+                                                         "algorithm.scale=group"])

@@ -118,8 +118,8 @@ def test_entropy_merge_config_errors():
         load_config(cfg, ["sampling.train_steps=entropy_merge"])
     with pytest.raises(ConfigError, match="merge_groups"):
         load_config(cfg, ["sampling.train_steps=entropy_merge", "sampling.merge_groups=40"])
-    with pytest.raises(ConfigError, match="credit=outcome only"):
+    with pytest.raises(ConfigError, match="needs the intermediate images of the full grid"):
         load_config(cfg, ["sampling.train_steps=entropy_merge", "sampling.merge_groups=2",
-                          "algorithm.credit=step_gain"])
+                          "algorithm.variants=[step_gain]"])
     config = load_config(cfg, ["sampling.train_steps=entropy_merge", "sampling.merge_threshold=-1.5"])
     assert config.sampling.merge_threshold == -1.5

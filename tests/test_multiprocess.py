@@ -82,8 +82,8 @@ def test_adaptive_noise_levels_agree_on_every_rank_and_resume(tmp_path, tiny_sd3
     checkpoint (rank 0's) then resumes every rank exactly: 1 + resume + 1 updates == 2 updates."""
     common = [f"model.pretrained={tiny_sd3}", "sampling.num_steps=4", "sampling.eval_num_steps=4",
               "sampling.max_sequence_length=16", "data.prompts_per_step=1", "data.group_size=4", "train.batch_size=4",
-              "train.gradient_accumulation_steps=1", "algorithm.credit=step_gain", "sampling.adaptive_noise=true", "sampling.window_size=3",
-              "sampling.adaptive_noise_rate=0.5", "train.sample_batch_size=4", "optim.lr=1e-2",
+              "train.gradient_accumulation_steps=1", "algorithm.variants=[step_gain, {name: adaptive_noise, rate: 0.5}]", "sampling.window_size=3",
+              "train.sample_batch_size=4", "optim.lr=1e-2",
               "algorithm.clip_low=0.2", "logging.save_every=1"]
     config = str(REPO / "configs/tiny/dense_grpo.yaml")
     torchrun(tmp_path / "straight", 29543, config, *common, "train.steps=2")

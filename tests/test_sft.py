@@ -239,3 +239,31 @@ def test_bad_config_and_data_are_one_line_errors_naming_file_and_line(tmp_path, 
     assert main([str(_config(cfg, data, output_dir=str(out), generation={"max_new_tokens": 8}))]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{data}:1: field 'sft_target' is" in err and "generation.max_new_tokens=8" in err
+
+
+def test_thought_dropout_empties_the_think_block_of_drawn_targets():
+    import dataclasses as dc
+
+    import torch
+
+    from mmrl.data.vlm import VLMSample
+    from mmrl.sft import EMPTY_THOUGHT, drop_thoughts
+
+    samples = [VLMSample(id=str(i), question="q", solution="a",
+                         metadata={"sft_target": f"<think>step {i}</think><answer>{i}</answer>"}) for i in range(6)]
+    samples.append(dc.replace(samples[0], id="x", metadata={"sft_target": "<answer>no thought</answer>"}))
+    out, dropped = drop_thoughts(samples, 1.0, torch.Generator().manual_seed(0), "sft_target")
+    assert dropped == 6 and out[0].metadata["sft_target"] == f"{EMPTY_THOUGHT}<answer>0</answer>"
+    assert out[6].metadata["sft_target"] == "<answer>no thought</answer>"  # nothing to drop
+    assert samples[0].metadata["sft_target"] == "<think>step 0</think><answer>0</answer>"  # the source is untouched
+    kept, none = drop_thoughts(samples, 0.0, torch.Generator().manual_seed(0), "sft_target")
+    assert none == 0 and [s.metadata for s in kept] == [s.metadata for s in samples]
+    # p = 0.5: the draws of a seeded generator decide, the same for the same seed
+    half, n = drop_thoughts(samples, 0.5, torch.Generator().manual_seed(3), "sft_target")
+    again, m = drop_thoughts(samples, 0.5, torch.Generator().manual_seed(3), "sft_target")
+    draws = torch.rand(7, generator=torch.Generator().manual_seed(3))
+    assert n == m == int((draws[:6] < 0.5).sum()) and [s.metadata for s in half] == [s.metadata for s in again]
+    from mmrl.sft import load_sft_config
+
+    with pytest.raises(Exception, match="thought_dropout must be in"):
+        load_sft_config(REPO / "configs/shapes/sft_qwen_vl.yaml", ["data.thought_dropout=1.5"])

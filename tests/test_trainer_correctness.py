@@ -238,18 +238,20 @@ def test_turning_point_balancing_runs_within_each_sampling_batch(tmp_path, tiny_
     """TP-GRPO balances turning points within one sampling batch (the anchor's per-device sampling batch), not
     over the whole rollout: the trainer labels rows by their sampling batch of train.sample_batch_size."""
     seen = []
-    original = trainer_module.turning_point_credit
+    from mmrl.algorithms import turning_point as tp_module
+
+    original = tp_module.turning_point_credit
 
     def spy(step_rewards, **kwargs):
         seen.append(kwargs.get("group_ids"))
         return original(step_rewards, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "turning_point_credit", spy)
+    monkeypatch.setattr(tp_module, "turning_point_credit", spy)
     config = load_config(REPO / "configs/tiny/tp_grpo.yaml",
                          [f"output_dir={tmp_path}", f"model.pretrained={tiny_sd3}", "sampling.num_steps=4",
                           "sampling.window_size=3", "sampling.max_sequence_length=16", "data.prompts_per_step=2",
                           "data.group_size=4", "train.batch_size=4", "train.sample_batch_size=3",
-                          "algorithm.credit_balance=true", "logging.eval_every=0", "logging.progress_bar=false",
+                          "algorithm.variants=[{name: turning_point, balance: true}]", "logging.eval_every=0", "logging.progress_bar=false",
                           "logging.tensorboard=false"])
     one_update(config)
     assert len(seen) == 1 and seen[0].tolist() == [0, 0, 0, 1, 1, 1, 2, 2]
@@ -259,12 +261,12 @@ def test_vlm_value_anchors_are_keyed_by_sample(tmp_path, vlm_cache):
     config = load_config(REPO / "configs/tiny/vlm_grounding.yaml",
                          [f"output_dir={tmp_path}", "logging.progress_bar=false", "logging.tensorboard=false",
                           "generation.max_new_tokens=6", "rewards={test_groups_length: 1.0}",
-                          "algorithm.value_anchor_weight=0.5"])
+                          "algorithm.variants=[{name: vgpo, weight: 0.5}]", "algorithm.scale=group"])
     trainer = build_trainer(config)
     items = trainer.prompts.next_batch(2)
     rollout, scores = trainer._sample(items, torch.Generator().manual_seed(0), {"rollout": 0.0, "reward": 0.0})
     trainer._advantages(rollout, scores)
-    assert sorted(trainer.value_anchor) == sorted(f"sample:{item.metadata['id']}" for item in items)
+    assert sorted(trainer.variants[0].anchors) == sorted(f"sample:{item.metadata['id']}" for item in items)
 
 
 def test_negative_prompt_is_rejected_where_nothing_would_use_it(tmp_path, tiny_sd3):

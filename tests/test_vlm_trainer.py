@@ -123,8 +123,7 @@ class FirstGroupOnly:
 def test_dynamic_sampling_replaces_zero_variance_groups(tmp_path):
     run = tmp_path / "run"
     assert main(["train", str(REPO / "configs/tiny/vlm_grounding.yaml"), *FAST, "train.steps=1",
-                 "rewards={test_first_group_only: 1.0}", "algorithm.dynamic_sampling=true",
-                 "algorithm.max_sampling_rounds=4", "logging.eval_every=0", f"output_dir={run}"]) == 0
+                 "rewards={test_first_group_only: 1.0}", "algorithm.variants=[{name: dynamic_sampling, max_rounds: 4}]", "logging.eval_every=0", f"output_dir={run}"]) == 0
     m = _metrics(run)[0]
     # red prompts are 1 in 4 of the synthetic set: groups without them are dropped and replaced
     assert m["samples/sampling_rounds"] > 1 and m["samples/dropped_groups"] >= 1
@@ -133,14 +132,12 @@ def test_dynamic_sampling_replaces_zero_variance_groups(tmp_path):
 
 def test_evidence_and_token_weighting_and_temporal_contrast_run(tmp_path):
     assert main(["train", str(REPO / "configs/tiny/vlm_grounding.yaml"), *FAST, "train.steps=1",
-                 "rewards={test_short_answer: 1.0, iou: 0.0}", "algorithm.advantage_transform=evidence_weighted",
-                 "algorithm.evidence_reward=iou", "logging.eval_every=0", f"output_dir={tmp_path / 'ga'}"]) == 0
+                 "rewards={test_short_answer: 1.0, iou: 0.0}", "algorithm.variants=[{name: ga_grpo, reward: iou}]", "logging.eval_every=0", f"output_dir={tmp_path / 'ga'}"]) == 0
     assert main(["train", str(REPO / "configs/tiny/vlm_grounding.yaml"), *FAST, "train.steps=1",
-                 "rewards={test_short_answer: 1.0}", "algorithm.advantage_transform=token_variance",
+                 "rewards={test_short_answer: 1.0}", "algorithm.variants=[tw_grpo]",
                  "logging.eval_every=0", f"output_dir={tmp_path / 'tw'}"]) == 0
     assert main(["train", str(REPO / "configs/tiny/vlm_video_tg.yaml"), *FAST, "train.steps=1",
-                 "rewards={test_short_answer: 1.0, temporal_iou: 0.0}", "algorithm.temporal_contrast=true",
-                 "algorithm.temporal_contrast_reward=temporal_iou", "logging.eval_every=0",
+                 "rewards={test_short_answer: 1.0, temporal_iou: 0.0}", "algorithm.variants=[{name: t_grpo, reward: temporal_iou}]", "logging.eval_every=0",
                  f"output_dir={tmp_path / 'tg'}"]) == 0
     for name in ("ga", "tw", "tg"):
         m = _metrics(tmp_path / name)[0]

@@ -59,6 +59,25 @@ def _grouped_stats(values: Tensor, valid: Tensor, index: Tensor, num_groups: int
     return mean[index], std[index], count[index]
 
 
+def scale_centred(centred: Tensor, values: Tensor, valid: Tensor, std: Tensor, *, scale: str, eps: float,
+                  std_ddof: int) -> Tensor:
+    """``centred = values - baseline`` divided as ``scale`` says: ``group`` by the group's ``std`` (+ ``eps``),
+    ``batch`` by the std of the whole batch's valid ``values`` (per column), ``none`` not at all. A group with zero
+    spread (``std == 0``) and an invalid entry get exactly 0. Shared by every group-relative estimator whose baseline
+    is not the plain group mean (median, virtual samples)."""
+    if scale not in SCALES:
+        raise ValueError(f"unknown advantage scale {scale!r}; expected one of {SCALES}")
+    if scale == "group":
+        adv = centred / (std + eps)
+    elif scale == "batch":
+        index = torch.zeros(values.shape[0], dtype=torch.long, device=values.device)
+        _, batch_std, _ = _grouped_stats(values, valid, index, 1, std_ddof)
+        adv = centred / (batch_std + eps)
+    else:
+        adv = centred
+    return torch.where((std > 0) & valid, adv, torch.zeros_like(adv))
+
+
 def group_advantages(
     rewards: Tensor,
     group_ids: Tensor | Sequence[Any],
@@ -91,18 +110,7 @@ def group_advantages(
         raise ValueError(f"group_ids has {index.numel()} entries but rewards has {values.shape[0]} samples")
     valid = torch.isfinite(values)
     mean, std, _ = _grouped_stats(values, valid, index, num_groups, std_ddof)
-    centred = values - mean
-    if scale == "group":
-        adv = centred / (std + eps)
-        adv = torch.where(std > 0, adv, torch.zeros_like(adv))
-    elif scale == "batch":
-        batch_index = torch.zeros_like(index)
-        _, batch_std, _ = _grouped_stats(values, valid, batch_index, 1, std_ddof)
-        adv = centred / (batch_std + eps)
-        adv = torch.where(std > 0, adv, torch.zeros_like(adv))
-    else:
-        adv = torch.where(std > 0, centred, torch.zeros_like(centred))
-    adv = torch.where(valid, adv, torch.zeros_like(adv))
+    adv = scale_centred(values - mean, values, valid, std, scale=scale, eps=eps, std_ddof=std_ddof)
     if clamp is not None:
         adv = adv.clamp(-clamp, clamp)
     return adv.squeeze(1) if was_1d else adv

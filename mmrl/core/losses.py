@@ -62,6 +62,7 @@ def policy_loss(
     sample_action_counts: Tensor | None = None,
     batch_action_count: float | Tensor | None = None,
     sequence_log_ratio: Tensor | None = None,
+    surrogate=None,
 ) -> PolicyLossOutput:
     """Clipped surrogate loss over ``[N, T]`` actions.
 
@@ -94,6 +95,10 @@ def policy_loss(
             is then the whole trajectory's, and its gradient flows through this chunk's actions, so the chunk
             gradients add up to the unchunked gradient exactly (the value counts once, spread over the chunks
             in proportion to their actions).
+        surrogate: optional ``fn(logps, old_logps, log_ratio, ratio, advantages, mask, clip_low, clip_high)``
+            returning the per-action loss ``[N, T]`` in place of the clipped surrogate
+            ``-min(ratio A, clip(ratio) A)`` (an algorithm variant's ``surrogate`` stage, :mod:`mmrl.algorithms`);
+            the KL term and the aggregation below apply to it unchanged.
 
     Layout invariance: with ``sample_action_counts``, ``batch_action_count``, ``max_length`` and
     ``sequence_log_ratio`` describing the whole trajectories, the sum of the losses (and gradients) of the
@@ -125,7 +130,14 @@ def policy_loss(
         log_ratio = part.unsqueeze(-1)
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    per_action = -torch.min(ratio * advantages, clipped * advantages)
+    if surrogate is None:
+        per_action = -torch.min(ratio * advantages, clipped * advantages)
+    else:
+        per_action = surrogate(logps, old_logps.detach(), log_ratio, ratio, advantages, mask, clip_low, clip_high)
+        if per_action.shape != logps.shape and per_action.shape != (n_rows := logps.shape[0], 1):
+            raise ValueError(f"the surrogate returned shape {tuple(per_action.shape)}; expected {tuple(logps.shape)} "
+                             f"or ({n_rows}, 1)")
+    surrogate_value = per_action.detach()
     if ratio_level == "sequence" and sequence_log_ratio is not None:
         # the per-sample term appears on each of the chunk's c actions but its gradient must count C (all the
         # trajectory's actions) times: the value stays c / C of the whole, the gradient is scaled by C / c
@@ -163,7 +175,7 @@ def policy_loss(
             "ratio/min": masked_ratio.min() if masked_ratio.numel() else torch.tensor(1.0),
             "ratio/max": masked_ratio.max() if masked_ratio.numel() else torch.tensor(1.0),
             "approx_kl": _masked_mean(0.5 * (logps - old_logps).square(), mask),
-            "policy_loss": _masked_mean(-torch.min(ratio * advantages, clipped * advantages), mask),
+            "policy_loss": _masked_mean(surrogate_value.expand_as(logps), mask),
         }
         if kl is not None:
             metrics["kl"] = _masked_mean(kl, mask)

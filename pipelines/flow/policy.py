@@ -136,7 +136,7 @@ class FlowPolicy:
         self.share_group_noise = share_group_noise
         self.time_shift = time_shift
         #: per-step SDE noise levels [S] (timestep-specific noise; adapted during training by the trainer's
-        #: reward-aware rule when sampling.adaptive_noise is on); a constant noise_level by default
+        #: reward-aware rule of the adaptive_noise variant); a constant noise_level by default
         if noise_schedule:
             if len(noise_schedule) != num_steps:
                 raise ValueError(f"sampling.noise_schedule has {len(noise_schedule)} levels for {num_steps} steps")

@@ -90,7 +90,12 @@ class VLMRollout:
     prompt_index: Tensor  # [N] row of the prompt tensors for each sample
     vision: list[Vision]  # [P]
     old_logps: Tensor | None = None  # computed by the trainer in its first-epoch layout
+    masked_logps: Tensor | None = None  # the same, images replaced by grey canvases (visual-dependence variants)
+    perturbed_logps: Tensor | None = None  # the same, images with Gaussian noise (consistency variants)
     extras: dict[str, Any] = field(default_factory=dict)
+    #: reward component -> per sample, the character spans of the completion the component's reward is about
+    #: (``None``: the reward reported none for that sample); see :mod:`mmrl.pipelines.vlm.spans`
+    spans: dict[str, list] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -120,6 +125,7 @@ class VLMRollout:
             completion_ids=self.completion_ids[index], mask=self.mask[index], prompt_index=remap[self.prompt_index[index]],
             vision=[self.vision[i] for i in used.tolist()],
             extras={"completion_length": self.mask[index].sum(-1)},
+            spans={k: [v[i] for i in index.tolist()] for k, v in self.spans.items()},
         )
 
     @staticmethod
@@ -152,6 +158,8 @@ class VLMRollout:
             prompt_index=torch.cat([p.prompt_index + o for p, o in zip(parts, offsets)]),
             vision=[v for p in parts for v in p.vision],
             extras={"completion_length": torch.cat([p.mask.sum(-1) for p in parts])},
+            spans={k: [x for p in parts for x in p.spans.get(k, [None] * len(p))]
+                   for k in sorted({k for p in parts for k in p.spans})},
         )
 
 
@@ -549,8 +557,13 @@ class QwenVLPolicy:
                                 num_return_sequences=group_size, **common)
 
     def logprobs(self, rollout: VLMRollout, index: Tensor, steps: Tensor | None = None, *,
-                 with_kl: bool = False) -> LogProbOutput:
+                 with_kl: bool = False, masked_vision: bool = False, perturbed_vision: float = 0.0) -> LogProbOutput:
         """Per-token log-probs ``[n, T]`` (or the ``steps`` columns) of the stored completions of samples ``index``.
+
+        ``masked_vision``: the same completions with every image and video frame replaced by a grey canvas of the
+        same size (:meth:`masked_vision`), for visual-dependence credit ``log p(y | image) - log p(y | grey)``;
+        ``perturbed_vision`` (> 0): the images with Gaussian noise of this std added to the normalised pixels
+        (:meth:`perturbed_vision`), for consistency under a small visual perturbation.
 
         With gradients enabled the forward runs in train mode (gradient checkpointing, LoRA dropout); without, in
         eval mode. ``with_kl``: also TRL's k3 estimate of KL(policy || reference) per token,
@@ -563,8 +576,10 @@ class QwenVLPolicy:
         width = completion.shape[1]
         input_ids = torch.cat([rollout.prompt_ids[rows], completion], dim=1).to(self.device)
         attention = torch.cat([rollout.prompt_mask[rows], rollout.mask[index].long()], dim=1).to(self.device)
+        vision = self.masked_vision(rollout) if masked_vision else \
+            self.perturbed_vision(rollout, perturbed_vision) if perturbed_vision > 0 else rollout.vision
         kwargs = {"input_ids": input_ids, "attention_mask": attention,
-                  **self._vision_kwargs([rollout.vision[r] for r in rows.tolist()])}
+                  **self._vision_kwargs([vision[r] for r in rows.tolist()])}
         if rollout.mm_token_type_ids is not None:
             kwargs["mm_token_type_ids"] = torch.cat(
                 [rollout.mm_token_type_ids[rows], torch.zeros_like(completion, dtype=rollout.mm_token_type_ids.dtype)],
@@ -583,6 +598,8 @@ class QwenVLPolicy:
             return picked - torch.logsumexp(logits, dim=-1)
 
         ref = None
+        if with_kl and (masked_vision or perturbed_vision > 0):
+            raise ValueError("masked_vision / perturbed_vision log-probs carry no KL term")
         if with_kl:
             # the reference never changes within an update: its log-probs are computed once per sample and reused
             # by every later minibatch and inner epoch; computed BEFORE the policy's forward, so the policy's
@@ -605,6 +622,61 @@ class QwenVLPolicy:
 
     def concat_rollouts(self, parts: list[VLMRollout]) -> VLMRollout:
         return VLMRollout.concat(parts, self.pad_id)
+
+    def masked_vision(self, rollout: VLMRollout) -> list[Vision]:
+        """Each prompt's vision inputs with every image / frame a uniform grey canvas (0.5 in [0, 1] before the
+        processor's normalisation) of the same size, so the prompt's vision tokens and positions are unchanged; with
+        a frozen tower the grey features are encoded once per rollout (cached in ``rollout.extras``)."""
+        return self._intervened(rollout, "masked_vision", lambda pixels, kind: self._grey_like(pixels, kind))
+
+    def perturbed_vision(self, rollout: VLMRollout, std: float) -> list[Vision]:
+        """Each prompt's vision inputs plus Gaussian noise of ``std`` on the normalised pixels (seeded by the
+        rollout's size, so every call and every process sees the same noise); cached per rollout and ``std``."""
+        generator = torch.Generator().manual_seed(1_000_003 + len(rollout))
+
+        def noisy(pixels: Tensor, kind: str) -> Tensor:
+            noise = torch.randn(pixels.shape, generator=generator, dtype=torch.float32)
+            return (pixels.float() + std * noise).to(pixels.dtype)
+
+        return self._intervened(rollout, f"perturbed_vision_{std:g}", noisy)
+
+    def _intervened(self, rollout: VLMRollout, key: str, change) -> list[Vision]:
+        """The rollout's vision inputs with ``change(pixels, kind)`` applied to every image / video tensor (the grids,
+        so the prompt's vision tokens, unchanged); features re-encoded once with a frozen tower; cached under ``key``."""
+        cached = rollout.extras.get(key)
+        if cached is not None:
+            return cached
+        out = []
+        for v in rollout.vision:
+            out.append(Vision(image_grid_thw=v.image_grid_thw, video_grid_thw=v.video_grid_thw,
+                              second_per_grid_ts=v.second_per_grid_ts,
+                              pixel_values=None if v.pixel_values is None else change(v.pixel_values, "image"),
+                              pixel_values_videos=None if v.pixel_values_videos is None else
+                              change(v.pixel_values_videos, "video")))
+        if self.freeze_vision:
+            self._encode_vision(out)
+        rollout.extras[key] = out
+        return out
+
+    def _grey_like(self, pixel_values: Tensor, kind: str) -> Tensor:
+        """A normalised grey canvas in the processor's flattened patch layout (channel-major ``C x t x p x p`` per
+        row, as the Qwen-VL image and video processors flatten patches)."""
+        processor = getattr(self.processor, "video_processor" if kind == "video" else "image_processor", None) \
+            or self.processor.image_processor
+        mean = torch.as_tensor(processor.image_mean, dtype=torch.float32)
+        std = torch.as_tensor(processor.image_std, dtype=torch.float32)
+        channels = len(mean)
+        if pixel_values.shape[-1] % channels:
+            raise ValueError(f"{kind} patches of width {pixel_values.shape[-1]} do not split into {channels} channels")
+        per_channel = ((0.5 - mean) / std).repeat_interleave(pixel_values.shape[-1] // channels)
+        return per_channel.to(pixel_values.dtype).expand_as(pixel_values).clone()
+
+    def span_mask(self, rollout: VLMRollout, spans: list) -> Tensor:
+        """``[N, T]`` mask of the sampled tokens inside each sample's character ``spans`` of its completion text
+        (:func:`mmrl.pipelines.vlm.spans.spans_to_token_mask`)."""
+        from mmrl.pipelines.vlm.spans import spans_to_token_mask
+
+        return spans_to_token_mask(self.tokenizer, rollout.completion_ids, rollout.mask, rollout.completions, spans)
 
     @torch.no_grad()
     def sample_eval(self, items: list, seeds: list[int] | None = None) -> list[str]:

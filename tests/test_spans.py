@@ -1,0 +1,191 @@
+"""Span-scoped credit: character spans -> sampled tokens (multi-byte text, non-canonical ids), response regions, and
+the span-scoped variants' per-token advantages worked by hand."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mmrl.algorithms.base import AdvantageContext, REGISTRY, TransformContext, VariantError, parse_spec
+from mmrl.config import load_config
+from mmrl.core.advantages import combine_rewards
+from mmrl.pipelines.vlm.spans import region_spans, spans_to_token_mask, token_char_ranges
+from mmrl.pipelines.vlm.tiny import build_tiny_vlm_tokenizer
+
+TEXT = "<think>é 北京 🙂</think><answer>[1, 2]</answer>"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_vlm_tokenizer()
+
+
+def test_region_spans_by_hand():
+    assert region_spans(TEXT, "all") == [(0, len(TEXT))]
+    # "<think>" is 7 characters; its content "é 北京 🙂" is 6 (the emoji is one code point)
+    assert region_spans(TEXT, "think") == [(7, 13)]
+    start = TEXT.index("<answer>") + len("<answer>")
+    assert region_spans(TEXT, "answer") == [(start, start + 6)]  # "[1, 2]"
+    assert region_spans(TEXT, "outside_answer") == [(0, start), (start + 6, len(TEXT))]
+    assert region_spans("no tags", "answer") == [] and region_spans("", "all") == []
+    with pytest.raises(ValueError, match="unknown region"):
+        region_spans(TEXT, "middle")
+
+
+def _check_ranges(tokenizer, ids, text):
+    ranges = token_char_ranges(tokenizer, ids, text)
+    assert len(ranges) == len(ids)
+    # every character is covered by at least one token, and the tokens of one multi-byte character cover exactly it
+    covered = set()
+    for start, end in ranges:
+        covered.update(range(start, end))
+    assert covered == set(range(len(text)))
+    return ranges
+
+
+def test_multi_byte_characters_map_to_all_their_byte_tokens(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    ranges = _check_ranges(tokenizer, ids, TEXT)
+    emoji = TEXT.index("🙂")
+    on_emoji = [t for t, (s, e) in enumerate(ranges) if s <= emoji < e]
+    assert len(on_emoji) == len("🙂".encode()) == 4  # the tiny byte-level BPE keeps its 4 UTF-8 bytes as 4 tokens
+    mask = spans_to_token_mask(tokenizer, torch.tensor([ids]), torch.ones(1, len(ids)), [TEXT], [[(emoji, emoji + 1)]])
+    assert mask[0].nonzero().flatten().tolist() == on_emoji
+
+
+def test_non_canonical_ids_use_the_prefix_decoding(tokenizer):
+    # one token per byte of the text: decodes to the same text, but re-encoding it merges bytes into other tokens
+    byte_ids = [tokenizer.convert_tokens_to_ids(t) for t in tokenizer.convert_ids_to_tokens(tokenizer.encode(TEXT))]
+    pieces = []
+    for token in tokenizer.convert_ids_to_tokens(byte_ids):
+        pieces.extend(list(token))  # the byte-level alphabet: one character per byte
+    single = [tokenizer.convert_tokens_to_ids(c) for c in pieces]
+    assert tokenizer.decode(single) == TEXT and tokenizer.encode(TEXT) != single
+    ranges = _check_ranges(tokenizer, single, TEXT)
+    beijing = TEXT.index("北")
+    # 北 is three UTF-8 bytes -> three byte tokens, all on character `beijing`
+    assert sum(1 for s, e in ranges if (s, e) == (beijing, beijing + 1)) == 3
+
+
+def test_padding_and_special_tokens_are_in_no_span(tokenizer):
+    ids = tokenizer.encode("ab")
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    row = torch.tensor([ids + [eos, pad, pad]])
+    mask = torch.tensor([[1.0] * (len(ids) + 1) + [0.0, 0.0]])
+    out = spans_to_token_mask(tokenizer, row, mask, ["ab"], [[(0, 2)]])
+    assert out[0].tolist() == [1.0] * len(ids) + [0.0, 0.0, 0.0]
+    assert spans_to_token_mask(tokenizer, row, mask, ["ab"], [None]).sum() == 0
+    with pytest.raises(ValueError, match="completions"):
+        spans_to_token_mask(tokenizer, row, mask, ["ab", "cd"], [None])
+
+
+# ----------------------------------------------------------------------------------------- the variants, by hand
+
+ALGO = SimpleNamespace(scale="group", eps=0.0, std_ddof=0, advantage_clamp=None, reward_combination="normalize_then_sum",
+                       batch_normalize_sum=False)
+
+
+class FakePolicy:
+    """span_mask: token t of sample i is in a span when t lies in one of the (start, end) pairs (spans in tokens)."""
+
+    def span_mask(self, rollout, spans):
+        out = torch.zeros(rollout.mask.shape)
+        for i, pairs in enumerate(spans):
+            for s, e in pairs or []:
+                out[i, s:e] = 1.0
+        return out * rollout.mask
+
+
+class Rollout(SimpleNamespace):
+    def __len__(self):
+        return self.mask.shape[0]
+
+
+def _run(variant, components, weights, rollout):
+    n = len(next(iter(components.values())))
+    ctx = AdvantageContext(components=components, weights=weights, labels=[0] * n, group_ids=torch.zeros(n),
+                           keys=["p"] * n, algorithm=ALGO, update=0, default=lambda: None)
+    total = variant.advantages(ctx)
+    adv = variant.transform(TransformContext(advantages=total, scores=components, rollout=rollout, update=0,
+                                             total_updates=1, policy=FakePolicy(), rows=torch.arange(n)))
+    return total, adv
+
+
+def test_blockwise_applies_each_objective_on_its_block():
+    # accuracy R = [1, 0] -> group-normalised (biased std 0.5, eps 0) A = [1, -1]; format R = [0, 2] -> [-1, 1]
+    rollout = Rollout(mask=torch.tensor([[1.0, 1, 1, 1], [1, 1, 1, 0]]), completions=["a", "b"],
+                      spans={"fmt": [[(0, 2)], [(1, 2)]]})
+    variant = parse_spec({"name": "blockwise", "scopes": {"acc": "all", "fmt": "reward"}}, 0)
+    components = {"acc": torch.tensor([1.0, 0.0]), "fmt": torch.tensor([0.0, 2.0])}
+    total, adv = _run(variant, components, {"acc": 1.0, "fmt": 0.5}, rollout)
+    assert total.tolist() == pytest.approx([1 - 0.5, -1 + 0.5])
+    # sample 0: acc +1 on all 4 tokens, fmt 0.5 * -1 on tokens 0-1;  sample 1: acc -1 on its 3 tokens, fmt +0.5 on token 1
+    assert torch.allclose(adv, torch.tensor([[0.5, 0.5, 1.0, 1.0], [-1.0, -0.5, -1.0, 0.0]]))
+
+
+def test_all_scopes_all_is_normalize_then_sum_on_every_token():
+    rollout = Rollout(mask=torch.ones(4, 3), completions=["a"] * 4, spans={})
+    components = {"a": torch.tensor([1.0, 2.0, 4.0, 0.0]), "b": torch.tensor([0.0, 1.0, 1.0, 1.0])}
+    weights = {"a": 1.0, "b": 2.0}
+    variant = parse_spec({"name": "blockwise", "scopes": {"a": "all", "b": "all"}}, 0)
+    _, adv = _run(variant, components, weights, rollout)
+    expected = combine_rewards(components, [0] * 4, weights=weights, mode="normalize_then_sum", scale="group", eps=0.0,
+                               std_ddof=0)
+    assert torch.allclose(adv, expected.unsqueeze(1).expand(4, 3))
+
+
+def test_reward_scope_without_spans_falls_back():
+    rollout = Rollout(mask=torch.ones(2, 2), completions=["a", "b"], spans={"acc": [None, [(0, 1)]]})
+    components = {"acc": torch.tensor([1.0, 0.0])}
+    for fallback, first in (("all", [1.0, 1.0]), ("none", [0.0, 0.0])):
+        variant = parse_spec({"name": "cspo", "fallback": fallback}, 0)
+        _, adv = _run(variant, components, {"acc": 1.0}, rollout)
+        assert adv.tolist() == [first, [-1.0, 0.0]]
+
+
+def test_rs_grpo_puts_answer_rewards_on_the_answer_block():
+    rollout = Rollout(mask=torch.ones(2, 3), completions=["a", "b"], spans={"evidence": [[(0, 1)], [(2, 3)]]})
+    variant = parse_spec({"name": "rs_grpo", "evidence": ["evidence"], "answer": ["acc"]}, 0)
+    assert variant.scope_of("evidence") == "reward" and variant.scope_of("acc") == "answer"
+    assert variant.scope_of("format") == "all"
+    with pytest.raises(VariantError, match="both evidence and answer"):
+        parse_spec({"name": "rs_grpo", "evidence": ["x"], "answer": ["x"]}, 0)
+
+
+def test_blockwise_outcome_conditioned_baseline_stratifies_the_group():
+    # confidence normalised within the group's correct samples (0, 1) and wrong samples (2, 3) separately
+    variant = parse_spec({"name": "blockwise", "scopes": {"acc": "answer", "conf": "think"},
+                          "conditions": {"conf": "acc"}}, 0)
+    ctx = AdvantageContext(components={"acc": torch.tensor([1.0, 1, 0, 0]), "conf": torch.tensor([0.9, 0.5, 0.2, 0.6])},
+                           weights={"acc": 1.0, "conf": 1.0}, labels=["p"] * 4, group_ids=torch.zeros(4),
+                           keys=["p"] * 4, algorithm=ALGO, update=0, default=lambda: None)
+    assert variant.group_labels("conf", ctx) == ["p|1", "p|1", "p|0", "p|0"]
+    variant.advantages(ctx)
+    # within (0.9, 0.5): mean 0.7, std 0.2 -> +1, -1; within (0.2, 0.6): mean 0.4, std 0.2 -> -1, +1
+    assert variant.component_advantages["conf"].tolist() == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
+
+
+def test_perceval_penalises_the_hallucinated_tokens():
+    rollout = Rollout(mask=torch.tensor([[1.0, 1, 1], [1, 1, 0]]), completions=["a", "b"],
+                      spans={"claims": [[(1, 3)], None]})
+    variant = parse_spec({"name": "perceval", "claims": "claims", "penalty": 0.5}, 0)
+    ctx = TransformContext(advantages=torch.tensor([1.0, -1.0]), scores={}, rollout=rollout, update=0,
+                           total_updates=1, policy=FakePolicy(), rows=torch.arange(2))
+    assert variant.transform(ctx).tolist() == [[1.0, 0.5, 0.5], [-1.0, -1.0, 0.0]]
+    assert ctx.stats["perceval/hallucinated_tokens"] == 2.0
+
+
+def test_span_variant_config_errors():
+    path = "configs/tiny/vlm_grounding.yaml"
+    with pytest.raises(Exception, match="needs a block for every weighted objective"):
+        load_config(path, ["algorithm.variants=[{name: blockwise, scopes: {iou: answer}}]"])
+    with pytest.raises(Exception, match="scopes name"):
+        load_config(path, ["algorithm.variants=[{name: cspo, scopes: {nope: answer}}]"])
+    with pytest.raises(Exception, match="scope of 'iou' must be one of"):
+        load_config(path, ["algorithm.variants=[{name: cspo, scopes: {iou: middle}}]"])
+    with pytest.raises(Exception, match="list it before the transform variants"):
+        load_config(path, ["algorithm.variants=[tw_grpo, cspo]"])
+    assert {"blockwise", "cspo", "rs_grpo", "perceval"} <= set(REGISTRY)
