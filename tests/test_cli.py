@@ -459,7 +459,12 @@ def test_credit_curves_writes_to_out_not_to_the_committed_results(tmp_path, monk
     results = REPO / "benchmarks" / "results" / "credit_curves.csv"
     before = results.read_bytes() if results.exists() else None
 
-    def fake_run(method, seconds, evals, eval_limit, seed, workdir, recipe, pretrained):
+    assert module.method_variants("outcome") == "algorithm.variants=[]"
+    assert module.method_variants("vig") == "algorithm.variants=[vig]"
+    assert module.method_variants("blockwise={scopes: {iou: answer}}") == \
+        "algorithm.variants=[{name: blockwise, scopes: {iou: answer}}]"
+
+    def fake_run(method, seconds, evals, eval_limit, seed, workdir, recipe, pretrained, benchmark, blind):
         rows = [{"method": method, "step": s + 1, "reward": 0.1 * s, "wall_s": float(s), "extra_nfe": 0.0,
                  "reward_calls": 4.0} for s in range(int(seconds))]
         held = [{"method": method, "seconds": seconds * k / evals, "trained_s": seconds * k / evals + 0.5,
