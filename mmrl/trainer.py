@@ -352,16 +352,23 @@ class Trainer:
                                    batch_normalize=a.batch_normalize_sum, **self.estimator_kwargs)
 
         estimators = self._users("advantages")
+        drop = None
         if estimators:
-            adv = estimators[0].advantages(AdvantageContext(
-                components=gathered, weights=weights, labels=labels, group_ids=group_ids, keys=list(keys_all),
-                algorithm=a, update=self.update, default=default, stats=self.variant_stats))
+            ctx = AdvantageContext(components=gathered, weights=weights, labels=labels, group_ids=group_ids,
+                                   keys=list(keys_all), algorithm=a, update=self.update, default=default,
+                                   stats=self.variant_stats)
+            adv = estimators[0].advantages(ctx)
+            drop = ctx.drop
         else:
             adv = default()
+        if drop is not None:  # left out of the loss: no action of these samples is trained
+            local_drop = drop[start:start + n_local].to(torch.bool)
+            rollout.mask = rollout.mask * (~local_drop).to(rollout.mask.dtype).unsqueeze(1)
         nan_rows = torch.zeros(len(adv), dtype=torch.bool)
         for v in gathered.values():
             nan_rows |= ~torch.isfinite(v if v.dim() == 1 else v.sum(-1))
         stats = {
+            **({"samples/dropped_from_loss": float(drop.sum())} if drop is not None else {}),
             "samples/nan_reward": float(nan_rows.sum()),
             "samples/zero_advantage": float((adv.reshape(len(adv), -1).abs().sum(-1) == 0).sum()),
             "advantages/abs_mean": float(adv.abs().mean()),

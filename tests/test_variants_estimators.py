@@ -381,3 +381,21 @@ def test_par_validation_and_missing_reference():
         PAR(PAROptions(reward="pref")).rewards(_reward_ctx([{}] * 4, torch.zeros(4), []))
     out = PAR(PAROptions(reward="pref", on_missing="nan")).rewards(_reward_ctx([{}] * 4, torch.zeros(4), []))
     assert torch.isnan(out.scores["pref"]).all()
+
+
+def test_e_grpo_is_the_unbiased_group_normalisation_of_merged_steps():
+    from types import SimpleNamespace
+
+    import torch
+
+    from mmrl.algorithms.base import AdvantageContext, parse_spec
+    from mmrl.config import ConfigError, load_config
+
+    # rewards [1, 2, 3] in one group: mean 2, unbiased std 1 -> advantages [-1, 0, 1] (eps 1e-8)
+    algo = SimpleNamespace(advantage_clamp=0.5)
+    ctx = AdvantageContext(components={"r": torch.tensor([1.0, 2.0, 3.0])}, weights={"r": 1.0}, labels=["p"] * 3,
+                           group_ids=torch.zeros(3), keys=["p"] * 3, algorithm=algo, update=0, default=lambda: None)
+    adv = parse_spec("e_grpo", 0).advantages(ctx)
+    assert torch.allclose(adv, torch.tensor([-0.5, 0.0, 0.5]))  # clamped to +-0.5
+    with pytest.raises(ConfigError, match="set sampling.train_steps=entropy_merge"):
+        load_config(None, ["algorithm.variants=[e_grpo]"])

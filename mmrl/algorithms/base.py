@@ -135,7 +135,9 @@ class AdvantageContext:
     ``algorithm.per_prompt_stat_tracking``, else the sampling groups), ``group_ids`` the sampling groups and ``keys``
     the condition keys (a flow prompt's text, a VLM sample's data id). ``algorithm`` is the config's algorithm section
     (``scale``, ``eps``, ``std_ddof``, ``advantage_clamp``, ``reward_combination``, ...); ``default()`` is the loop's
-    own estimate (group normalisation), for variants that adjust it; ``stats`` are metrics this update logs."""
+    own estimate (group normalisation), for variants that adjust it; ``stats`` are metrics this update logs. A
+    variant may set ``drop`` to leave samples out of the loss entirely (their action mask becomes 0: out of every
+    token-count normaliser and the KL term; the ``grpo`` aggregation's mean over samples still counts them)."""
 
     components: dict[str, Tensor]
     weights: dict[str, float]
@@ -146,6 +148,8 @@ class AdvantageContext:
     update: int
     default: Callable[[], Tensor]
     stats: dict[str, float] = field(default_factory=dict)
+    #: set by the variant: ``[N_all]`` bool, the samples to leave out of the loss (their actions masked out)
+    drop: Tensor | None = None
 
 
 @dataclass

@@ -72,11 +72,11 @@ class MCGRPO(Variant):
     the ``G+1`` structure belongs to one sampling group. With several samples tied at the median (binary rewards)
     they all get 0, since ``R_i - median = 0``; one of them is the pivot.
 
-    Dropping the pivot "from backpropagation" is done by giving it advantage exactly 0: the loop has no per-sample
-    loss mask, so the pivot still counts in the loss normaliser (``grpo`` / ``bnpo`` aggregation average over
-    ``G+1`` samples, not ``G``) and still takes the KL term when ``algorithm.beta > 0``. Nothing about the update's
-    cost is saved (the pivot is still forwarded). Not implemented from the released code: its median absolute
-    deviation scale and its rescaling of the non-zero advantages by ``(G+1) / #non-zero`` (neither is in the
+    The pivot leaves the update: its advantage is exactly 0 and it is dropped from the loss (``AdvantageContext.drop``:
+    its action mask becomes 0, so it is out of the token-count normalisers of ``bnpo`` / ``dapo`` and takes no KL
+    term; ``samples/dropped_from_loss`` counts it). The ``grpo`` aggregation's mean over samples still counts its
+    row (as 0), and it is still forwarded, so no compute is saved. Not implemented from the released code: its median
+    absolute deviation scale and its rescaling of the non-zero advantages by ``(G+1) / #non-zero`` (neither is in the
     abstract; the MAD is 0 for most binary-reward groups). No parity with the paper's numbers is claimed.
     """
 
@@ -99,6 +99,7 @@ class MCGRPO(Variant):
     def advantages(self, ctx: AdvantageContext) -> Tensor:
         a = ctx.algorithm
         total = sum(w * ctx.components[k].float() for k, w in ctx.weights.items())
-        adv, _ = median_centered_advantages(total, ctx.group_ids, scale=a.scale, eps=a.eps, std_ddof=a.std_ddof,
-                                            clamp=a.advantage_clamp)
+        adv, pivot = median_centered_advantages(total, ctx.group_ids, scale=a.scale, eps=a.eps, std_ddof=a.std_ddof,
+                                                clamp=a.advantage_clamp)
+        ctx.drop = pivot if pivot.dim() == 1 else pivot.any(dim=1)  # the pivot rollouts leave the update
         return adv

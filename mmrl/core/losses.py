@@ -98,7 +98,8 @@ def policy_loss(
         surrogate: optional ``fn(logps, old_logps, log_ratio, ratio, advantages, mask, clip_low, clip_high)``
             returning the per-action loss ``[N, T]`` in place of the clipped surrogate
             ``-min(ratio A, clip(ratio) A)`` (an algorithm variant's ``surrogate`` stage, :mod:`mmrl.algorithms`);
-            the KL term and the aggregation below apply to it unchanged.
+            the KL term and the aggregation below apply to it unchanged; the clip metrics (``clip_ratio/*``,
+            ``clipfrac``, which describe the configured clip) are then not reported.
 
     Layout invariance: with ``sample_action_counts``, ``batch_action_count``, ``max_length`` and
     ``sequence_log_ratio`` describing the whole trajectories, the sum of the losses (and gradients) of the
@@ -179,4 +180,7 @@ def policy_loss(
         }
         if kl is not None:
             metrics["kl"] = _masked_mean(kl, mask)
+        if surrogate is not None:  # the configured clip range is not what a replaced surrogate applies
+            for key in ("clip_ratio/low", "clip_ratio/high", "clipfrac"):
+                metrics.pop(key)
     return PolicyLossOutput(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})
