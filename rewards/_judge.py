@@ -51,11 +51,9 @@ metadata; a sample without it is NaN). An unknown placeholder is a ``ValueError`
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 import string
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Generator, Iterable, Mapping, Sequence
@@ -63,8 +61,8 @@ from typing import Any, Callable, Generator, Iterable, Mapping, Sequence
 import torch
 from PIL import Image
 
-from ._base import _info, resolve_device, resolve_dtype
-from ._text import Unjudgeable, Unparseable, answer_or_text, check_text_batch
+from ._base import resolve_device, resolve_dtype
+from ._text import Unjudgeable, Unparseable, answer_or_text, check_text_batch, collect_rows
 from .vlm_judge import NO_WORDS, YES_WORDS, VLMJudge, _QwenVLScorer, load_judge_vlm
 
 __all__ = [
@@ -636,17 +634,7 @@ class JudgedReward:
         for i in nan:
             rows[i] = {}
 
-        keys = [self.name] + sorted(({k for row in rows for k in row} | set(self.extra_keys)) - {self.name})
-        out: dict[str, torch.Tensor] = {}
-        for key in keys:
-            values = torch.tensor([row.get(key, math.nan) for row in rows], dtype=torch.float32)
-            out[key] = torch.where(torch.isfinite(values), values, torch.nan)
-        for i in torch.isnan(out[self.name]).nonzero().flatten().tolist():
-            nan.setdefault(i, "the scorer returned a non-finite value")
-        info = _info(n, nan)
-        info["num_unparseable"] = len(unparseable)
-        info["unparseable"] = dict(Counter(unparseable.values()))
-        info["unparseable_samples"] = dict(sorted(unparseable.items()))
+        out, info = collect_rows(self.name, self.extra_keys, rows, nan, unparseable)
         info["judge"] = {i: r for i, r in records.items() if r}
         info["judge_forwards"] = self.judge.forwards - forwards
         self.last_info = info

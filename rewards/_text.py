@@ -135,6 +135,24 @@ def check_text_batch(completions: Any, prompts: Any, metadata: Any) -> tuple[lis
 # --------------------------------------------------------------------------------------------
 
 
+def collect_rows(name: str, extra_keys: Sequence[str], rows: list[dict[str, float]], nan_reasons: dict[int, str],
+                 unparseable: dict[int, str]) -> tuple[dict[str, torch.Tensor], dict]:
+    """Per-sample score rows -> ``{key: [N]}`` tensors (``name`` first, a row's missing or non-finite value NaN) and
+    the reward's ``last_info``: the NaN reasons (a non-finite main score gets one) and the unparseable counts."""
+    keys = [name] + sorted(({k for row in rows for k in row} | set(extra_keys)) - {name})
+    out: dict[str, torch.Tensor] = {}
+    for key in keys:
+        values = torch.tensor([row.get(key, math.nan) for row in rows], dtype=torch.float32)
+        out[key] = torch.where(torch.isfinite(values), values, torch.nan)
+    for i in torch.isnan(out[name]).nonzero().flatten().tolist():
+        nan_reasons.setdefault(i, "the scorer returned a non-finite value")
+    info = _info(len(rows), nan_reasons)
+    info["num_unparseable"] = len(unparseable)
+    info["unparseable"] = dict(Counter(unparseable.values()))
+    info["unparseable_samples"] = dict(sorted(unparseable.items()))
+    return out, info
+
+
 class TextReward:
     """Base class of the text rewards: the per-sample loop, the NaN / unparseable bookkeeping.
 
@@ -157,7 +175,6 @@ class TextReward:
 
     def __call__(self, completions, prompts=None, metadata=None) -> dict[str, torch.Tensor]:
         completions, prompts, metadata = check_text_batch(completions, prompts, metadata)
-        n = len(completions)
         rows: list[dict[str, float]] = []
         nan_reasons: dict[int, str] = {}
         unparseable: dict[int, str] = {}
@@ -190,18 +207,7 @@ class TextReward:
                 result = {self.name: result}
             rows.append({k: float(v) for k, v in result.items()})
 
-        keys = [self.name] + sorted(({k for row in rows for k in row} | set(self.extra_keys)) - {self.name})
-        out: dict[str, torch.Tensor] = {}
-        for key in keys:
-            values = torch.tensor([row.get(key, math.nan) for row in rows], dtype=torch.float32)
-            out[key] = torch.where(torch.isfinite(values), values, torch.nan)
-        for i in torch.isnan(out[self.name]).nonzero().flatten().tolist():
-            nan_reasons.setdefault(i, "the scorer returned a non-finite value")
-        info = _info(n, nan_reasons)
-        info["num_unparseable"] = len(unparseable)
-        info["unparseable"] = dict(Counter(unparseable.values()))
-        info["unparseable_samples"] = dict(sorted(unparseable.items()))
-        self.last_info = info
+        out, self.last_info = collect_rows(self.name, self.extra_keys, rows, nan_reasons, unparseable)
         return out
 
     def __repr__(self) -> str:
