@@ -129,6 +129,11 @@ class SFTModelConfig:
     vision_heads: int | None = opt(None, "tiny base: vision attention heads (null: 2).")
     vision_intermediate_size: int | None = opt(None, "tiny base: vision MLP width (null: 2 x vision_hidden_size; "
                                                "Qwen2-VL uses mlp_ratio 2 instead).")
+    rope_theta: float | None = opt(None, "tiny base: the text model's RoPE base (null: the real models' 1e6 for "
+                                   "Qwen2/2.5-VL, 5e6 for Qwen3-VL). M-RoPE gives the image rows and columns the "
+                                   "lowest frequencies, which at 1e6 and a small head_dim turn a whole image grid by "
+                                   "under a thousandth of a radian: the text model cannot tell where a patch is. A "
+                                   "small base (e.g. 10) makes patch positions visible.")
     dtype: str = opt("float32", "Dtype the model is loaded in; trained weights are kept in fp32.",
                      choices=("float32", "bfloat16", "float16"))
     freeze_vision: bool = opt(False, "Keep the vision tower frozen. A from-scratch tower must learn to see: leave "
@@ -218,7 +223,7 @@ class SFTConfig:
 
 
 _WIDTHS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vision_depth",
-           "vision_hidden_size", "vision_heads", "vision_intermediate_size")
+           "vision_hidden_size", "vision_heads", "vision_intermediate_size", "rope_theta")
 
 
 def _tiny_kind(base: str) -> str | None:
@@ -429,6 +434,8 @@ def _tiny_dims(kind: str, m: SFTModelConfig, text: dict, vision: dict) -> None:
         text["head_dim"] = head_dim
     rope = dict(text.get("rope_parameters") or {})
     rope["mrope_section"] = [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]  # the real [16, 24, 24] ratio
+    if m.rope_theta is not None:
+        rope["rope_theta"] = float(m.rope_theta)
     text["rope_parameters"] = rope
     depth = m.vision_depth or vision["depth"]
     vheads = m.vision_heads or vision["num_heads"]

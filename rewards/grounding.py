@@ -531,13 +531,19 @@ class BoxIoU(_BoxReward):
     referent is accepted) and the coordinate fields. The first box of the answer is scored (VLM-R1
     reads the first ``[x1, y1, x2, y2]``). No box: unparseable (0). Extra key ``acc@0.5``: 1 when
     ``IoU > 0.5`` strictly (REFERENCE.md section 7), so an IoU of exactly 0.5 does not count.
+
+    ``hit_threshold=t`` makes the score the benchmark's hit instead, 1 when ``IoU > t`` (strict, as
+    ``acc@t``) and 0 otherwise: the REC metric itself as the reward (mmrl's option; VLM-R1 trains on the
+    IoU). The extra key ``raw_iou`` always holds the continuous value.
     """
 
-    extra_keys = ("acc@0.5",)
-    unparseable_extras = {"acc@0.5": 0.0}
+    extra_keys = ("acc@0.5", "raw_iou")
+    unparseable_extras = {"acc@0.5": 0.0, "raw_iou": 0.0}
 
-    def __init__(self, require_tags: bool = True, coord_format: str | None = None) -> None:
+    def __init__(self, require_tags: bool = True, coord_format: str | None = None,
+                 hit_threshold: float | None = None) -> None:
         super().__init__(require_tags, coord_format)
+        self.hit_threshold = None if hit_threshold is None else _check_threshold(hit_threshold)
 
     def _score_one(self, text, prompt, meta):
         pred, gt = self._boxes(text, meta)
@@ -546,7 +552,8 @@ class BoxIoU(_BoxReward):
         if not pred:
             raise Unparseable("the answer has no box", self.unparseable_extras)
         iou = max(box_iou(pred[0], g) for g in gt)
-        return {self.name: iou, "acc@0.5": float(iou > 0.5)}
+        score = iou if self.hit_threshold is None else float(iou > self.hit_threshold)
+        return {self.name: score, "acc@0.5": float(iou > 0.5), "raw_iou": iou}
 
 
 @register_reward("box_f1")
@@ -801,13 +808,19 @@ class TemporalIoU(_SpanReward):
 
     ``time_unit="fraction"``: the answer gives fractions of the video, multiplied by ``duration``.
     Extra keys ``r1@0.3``, ``r1@0.5``, ``r1@0.7``: 1 when ``tIoU > m`` (their batch means are R1@m).
+
+    ``hit_threshold=m`` makes the score the benchmark's hit instead, 1 when ``tIoU > m`` (strict, as
+    R1@m) and 0 otherwise: the metric itself as the reward (mmrl's option; Time-R1 trains on the tIoU).
+    The extra key ``raw_tiou`` always holds the continuous value.
     """
 
-    extra_keys = ("r1@0.3", "r1@0.5", "r1@0.7")
-    unparseable_extras = {"r1@0.3": 0.0, "r1@0.5": 0.0, "r1@0.7": 0.0}
+    extra_keys = ("r1@0.3", "r1@0.5", "r1@0.7", "raw_tiou")
+    unparseable_extras = {"r1@0.3": 0.0, "r1@0.5": 0.0, "r1@0.7": 0.0, "raw_tiou": 0.0}
 
-    def __init__(self, require_tags: bool = True, time_unit: str = "seconds") -> None:
+    def __init__(self, require_tags: bool = True, time_unit: str = "seconds",
+                 hit_threshold: float | None = None) -> None:
         super().__init__(require_tags, time_unit)
+        self.hit_threshold = None if hit_threshold is None else _check_threshold(hit_threshold)
 
     def _score_one(self, text, prompt, meta):
         gt = _gt_span(meta, self.name)
@@ -817,7 +830,8 @@ class TemporalIoU(_SpanReward):
         except Unparseable as exc:
             raise Unparseable(exc.reason, self.unparseable_extras) from None
         tiou = temporal_iou((s * scale, e * scale), gt)
-        return {self.name: tiou, **{f"r1@{m}": float(tiou > m) for m in (0.3, 0.5, 0.7)}}
+        score = tiou if self.hit_threshold is None else float(tiou > self.hit_threshold)
+        return {self.name: score, **{f"r1@{m}": float(tiou > m) for m in (0.3, 0.5, 0.7)}, "raw_tiou": tiou}
 
 
 @register_reward("temporal_dual")

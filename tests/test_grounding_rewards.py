@@ -81,6 +81,22 @@ def test_iou_reward_exactly_half_is_not_accuracy():
     assert r.last_info["num_unparseable"] == 0    # a reversed box is read, and scores 0
 
 
+def test_iou_reward_hit_threshold_scores_the_benchmark_hit():
+    r = build_reward("iou", coord_format="absolute", hit_threshold=0.5)
+    gt = {"boxes": [[0, 0, 10, 10]]}
+    out = r([answer("[0, 0, 5, 10]"), answer("[0, 0, 6, 10]"), answer("[0, 0, 10, 10]"), answer("no box")],
+            None, [gt] * 4)
+    assert same(out["iou"], [0.0, 1.0, 1.0, 0.0])           # IoU 0.5 is no hit (strict, as acc@0.5)
+    assert same(out["raw_iou"], [0.5, 0.6, 1.0, 0.0])       # the continuous value stays in the extras
+    assert same(build_reward("iou", coord_format="absolute", hit_threshold=0.55)(
+        [answer("[0, 0, 6, 10]")], None, [gt])["iou"], [1.0])
+    assert same(build_reward("iou", coord_format="absolute", hit_threshold=0.7)(
+        [answer("[0, 0, 6, 10]")], None, [gt])["iou"], [0.0])
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="thresholds must lie in"):
+            build_reward("iou", hit_threshold=bad)
+
+
 def test_iou_reward_first_box_and_best_ground_truth():
     r = build_reward("iou", coord_format="absolute")
     out = r([answer("[0,0,10,10] and [50,50,60,60]"), answer("[50,50,60,60] and [0,0,10,10]")], None,
@@ -363,6 +379,18 @@ def test_temporal_iou_reward():
     out = frac([answer("0.25 to 0.5"), answer("0.25 to 0.5")], None,
                [{"timestamps": [10, 20], "duration": 40}, {"timestamps": [10, 20]}])
     assert same(out["temporal_iou"], [1.0, NAN])
+
+
+def test_temporal_iou_reward_hit_threshold():
+    r = build_reward("temporal_iou", hit_threshold=0.5)
+    out = r([answer("15 to 25"), answer("10 to 15"), answer("11 to 19"), answer("soon")], None,
+            [{"timestamps": [10, 20]}] * 4)
+    assert same(out["temporal_iou"], [0.0, 0.0, 1.0, 0.0])   # 1/3, exactly 0.5 (no hit), 0.8
+    assert same(out["raw_tiou"], [1 / 3, 0.5, 0.8, 0.0])
+    assert same(out["r1@0.5"], out["temporal_iou"])           # the reward is R1@0.5 itself
+    assert r.last_info["num_unparseable"] == 1
+    assert same(build_reward("temporal_iou", hit_threshold=0.3)(
+        [answer("15 to 25")], None, [{"timestamps": [10, 20]}])["temporal_iou"], [1.0])
 
 
 def test_temporal_dual_reward():

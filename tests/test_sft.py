@@ -267,3 +267,25 @@ def test_thought_dropout_empties_the_think_block_of_drawn_targets():
 
     with pytest.raises(Exception, match="thought_dropout must be in"):
         load_sft_config(REPO / "configs/shapes/sft_qwen_vl.yaml", ["data.thought_dropout=1.5"])
+
+
+def test_rope_theta_of_a_tiny_base_reaches_the_model_and_makes_patch_columns_visible(tmp_path):
+    from transformers import AutoConfig
+
+    from mmrl.sft import SFTModelConfig, build_base_model
+
+    folder = build_base_model(SFTModelConfig(hidden_size=64, num_heads=2, rope_theta=10.0), tmp_path / "base")
+    rope = AutoConfig.from_pretrained(folder).text_config.rope_parameters
+    head_dim = 32
+    assert rope["rope_theta"] == 10.0 and rope["mrope_section"] == [4, 6, 6]
+    default = AutoConfig.from_pretrained(build_base_model(SFTModelConfig(hidden_size=64, num_heads=2),
+                                                          tmp_path / "default")).text_config.rope_parameters
+    assert default["rope_theta"] == 1e6
+    # M-RoPE: frequency i = theta ** (-2 i / head_dim); the columns (w) get the last section, i = 10 ... 15.
+    # Across the 4 columns of a 112 px image (positions 0 ... 3) the fastest w frequency turns by:
+    def turn(theta):
+        return 3 * theta ** (-2 * 10 / head_dim)
+    assert turn(default["rope_theta"]) < 1e-3 < 0.5 < turn(rope["rope_theta"])
+    with pytest.raises(ConfigError, match="model.rope_theta: widths apply to a from-scratch base"):
+        load_sft_config(_config(tmp_path / "c.yaml", "x.jsonl", model={"base": "some/hub", "rope_theta": 10}),
+                        check_files=False)

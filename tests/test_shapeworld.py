@@ -100,8 +100,12 @@ def test_prompt_sets_counts_split_and_metadata(tmp_path):
     assert not shown & sw.HELDOUT_PAIRINGS and len(shown) == 12
     shown = {(o.shape, o.color) for _, m in held for o in scene_for(m, rng, split="heldout").objects}
     assert sw.HELDOUT_PAIRINGS <= shown
-    with pytest.raises(ValueError, match="unknown ShapeWorld split 'test'"):
-        prompt_set("test")
+    # the test split holds out seeds, not prompts: the training prompts, their scenes never a held-out pairing
+    assert prompt_set("test") == train
+    shown = {(o.shape, o.color) for _, m in train for o in scene_for(m, rng, split="test").objects}
+    assert not shown & sw.HELDOUT_PAIRINGS
+    with pytest.raises(ValueError, match="unknown ShapeWorld split 'val'"):
+        prompt_set("val")
     with pytest.raises(ValueError, match="not a ShapeWorld shape"):
         scene_for({"tag": "single_object", "include": [{"class": "dog", "count": 1}]}, 0)
     with pytest.raises(ValueError, match="forbids"):
@@ -308,9 +312,12 @@ def test_vlm_dataset_reads_and_its_sft_targets_score_full_marks(tmp_path):
             if sample.task == "grounding":
                 pairing = tuple(sample.metadata["target"].split()[::-1])
                 assert (pairing in sw.HELDOUT_PAIRINGS) == (split == "heldout")
-            if split == "train" and "objects" in sample.metadata:  # no held-out pairing anywhere in training data
+            if split != "heldout" and "objects" in sample.metadata:  # no held-out pairing in train / test data
                 assert not {(o["shape"], o["color"]) for o in sample.metadata["objects"]} & sw.HELDOUT_PAIRINGS
                 assert sample.metadata["image_size"] == sample.metadata["input_size"] == [112, 112]
+    # test lines are new scenes of the training world: none of them is a training line of the same seed
+    media = {split: {f.read_bytes() for f in (tmp_path / split).rglob("*.*")} for split in ("train", "test")}
+    assert len(media["test"]) == 9 and not media["train"] & media["test"]
     # the same arguments write the same files
     again = sw.write_vlm_dataset(tmp_path / "again", "train", 9, seed=3)
     assert again.read_text() == (tmp_path / "train.jsonl").read_text()
@@ -352,8 +359,8 @@ def test_mmrl_eval_shapeworld_heldout_end_to_end(config_file, tmp_path, capsys):
     assert [r["prompt"] for r in rows[::4]] == [p for p, _ in prompt_set("heldout")[:6]]
     assert all(r["scores"]["correct"] in (0.0, 1.0) and isinstance(r["verdict"]["detections"], list) for r in rows)
     capsys.readouterr()
-    assert main(["eval", str(config_file), "benchmarks=[shapeworld@test]", f"output_dir={tmp_path / 'bad'}"]) == 2
-    one_error(capsys, "unknown ShapeWorld split 'test'")
+    assert main(["eval", str(config_file), "benchmarks=[shapeworld@val]", f"output_dir={tmp_path / 'bad'}"]) == 2
+    one_error(capsys, "unknown ShapeWorld split 'val'")
 
 
 def test_shapeworld_prompt_spec_reads_the_split_with_metadata(tmp_path, monkeypatch):

@@ -75,7 +75,7 @@ IMAGE_SIZE = 32
 VLM_IMAGE_SIZE = 112
 #: GenEval's six categories, in GenEval's order.
 TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "heldout", "test")
 POSITIONS = ("left of", "right of", "above", "below")
 #: Counting prompts' numbers (GenEval: 2-4).
 NUMBERS = {2: "two", 3: "three", 4: "four"}
@@ -272,7 +272,8 @@ def _all_prompts() -> dict[str, list[tuple[str, dict, bool]]]:
 
 
 def prompt_set(split: str) -> list[tuple[str, dict]]:
-    """The ``(prompt, metadata)`` pairs of ``split`` (``"train"`` or ``"heldout"``; the two are disjoint).
+    """The ``(prompt, metadata)`` pairs of ``split`` (``"train"`` or ``"heldout"``, disjoint; ``"test"`` has the
+    ``train`` prompts: it holds out seeds, not prompts).
 
     ``metadata`` is GenEval's ``{"tag", "include", "exclude"?, "prompt"}`` (a fresh copy each call). Order: round
     robin over the tags in :data:`TAGS` order (prompt k of every tag, then k + 1, ...), so the first ``6 m`` prompts
@@ -330,7 +331,7 @@ def check_prompts_spec(value: str) -> str | None:
     """None if ``value`` (starting ``shapeworld:``) names a split's prompts, else what is wrong with it."""
     split = value[len(PROMPTS_SPEC_PREFIX):]
     if split not in SPLITS:
-        return f"{value!r}: unknown ShapeWorld split {split!r}; write shapeworld:train or shapeworld:heldout"
+        return f"{value!r}: unknown ShapeWorld split {split!r}; write shapeworld:train, shapeworld:heldout or shapeworld:test"
     return None
 
 
@@ -372,14 +373,14 @@ def base_model_path(name: str) -> Path:
 
 #: A ShapeWorld VLM set written on the spot: ``shapeworld:<split>:<n>`` (every task) or
 #: ``shapeworld:<split>:<n>:<task>[+<task>...]`` (those tasks, e.g. ``shapeworld:heldout:48:grounding``).
-VLM_SPEC = re.compile(r"^shapeworld:(train|heldout):([1-9][0-9]*)(?::([a-z_]+(?:\+[a-z_]+)*))?$")
+VLM_SPEC = re.compile(r"^shapeworld:(train|heldout|test):([1-9][0-9]*)(?::([a-z_]+(?:\+[a-z_]+)*))?$")
 
 
 def check_vlm_spec(value: str) -> str | None:
     """None if ``value`` names a ShapeWorld VLM set (:data:`VLM_SPEC`), else what is wrong with it."""
     match = VLM_SPEC.match(value)
     if match is None:
-        return (f"{value!r} is not a ShapeWorld VLM set: write shapeworld:<train|heldout>:<n>[:<task>+<task>] "
+        return (f"{value!r} is not a ShapeWorld VLM set: write shapeworld:<train|heldout|test>:<n>[:<task>+<task>] "
                 f"(tasks {', '.join(VLM_TASKS)})")
     bad = [t for t in (match.group(3) or "").split("+") if t and t not in VLM_TASKS]
     if bad:
@@ -478,7 +479,7 @@ def scene_for(metadata: Mapping[str, Any], rng, size: int = IMAGE_SIZE, *, split
 
     Every include clause gets exactly ``count`` shapes of its class, in its colour (else a random one); nothing else
     is drawn, so exclude clauses hold unless the includes themselves break them (then no scene exists: ValueError).
-    ``split="train"``: the random colours avoid the held-out pairings (:data:`HELDOUT_PAIRINGS`), so training images
+    ``split="train"`` (or ``"test"``): the random colours avoid the held-out pairings (:data:`HELDOUT_PAIRINGS`), so training images
     never show a held-out colour-shape pairing at all, not even for prompts that name no colour.
     Sides are drawn uniformly from 8-14 px at 32 px (8-11 px with three or more shapes), scaled to ``size``; boxes
     are square, inside the image and at least 2 px (scaled) apart; a clause with ``position: [relation, t]`` is
@@ -511,7 +512,7 @@ def scene_for(metadata: Mapping[str, Any], rng, size: int = IMAGE_SIZE, *, split
         objects: list[Obj] = []
         clause_of: list[int] = []
         for k, cls, color, position in specs:
-            color = color if color is not None else _any_color(rng, cls, split == "train")
+            color = color if color is not None else _any_color(rng, cls, split in ("train", "test"))
             placed = None
             for _ in range(100):
                 side = int(rng.integers(low, high + 1))
