@@ -196,7 +196,8 @@ class Trainer:
 
     def _micro_batches_per_epoch(self) -> int:
         c = self.config
-        return (c.data.prompts_per_step * c.data.group_size) // c.train.batch_size
+        rows = max([v.trained_rows_per_sample for v in self.variants], default=1)  # another role's samples
+        return (c.data.prompts_per_step * c.data.group_size * rows) // c.train.batch_size
 
     def _micro_per_optimizer_step(self) -> int:
         return self.config.train.gradient_accumulation_steps
@@ -866,11 +867,12 @@ class Trainer:
             scores = self._score(rollout)
         timer["rollout"] += t1 - t0
         timer["reward"] += time.perf_counter() - t1
-        return rollout, self._variant_rewards(items, rollout, scores, generator, timer)
+        return self._variant_rewards(items, rollout, scores, generator, timer)
 
-    def _variant_rewards(self, items, rollout, scores, generator, timer) -> dict[str, torch.Tensor]:
+    def _variant_rewards(self, items, rollout, scores, generator, timer):
         """The ``rewards`` stage of every variant that has one, in config order: extra rollouts and reward transforms
-        that add or replace score components and the weights of those entering the advantage."""
+        that add or replace score components and the weights of those entering the advantage, and (a variant that
+        trains another role's samples too) the rollout to train. Returns ``(rollout, scores)``."""
         weights = dict(self.reward_fn.weights)
         cache: dict[str, Intermediate] = {}
 
@@ -908,8 +910,15 @@ class Trainer:
             missing = sorted(set(weights) - set(scores))
             if missing:
                 raise ValueError(f"variant {variant.name!r} weights components {missing} it did not score")
+            if out.rollout is not None:
+                expected = len(rollout) * variant.trained_rows_per_sample
+                if len(out.rollout) != expected or any(len(v) != expected for v in scores.values()):
+                    raise ValueError(f"variant {variant.name!r} returned a rollout of {len(out.rollout)} rows and "
+                                     f"scores of {sorted({len(v) for v in scores.values()})}; expected {expected} "
+                                     f"(trained_rows_per_sample = {variant.trained_rows_per_sample})")
+                rollout = out.rollout
         self.advantage_weights = weights
-        return scores
+        return rollout, scores
 
     def _intermediate(self, rollout) -> Intermediate:
         """The images each trained step of a flow rollout leads to and their rewards ``R_0 .. R_T`` (the weighted

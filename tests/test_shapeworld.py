@@ -375,8 +375,9 @@ def test_shapeworld_prompt_spec_reads_the_split_with_metadata(tmp_path, monkeypa
         # the cached file is named by its content and written once
         assert sw.prompts_file(split) == sw.prompts_file(split)
         assert sw.prompts_file(split).name.startswith(f"shapeworld-{split}-")
-    with pytest.raises(DataError, match="unknown ShapeWorld split 'test'"):
-        read_prompts("shapeworld:test")
+    assert [i.prompt for i in read_prompts("shapeworld:test")] == [p for p, _ in prompt_set("train")]
+    with pytest.raises(DataError, match="unknown ShapeWorld split 'val'"):
+        read_prompts("shapeworld:val")
     assert sw.resolve_prompts_spec("prompts.jsonl") == "prompts.jsonl"
     load_config(TINY_RECIPE, ["data.prompts=shapeworld:train", "data.prompt_list=[]"])  # no file check on the spelling
     with pytest.raises(ConfigError, match="unknown ShapeWorld split"):

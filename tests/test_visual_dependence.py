@@ -205,3 +205,80 @@ def test_grpo_care_bonus_follows_the_released_rule():
     fresh.load_state_dict(state)
     assert fresh.reference.shadow["w"].tolist() == [1.0, 1.0]
     assert math.isclose(variant.options.decay, 0.5)
+
+
+def test_prco_trains_the_solver_on_its_outcome_and_the_observer_on_its_solvers_success():
+    import contextlib
+
+    from mmrl.data.vlm import VLMSample
+
+    items = [VLMSample(id="a", question="What colour?", solution="red", image_paths=["/x.png"]),
+             VLMSample(id="b", question="How many?", solution="2", image_paths=["/y.png"])]
+
+    class Rollout(SimpleNamespace):
+        def __len__(self):
+            return len(self.completions)
+
+    observer = Rollout(completions=["a red box", "<caption>two dots</caption> ok", "", "blue sky"],
+                       prompt_index=torch.tensor([0, 0, 1, 1]), group_ids=torch.tensor([4, 4, 5, 5]))
+    asked, prompting = [], []
+
+    class Policy:
+        system_prompt = "be brief"
+
+        @contextlib.contextmanager
+        def prompting(self, **kwargs):
+            prompting.append(kwargs)
+            yield self
+
+        def concat_rollouts(self, parts):
+            return Rollout(completions=[c for p in parts for c in p.completions], group_ids=torch.zeros(8))
+
+    def sample(prompts, group_size, **kwargs):
+        asked.append((prompts, group_size, kwargs))
+        return Rollout(completions=["red", "blue", "2", "3"])
+
+    solver_scores = {"acc": torch.tensor([1.0, 0.0, float("nan"), 1.0]), "acc/extra": torch.tensor([5.0, 6, 7, 8]),
+                     "fmt": torch.tensor([0.5, 0.5, 1.0, 0.0]), "total": torch.tensor([1.5, 0.5, 1.0, 1.0])}
+    ctx = SimpleNamespace(rollout=observer, items=items, weights={"acc": 2.0, "fmt": 1.0}, stats={}, sample=sample,
+                          scores={"acc": torch.zeros(4), "acc/extra": torch.zeros(4), "fmt": torch.ones(4),
+                                  "total": torch.ones(4)},
+                          score=lambda r: solver_scores, policy=Policy(),
+                          config=SimpleNamespace(data=SimpleNamespace(prompts_per_step=2)),
+                          accelerator=SimpleNamespace(num_processes=3))
+    variant = parse_spec({"name": "prco", "accuracy": "acc"}, 0)
+    out = variant.rewards(ctx)
+    prompts, group_size, kwargs = asked[0]
+    assert group_size == 1 and kwargs == {}  # one sampled Solver answer per caption
+    assert [p.question for p in prompts] == ["Evidence: a red box\n\nQuestion: What colour?",
+                                              "Evidence: <caption>two dots</caption> ok\n\nQuestion: What colour?",
+                                              "Evidence: \n\nQuestion: How many?",
+                                              "Evidence: blue sky\n\nQuestion: How many?"]
+    assert all(p.image_paths == [] and p.video_path is None for p in prompts)  # the Solver sees no image
+    assert prompting == [{"system_prompt": "be brief", "question_template": "{question}"}]
+    # Observer rows first: its Solver's accuracy (NaN counts 0) as the accuracy component, 0 elsewhere
+    assert out.scores["acc"][:4].tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert out.scores["acc"][4:6].tolist() == [1.0, 0.0] and torch.isnan(out.scores["acc"][6])  # the Solver's own
+    assert out.scores["acc/extra"].tolist() == [5.0, 6, 7, 8, 5, 6, 7, 8]
+    assert out.scores["fmt"].tolist() == [0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 1.0, 0.0]
+    assert out.scores["total"].tolist() == [2.0, 0.0, 0.0, 2.0, 1.5, 0.5, 1.0, 1.0]
+    assert out.weights == {"acc": 2.0, "fmt": 1.0}
+    # each role's groups: the Solver's offset past every process's Observer groups (2 prompts x 3 processes)
+    assert out.rollout.group_ids.tolist() == [4, 4, 5, 5, 10, 10, 11, 11] and len(out.rollout) == 8
+    assert ctx.stats == {"prco/solver_accuracy": 0.5, "prco/empty_captions": 1.0}
+    tagged = parse_spec({"name": "prco", "accuracy": "acc", "caption_tag": "caption"}, 0)
+    assert [tagged.caption(c) for c in observer.completions] == ["", "two dots", "", ""]
+    with pytest.raises(Exception, match="solver_template"):
+        parse_spec({"name": "prco", "accuracy": "acc", "solver_template": "{answer}"}, 0)
+
+
+def test_prco_refuses_what_would_drop_one_roles_rows():
+    from mmrl.config import ConfigError, load_config
+
+    base = REPO / "configs/tiny/vlm_grounding.yaml"
+    prco = "{name: prco, accuracy: iou}"
+    with pytest.raises(ConfigError, match="adds another role's groups.*variance_selection"):
+        load_config(base, [f"algorithm.variants=[{prco}, variance_selection]"])
+    with pytest.raises(ConfigError, match="skip_bad_samples"):
+        load_config(base, [f"algorithm.variants=[{prco}]", "data.skip_bad_samples=true"])
+    assert load_config(base, [f"algorithm.variants=[{prco}]"]).algorithm.variants

@@ -41,6 +41,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import json
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -64,10 +66,15 @@ class VariantError(ValueError):
 @dataclass
 class Rewards:
     """Output of the ``rewards`` stage: every score component (``[N]`` or ``[N, T]``, this process's samples) and
-    the weights of those that enter the advantage (a component absent from ``weights`` is only logged)."""
+    the weights of those that enter the advantage (a component absent from ``weights`` is only logged).
+
+    ``rollout``: a variant with ``trained_rows_per_sample = k > 1`` returns the rollout to train instead, the given
+    one followed by ``(k - 1) N`` rows of another role's samples (``policy.concat_rollouts``), each appended group
+    with its own group id, and ``scores`` covering all ``k N`` rows."""
 
     scores: dict[str, Tensor]
     weights: dict[str, float]
+    rollout: Any = None
 
 
 @dataclass
@@ -215,6 +222,9 @@ class Variant:
     needs: ClassVar[tuple[str, ...]] = ()
     #: policy families it applies to (:data:`FAMILIES`)
     families: ClassVar[tuple[str, ...]] = FAMILIES
+    #: rows trained per sampled row: a ``rewards`` variant that appends another role's samples to the trained
+    #: batch (:class:`Rewards` ``rollout``) sets it, so the optimizer-step count and LR schedule count them
+    trained_rows_per_sample: ClassVar[int] = 1
 
     def __init__(self, options: Any = None):
         self.options = options if options is not None else self.Options()
@@ -390,6 +400,13 @@ def build_variants(config: Any) -> list[Variant]:
         if len(owners) > 1:
             raise VariantError(f"algorithm.variants: {' and '.join(owners)} both replace the {stage!r} stage; "
                                f"choose one")
+    growing = [v.name for v in variants if v.trained_rows_per_sample > 1]
+    if len(growing) > 1:
+        raise VariantError(f"algorithm.variants: {' and '.join(growing)} both add rows to the trained batch; choose one")
+    selecting = [v.name for v in variants if "select" in v.stages()]
+    if growing and selecting:
+        raise VariantError(f"algorithm.variants: {growing[0]} adds another role's groups to the trained batch, which "
+                           f"the select stage of {', '.join(selecting)} would drop; use one or the other")
     for v in variants:
         if family not in v.families:
             raise VariantError(f"variant {v.name!r} applies to {'/'.join(v.families)} policies, not "
@@ -412,6 +429,21 @@ def describe_variant(cls: type[Variant]) -> dict[str, Any]:
             "summary": cls.summary, "paper": cls.paper, "options": options}
 
 
+def check_template(option_name: str, template: str, *placeholders: str) -> None:
+    """ValueError unless ``template`` formats with exactly these named ``placeholders`` (an option's prompt text)."""
+    try:
+        template.format(**{name: "" for name in placeholders})
+    except (KeyError, IndexError, ValueError) as exc:
+        names = " and ".join(f"{{{name}}}" for name in placeholders)
+        raise ValueError(f"{option_name}: only {names} may be in braces ({exc})") from None
+
+
+def check_tag(option_name: str, tag: str) -> None:
+    """ValueError unless ``tag`` is a tag name (``<tag>...</tag>`` in a completion)."""
+    if not re.fullmatch(r"[A-Za-z_][\w-]*", tag):
+        raise ValueError(f"{option_name} must be a tag name, got {tag!r}")
+
+
 def option(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002 - mirrors mmrl.config.opt
     """A variant option with its help text (shown by ``mmrl variants``)."""
     if isinstance(default, (list, dict)):
@@ -431,11 +463,19 @@ def variants_table() -> str:
             "|---|---|---|---|---|---|"]
     for name in sorted(REGISTRY):
         d = describe_variant(REGISTRY[name])
-        options = ", ".join(f"`{o['name']}` ({_literal(o['default'])})" for o in d["options"]) or "none"
+        options = ", ".join(f"`{o['name']}` ({_cell(o['default'])})" for o in d["options"]) or "none"
         needs = f"; needs {', '.join(d['needs'])}" if d["needs"] else ""
         rows.append(f"| `{name}` | {', '.join(d['stages'])}{needs} | {', '.join(d['families'])} | {d['summary']} | "
                     f"{options} | {d['paper']} |")
     return "\n".join(rows)
+
+
+def _cell(value: Any) -> str:
+    """A default as one table cell: a string with line breaks in JSON's escaped spelling (YAML's would break the
+    row), any other value as YAML writes it."""
+    if isinstance(value, str) and "\n" in value:
+        return json.dumps(value)
+    return _literal(value)
 
 
 def variants_listing() -> str:

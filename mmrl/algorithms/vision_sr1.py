@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmrl.algorithms.base import RewardContext, Rewards, Variant, option, register
+from mmrl.algorithms.base import RewardContext, Rewards, Variant, check_tag, check_template, option, register
 
 
 @dataclass
@@ -26,12 +26,8 @@ class VisionSR1Options:
             raise ValueError("accuracy: name the answer-accuracy component that judges the text-only answer")
         if self.fallback not in ("think", "zero"):
             raise ValueError(f"fallback must be 'think' or 'zero', got {self.fallback!r}")
-        if not re.fullmatch(r"[A-Za-z_][\w-]*", self.tag):
-            raise ValueError(f"tag must be a tag name, got {self.tag!r}")
-        try:
-            self.template.format(perception="", question="")
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(f"template: only {{perception}} and {{question}} may be in braces ({exc})") from None
+        check_tag("tag", self.tag)
+        check_template("template", self.template, "perception", "question")
 
 
 @register

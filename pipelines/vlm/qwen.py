@@ -359,6 +359,17 @@ class QwenVLPolicy:
 
     # ------------------------------------------------------------------------------------- prompts
 
+    @contextlib.contextmanager
+    def prompting(self, *, system_prompt: str | None, question_template: str):
+        """Build prompts inside the block with another ``system_prompt`` / ``question_template`` (a second role of the
+        same policy, as PRCO's Solver); the rollout keeps its prompt ids, so training reads what was sampled."""
+        saved = self.system_prompt, self.question_template
+        self.system_prompt, self.question_template = system_prompt, question_template
+        try:
+            yield self
+        finally:
+            self.system_prompt, self.question_template = saved
+
     def messages(self, item, n_images: int, has_video: bool) -> list[dict]:
         content = [{"type": "image"} for _ in range(n_images)]
         if has_video:
