@@ -194,10 +194,14 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ sizes
 
-    def _micro_batches_per_epoch(self) -> int:
+    def _trained_per_process(self) -> int:
+        """Rows trained per update on each process: the sampled ones, times a variant's other role (PRCO)."""
         c = self.config
-        rows = max([v.trained_rows_per_sample for v in self.variants], default=1)  # another role's samples
-        return (c.data.prompts_per_step * c.data.group_size * rows) // c.train.batch_size
+        rows = max([v.trained_rows_per_sample for v in self.variants], default=1)
+        return c.data.prompts_per_step * c.data.group_size * rows
+
+    def _micro_batches_per_epoch(self) -> int:
+        return self._trained_per_process() // self.config.train.batch_size
 
     def _micro_per_optimizer_step(self) -> int:
         return self.config.train.gradient_accumulation_steps
@@ -718,6 +722,8 @@ class Trainer:
         model = getattr(self.policy, "model", None)
         total = sum(p.numel() for p in model.parameters()) if isinstance(model, torch.nn.Module) else None
         per_process = c.data.prompts_per_step * c.data.group_size
+        trained = self._trained_per_process()
+        other_role = f" ({trained} rows trained per process with the other role's)" if trained != per_process else ""
         minibatches = self._micro_batches_per_epoch()
         per_step = min(c.train.gradient_accumulation_steps, minibatches) * c.train.batch_size
         steps = -(-minibatches // c.train.gradient_accumulation_steps) * c.train.inner_epochs
@@ -728,7 +734,8 @@ class Trainer:
             f"{how}: {trainable:,} trainable parameters" + (f" of {total:,}" if total else ""),
             f"  device    {acc.device}, {acc.num_processes} process(es), mixed precision {c.train.mixed_precision}",
             f"  update    {c.data.prompts_per_step} prompts x {c.data.group_size} samples = {per_process} per process, "
-            f"{per_process * acc.num_processes} in all; {steps} optimizer steps of {per_step} samples per process "
+            f"{per_process * acc.num_processes} in all{other_role}; {steps} optimizer steps of {per_step} samples per "
+            f"process "
             f"({c.train.inner_epochs} inner epoch(s) of {minibatches} minibatches of {c.train.batch_size})",
             f"  schedule  {c.train.steps} updates, lr {c.optim.lr:g} ({c.optim.lr_scheduler})",
             *([f"  eval      {', '.join(c.eval.benchmarks)} on {c.eval.limit} prompts each, every {c.eval.every} "

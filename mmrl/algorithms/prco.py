@@ -47,8 +47,8 @@ class PRCO(Variant):
     group-relative advantage compares Observers with Observers and Solvers with Solvers.
 
     mmrl's choices where the abstract gives no rule: one Solver sample per caption, the Solver prompt template, the
-    other components' 0 on Observer rows (the accuracy reward's extra keys follow the Solver's), and the Solver group (the answers to one question from its ``group_size``
-    captions). Logged: ``prco/solver_accuracy`` (mean over Solver rows), ``prco/empty_captions``. Not combinable
+    other components' 0 on Observer rows (the accuracy reward's extra keys follow the Solver's), and the Solver group
+    (the answers to one question from its ``group_size`` captions). Logged: ``prco/solver_accuracy`` (mean over Solver rows), ``prco/empty_captions``. Not combinable
     with ``select`` variants (they would drop one role's groups) or ``data.skip_bad_samples``."""
 
     name = "prco"
@@ -62,8 +62,8 @@ class PRCO(Variant):
     def check(self, config) -> None:
         self.require_reward(config, "accuracy", weighted=True)
         if config.data.skip_bad_samples:
-            raise VariantError("variant 'prco' trains a Solver row per Observer row; data.skip_bad_samples would refill "
-                               "Observer groups without their Solvers: turn it off")
+            raise VariantError("variant 'prco' trains a Solver row per Observer row; data.skip_bad_samples would "
+                               "refill Observer groups without their Solvers: turn it off")
 
     def caption(self, text: str) -> str:
         tag = self.options.caption_tag

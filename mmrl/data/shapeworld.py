@@ -331,7 +331,8 @@ def check_prompts_spec(value: str) -> str | None:
     """None if ``value`` (starting ``shapeworld:``) names a split's prompts, else what is wrong with it."""
     split = value[len(PROMPTS_SPEC_PREFIX):]
     if split not in SPLITS:
-        return f"{value!r}: unknown ShapeWorld split {split!r}; write shapeworld:train, shapeworld:heldout or shapeworld:test"
+        return (f"{value!r}: unknown ShapeWorld split {split!r}; write shapeworld:train, shapeworld:heldout or "
+                f"shapeworld:test")
     return None
 
 
@@ -479,8 +480,8 @@ def scene_for(metadata: Mapping[str, Any], rng, size: int = IMAGE_SIZE, *, split
 
     Every include clause gets exactly ``count`` shapes of its class, in its colour (else a random one); nothing else
     is drawn, so exclude clauses hold unless the includes themselves break them (then no scene exists: ValueError).
-    ``split="train"`` (or ``"test"``): the random colours avoid the held-out pairings (:data:`HELDOUT_PAIRINGS`), so training images
-    never show a held-out colour-shape pairing at all, not even for prompts that name no colour.
+    ``split="train"`` (or ``"test"``): the random colours avoid the held-out pairings (:data:`HELDOUT_PAIRINGS`), so
+    training images never show a held-out colour-shape pairing at all, not even for prompts that name no colour.
     Sides are drawn uniformly from 8-14 px at 32 px (8-11 px with three or more shapes), scaled to ``size``; boxes
     are square, inside the image and at least 2 px (scaled) apart; a clause with ``position: [relation, t]`` is
     placed after its target so that ``relation`` holds towards every object of clause ``t`` under GenEval's rule with

@@ -42,7 +42,8 @@ def _split(name: str) -> str:
 
     head, _, split = name.partition("@")
     if head != _NAME or ":" in name:
-        raise EvalError(f"benchmark {name!r}: expected shapeworld, shapeworld@train, shapeworld@heldout or shapeworld@test")
+        raise EvalError(f"benchmark {name!r}: expected shapeworld, shapeworld@train, shapeworld@heldout or "
+                        f"shapeworld@test")
     split = split or "heldout"
     if split not in SPLITS:
         raise EvalError(f"benchmark {name!r}: unknown ShapeWorld split {split!r}; splits: {', '.join(SPLITS)}")
