@@ -94,7 +94,9 @@ def test_kl_penalty_has_trl_k3_gradient(model_path):
     loss = (beta * (k3 * mask).sum(-1) / mask.sum(-1)).mean()
     want = torch.autograd.grad(loss, params)
     for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-8)
+        # float32 rounding scales with the largest entries summed, not with each entry: a tiny entry of a gradient
+        # may differ by 1e-8 absolute between GEMM kernels (CPU-dependent), so the tolerance is relative to the max
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
 
 
 # ------------------------------------------------------------------------------- 2. only configured sampling
