@@ -421,3 +421,17 @@ def test_bad_input_is_one_line_before_any_model_loads(extra, words, tmp_path, no
     for word in words:
         assert word in message, (word, message)
     assert not (tmp_path / "out").exists()
+
+
+def test_headline_warns_when_the_blind_answers_are_mostly_unparseable():
+    from mmrl.eval.vlm import _headline
+
+    def result(blind_unparseable):
+        return {"headline": "r1@0.5", "sample_score": "tiou", "num_samples": 4, "num_unjudged": 0,
+                "metrics": {"r1@0.5": 0.5, "num_unparseable": 0},
+                "blind": {"num_samples": 4, "metrics": {"r1@0.5": 0.0, "num_unparseable": blind_unparseable}},
+                "blind_control": {"metrics": {"tiou": {"delta": 0.4}}}}
+
+    assert "WARNING: 3 of 4 blind answers unparseable" in _headline(result(3))
+    assert "WARNING" not in _headline(result(2))  # half or fewer: the blind score means something
+    assert "real - blind 0.4" in _headline(result(0))

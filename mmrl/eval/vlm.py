@@ -849,6 +849,10 @@ def _headline(result: Mapping[str, Any]) -> str:
         delta = result["blind_control"]["metrics"].get(result["sample_score"], {})
         text += (f"; blind {key} {fmt(result['blind']['metrics'].get(key))}, {result['sample_score']} real - blind "
                  f"{fmt(delta.get('delta'))}")
+        bad, total = result["blind"]["metrics"].get("num_unparseable", 0), result["blind"]["num_samples"]
+        if total and bad > total / 2:  # a model that cannot answer on a grey canvas scores 0 blind whatever it sees
+            text += (f" (WARNING: {bad} of {total} blind answers unparseable: the blind control measures the answer "
+                     f"format here, not the use of the image)")
     return text
 
 
