@@ -29,7 +29,7 @@ def _nonzero_lora(policy, scale=0.05, seed=7):
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
 
-def test_lora_dropout_zero_grad_forward_replays_rollout_exactly(tiny_sd3):
+def test_lora_dropout_zero_grad_forward_replays_rollout(tiny_sd3):
     policy = make_policy(tiny_sd3, lora={**LORA, "dropout": 0.0})
     _nonzero_lora(policy)
     rollout = policy.rollout(["a cat", "a dog"], 2, generator=torch.Generator().manual_seed(0))
