@@ -134,6 +134,12 @@ class SFTModelConfig:
                                    "lowest frequencies, which at 1e6 and a small head_dim turn a whole image grid by "
                                    "under a thousandth of a radian: the text model cannot tell where a patch is. A "
                                    "small base (e.g. 10) makes patch positions visible.")
+    vision_position_std: float | None = opt(
+        None, "tiny:qwen3_vl base: standard deviation of the vision tower's learned position embeddings at "
+        "initialisation (null: transformers' initializer_range, 0.02). At 0.02 they are ~20x smaller than the patch "
+        "embeddings, and the merged image tokens come out carrying no absolute position (a linear probe of a shape's "
+        "token finds nothing), so the text model cannot say where a shape is; 1.0 puts the position into each "
+        "token's content. Qwen2-VL / Qwen2.5-VL have no absolute position embeddings (rejected there).")
     dtype: str = opt("float32", "Dtype the model is loaded in; trained weights are kept in fp32.",
                      choices=("float32", "bfloat16", "float16"))
     freeze_vision: bool = opt(False, "Keep the vision tower frozen. A from-scratch tower must learn to see: leave "
@@ -268,6 +274,14 @@ def validate_sft(config: SFTConfig, *, check_files: bool = True) -> None:
         checks.append((value is None or kind is not None,
                        f"model.{key}: widths apply to a from-scratch base (model.base: tiny:<kind>), not to "
                        f"{m.base!r}; remove it"))
+    std = m.vision_position_std
+    checks += [
+        (std is None or (isinstance(std, (int, float)) and not isinstance(std, bool) and math.isfinite(std)
+                         and std > 0), "model.vision_position_std: must be a number > 0 (or null)"),
+        (std is None or kind == "qwen3_vl",
+         f"model.vision_position_std: only a from-scratch tiny:qwen3_vl base has learned absolute position "
+         f"embeddings in its vision tower (model.base is {m.base!r}); remove it"),
+    ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
@@ -470,6 +484,9 @@ def build_base_model(m: SFTModelConfig, outdir: str | Path) -> Path:
     config = type(config).from_dict(data)
     with _seeded(m.init_seed):
         model = AutoModelForImageTextToText.from_config(config).eval()
+        if m.vision_position_std is not None:
+            with torch.no_grad():
+                model.model.visual.pos_embed.weight.normal_(0.0, float(m.vision_position_std))
     model.generation_config = HFGen.from_pretrained(source)
     outdir = Path(outdir)
     tmp = outdir.with_name(f".{outdir.name}.tmp-{os.getpid()}")

@@ -289,3 +289,40 @@ def test_rope_theta_of_a_tiny_base_reaches_the_model_and_makes_patch_columns_vis
     with pytest.raises(ConfigError, match="model.rope_theta: widths apply to a from-scratch base"):
         load_sft_config(_config(tmp_path / "c.yaml", "x.jsonl", model={"base": "some/hub", "rope_theta": 10}),
                         check_files=False)
+
+
+def test_vision_position_std_puts_absolute_position_into_the_image_tokens_of_a_tiny_qwen3_vl(tmp_path):
+    """A uniform image: every merged token has the same content except for what the learned position embeddings
+    add, so their spread across the grid measures how much absolute position the tokens carry."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from mmrl.sft import SFTModelConfig, build_base_model
+
+    def spread(std):
+        folder = build_base_model(SFTModelConfig(base="tiny:qwen3_vl", vision_position_std=std), tmp_path / f"{std}")
+        model = AutoModelForImageTextToText.from_pretrained(folder).eval()
+        weight = model.model.visual.pos_embed.weight
+        image = Image.new("RGB", (112, 112), (40, 40, 40))
+        inputs = AutoProcessor.from_pretrained(folder).image_processor(images=[image], return_tensors="pt")
+        with torch.no_grad():
+            tokens = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+        tokens = tokens.pooler_output[0]  # [16 merged tokens, hidden] of the one image
+        return float(weight.detach().std()), float((tokens - tokens.mean(0)).norm(dim=1).mean() / tokens.norm(dim=1).mean())
+
+    default_std, default_spread = spread(None)
+    std, wide_spread = spread(1.0)
+    assert abs(default_std - 0.02) < 0.004 and abs(std - 1.0) < 0.1
+    assert wide_spread > 5 * default_spread, (default_spread, wide_spread)
+    # the same seed draws the same embeddings
+    again = build_base_model(SFTModelConfig(base="tiny:qwen3_vl", vision_position_std=1.0), tmp_path / "again")
+    first = AutoModelForImageTextToText.from_pretrained(tmp_path / "1.0").model.visual.pos_embed.weight
+    assert torch.equal(first, AutoModelForImageTextToText.from_pretrained(again).model.visual.pos_embed.weight)
+    with pytest.raises(ConfigError, match="model.vision_position_std: only a from-scratch tiny:qwen3_vl base"):
+        load_sft_config(_config(tmp_path / "c.yaml", "x.jsonl", model={"base": "tiny:qwen2_5_vl",
+                                                                        "vision_position_std": 1.0}),
+                        check_files=False)
+    with pytest.raises(ConfigError, match="model.vision_position_std: must be a number > 0"):
+        load_sft_config(_config(tmp_path / "d.yaml", "x.jsonl", model={"base": "tiny:qwen3_vl",
+                                                                        "vision_position_std": 0}),
+                        check_files=False)
