@@ -138,8 +138,9 @@ class SFTModelConfig:
         None, "tiny:qwen3_vl base: standard deviation of the vision tower's learned position embeddings at "
         "initialisation (null: transformers' initializer_range, 0.02). At 0.02 they are ~20x smaller than the patch "
         "embeddings, and the merged image tokens come out carrying no absolute position (a linear probe of a shape's "
-        "token finds nothing), so the text model cannot say where a shape is; 1.0 puts the position into each "
-        "token's content. Qwen2-VL / Qwen2.5-VL have no absolute position embeddings (rejected there).")
+        "token finds nothing), so the text model cannot say where a shape is. Larger values put the position into "
+        "each token's content: ShapeWorld box-grounding SFT reached Acc@0.5 0.04 / 0.18 / 0.41 at null / 1.0 / 2.0 "
+        "(README). Qwen2-VL / Qwen2.5-VL have no absolute position embeddings (rejected there).")
     dtype: str = opt("float32", "Dtype the model is loaded in; trained weights are kept in fp32.",
                      choices=("float32", "bfloat16", "float16"))
     freeze_vision: bool = opt(False, "Keep the vision tower frozen. A from-scratch tower must learn to see: leave "
@@ -276,8 +277,7 @@ def validate_sft(config: SFTConfig, *, check_files: bool = True) -> None:
                        f"{m.base!r}; remove it"))
     std = m.vision_position_std
     checks += [
-        (std is None or (isinstance(std, (int, float)) and not isinstance(std, bool) and math.isfinite(std)
-                         and std > 0), "model.vision_position_std: must be a number > 0 (or null)"),
+        (std is None or (std > 0 and math.isfinite(std)), "model.vision_position_std: must be a number > 0 (or null)"),
         (std is None or kind == "qwen3_vl",
          f"model.vision_position_std: only a from-scratch tiny:qwen3_vl base has learned absolute position "
          f"embeddings in its vision tower (model.base is {m.base!r}); remove it"),

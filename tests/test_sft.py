@@ -308,7 +308,8 @@ def test_vision_position_std_puts_absolute_position_into_the_image_tokens_of_a_t
         with torch.no_grad():
             tokens = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
         tokens = tokens.pooler_output[0]  # [16 merged tokens, hidden] of the one image
-        return float(weight.detach().std()), float((tokens - tokens.mean(0)).norm(dim=1).mean() / tokens.norm(dim=1).mean())
+        spread = (tokens - tokens.mean(0)).norm(dim=1).mean() / tokens.norm(dim=1).mean()
+        return float(weight.detach().std()), float(spread)
 
     default_std, default_spread = spread(None)
     std, wide_spread = spread(1.0)
