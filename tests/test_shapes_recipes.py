@@ -1,8 +1,9 @@
 """The ShapeWorld recipes (configs/shapes/) and the shipped bases (assets/shapeworld/).
 
-Each shipped base loads by its name (``shapeworld:sd3``, ``shapeworld:qwen_vl``), records the recipe that made it,
-and scores clearly above a random tiny model of its family on held-out ShapeWorld data under the same protocol; one
-update of each GRPO recipe runs on it. Sizes are cut down (fewer prompts, images and steps); what is asserted is
+Each shipped base loads by its name (``shapeworld:sd3``, ``shapeworld:qwen_vl``, ``shapeworld:qwen_vl_grounding``),
+records the recipe that made it, and scores clearly above a random tiny model of its family on held-out ShapeWorld
+data under the same protocol (the grounding base also above itself shown a blank image); one update of each GRPO
+recipe runs on it. Sizes are cut down (fewer prompts, images and steps); what is asserted is
 behaviour, never timing.
 """
 
@@ -89,11 +90,39 @@ def test_the_shipped_vlm_base_loads_by_name_and_beats_a_random_model_on_held_out
     assert results["base"]["miou"] >= 0.25 and results["base"]["r1@0.5"] >= 0.2, results
 
 
-@pytest.mark.parametrize("recipe, dataset", [("vlm_grounding_grpo.yaml", "shapeworld:train:4:grounding"),
-                                             ("vlm_video_tg_grpo.yaml", "shapeworld:train:4:temporal_grounding")])
-def test_one_update_of_each_vlm_shapes_recipe_on_the_shipped_base(recipe, dataset, tmp_path):
+def test_the_shipped_grounding_base_records_its_recipe_and_localises_what_a_blind_or_random_model_cannot(tmp_path):
+    import dataclasses
+
+    import yaml
+    from mmrl.sft import load_sft_config
+
+    folder = base_model_path("qwen_vl_grounding")
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    assert size < 12 * 2 ** 20, f"the shipped base is {size / 2 ** 20:.1f} MiB"
+    shipped = yaml.safe_load((folder / "mmrl_sft.yaml").read_text())
+    recipe = load_sft_config(SHAPES / "sft_qwen_vl_grounding.yaml")
+    assert shipped == dataclasses.asdict(recipe) and recipe.model.vision_position_std == 2.0
+    args = ["benchmarks=[rec]", "data=shapeworld:heldout:24:grounding", "progress=false"]
+    grpo = SHAPES / "vlm_grounding_grpo.yaml"
+    assert load_config(grpo).model.pretrained == "shapeworld:qwen_vl_grounding"
+    results = {}
+    for name, extra in (("base", ["blind=true"]), ("random", ["model.pretrained=tiny:qwen3_vl"])):
+        assert main(["eval", str(grpo), "checkpoint=base", *args, f"output_dir={tmp_path / name}", *extra]) == 0
+        results[name] = json.loads((tmp_path / name / "summary.json").read_text())["benchmarks"]["rec"]
+    base, blind, random = (results["base"]["metrics"], results["base"]["blind"]["metrics"],
+                           results["random"]["metrics"])
+    assert random["miou"] <= 0.05
+    assert base["acc@0.5"] >= 0.15 and base["miou"] >= 0.25, base
+    assert base["miou"] >= blind["miou"] + 0.1 and base["acc@0.5"] > blind["acc@0.5"], (base, blind)
+
+
+@pytest.mark.parametrize("recipe, base, dataset", [
+    ("vlm_grounding_grpo.yaml", "shapeworld:qwen_vl_grounding", "shapeworld:train:4:grounding"),
+    ("vlm_video_tg_grpo.yaml", "shapeworld:qwen_vl", "shapeworld:train:4:temporal_grounding"),
+])
+def test_one_update_of_each_vlm_shapes_recipe_on_the_shipped_base(recipe, base, dataset, tmp_path):
     config = load_config(SHAPES / recipe)
-    assert config.model.pretrained == "shapeworld:qwen_vl" and config.data.dataset.startswith("shapeworld:train:")
+    assert config.model.pretrained == base and config.data.dataset.startswith("shapeworld:train:")
     run = tmp_path / "run"
     assert main(["train", str(SHAPES / recipe), f"output_dir={run}", f"data.dataset={dataset}", "train.steps=1",
                  "data.prompts_per_step=1", "data.group_size=2", "train.batch_size=2", "logging.eval_every=0",

@@ -351,7 +351,8 @@ def resolve_prompts_spec(path: str | os.PathLike) -> str | os.PathLike:
 #: The shipped base models (``model.pretrained: shapeworld:<name>``): ``name -> (folder under assets/shapeworld/,
 #: the command that makes it)``, each trained by mmrl itself (README, "ShapeWorld and base models").
 BASE_MODELS = {"sd3": ("sd3_base", "mmrl pretrain configs/shapes/pretrain_sd3.yaml"),
-               "qwen_vl": ("qwen_vl_base", "mmrl sft configs/shapes/sft_qwen_vl.yaml")}
+               "qwen_vl": ("qwen_vl_base", "mmrl sft configs/shapes/sft_qwen_vl.yaml"),
+               "qwen_vl_grounding": ("qwen_vl_grounding_base", "mmrl sft configs/shapes/sft_qwen_vl_grounding.yaml")}
 
 
 def base_model_path(name: str) -> Path:
