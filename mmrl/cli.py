@@ -71,9 +71,11 @@ def _cmd_train(args) -> int:
         first, last = history[0], history[-1]
         print(f"done: {len(history)} updates, reward {first['reward/mean']:.4g} -> {last['reward/mean']:.4g}; "
               f"outputs in {config.output_dir}")
-        held = sorted(k for k in last if k.startswith("eval/") and k.endswith("/overall"))
-        for key in held:  # the held-out headline of each benchmark with one, first -> last evaluation
+        held = sorted(set(trainer.eval_headlines.values()))
+        for key in held:  # the headline metric of each benchmark, first -> last evaluation
             values = [h[key] for h in history if key in h]
+            if not values:
+                continue
             start = trainer.initial_eval.get(key, values[0])
             print(f"  {key[5:]}: {start:.4g} -> {values[-1]:.4g}")
         for name, path in trainer.outputs().items():

@@ -190,6 +190,7 @@ class Trainer:
         self.update = 0  # completed updates
         self._eval_plan = None  # eval.benchmarks read once (mmrl.eval.runner.plan_training_eval)
         self.initial_eval: dict[str, float] = {}  # eval.benchmarks of the untrained weights (update 0 of this run)
+        self.eval_headlines: dict[str, str] = {}  # benchmark -> the logged key of its headline metric
         self.optimizer_steps = 0
 
     # ------------------------------------------------------------------------------------------ sizes
@@ -678,7 +679,14 @@ class Trainer:
             return {"eval/failed": 1.0}
         if self.update > 0:
             self._write_run_report()
-        return {**training_metrics(summary), "eval/failed": 0.0}
+        metrics = training_metrics(summary)
+        for name, result in summary.get("benchmarks", {}).items():
+            headline = str(result.get("headline") or "")  # e.g. "acc@0.5", "overall", "brightness.mean"
+            key = next((k for k in (f"eval/{name}/{headline}", f"eval/{name}/{headline.replace('.', '/')}")
+                        if headline and k in metrics), None)
+            if key is not None:
+                self.eval_headlines[name] = key
+        return {**metrics, "eval/failed": 0.0}
 
     def _write_run_report(self) -> None:
         """``output_dir/report.html``: every ``eval/update_<k>`` evaluation so far side by side, update 0 (the

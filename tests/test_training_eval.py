@@ -4,6 +4,8 @@ logs ``eval/<benchmark>/<metric>`` with its metrics, writes ``output_dir/eval/up
 ``eval`` section stops the run at startup in one line."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 from pathlib import Path
@@ -40,7 +42,10 @@ _metrics = metrics_rows
 @pytest.fixture(scope="module")
 def runs(tiny_path, tmp_path_factory):
     base = tmp_path_factory.mktemp("train-eval")
-    assert _train(base / "with", tiny_path, *EVAL) == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert _train(base / "with", tiny_path, *EVAL) == 0
+    (base / "with.stdout").write_text(printed.getvalue())
     assert _train(base / "without", tiny_path) == 0
     return base / "with", base / "without"
 
@@ -75,6 +80,17 @@ def test_the_run_report_compares_every_evaluation_with_the_untrained_model(runs,
     assert "nothing to do" in out
     assert f"report:     {with_eval / 'report.html'}" in out
     assert f"checkpoint: {with_eval / 'checkpoints' / 'step_2'}" in out
+
+
+def test_the_end_of_a_run_prints_each_benchmarks_headline_from_update_0_to_the_last(runs):
+    with_eval, _ = runs
+    printed = (with_eval.parent / "with.stdout").read_text()
+    rows = _metrics(with_eval)
+    # the headlines "accuracy" and "brightness.mean" (a nested metric)
+    for key in ("eval/ocr/accuracy", "eval/reward:brightness@drawbench/brightness/mean"):
+        values = [r[key] for r in rows if key in r]
+        assert len(values) == 3
+        assert f"  {key[5:]}: {values[0]:.4g} -> {values[-1]:.4g}" in printed, printed
 
 
 def test_evaluating_leaves_training_bit_identical(runs):
