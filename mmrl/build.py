@@ -97,6 +97,7 @@ def vlm_media(config: Config, processor):
 
 def build_vlm_policy(config: Config, device: torch.device | str = "cpu"):
     from mmrl.pipelines.vlm.qwen import LANGUAGE_LORA_TARGETS, QwenVLPolicy, load_vlm
+    from mmrl.pipelines.vlm.tools import resolve_tools
 
     m, g = config.model, config.generation
     model, processor = load_vlm(m.pretrained, dtype=m.dtype, revision=m.revision,
@@ -111,7 +112,8 @@ def build_vlm_policy(config: Config, device: torch.device | str = "cpu"):
         top_k=g.top_k, max_new_tokens=g.max_new_tokens, max_prompt_length=g.max_prompt_length,
         system_prompt=g.system_prompt, question_template=g.question_template, media=vlm_media(config, processor),
         gradient_checkpointing=m.gradient_checkpointing, skip_bad_samples=config.data.skip_bad_samples,
-        device=device,
+        device=device, tools=resolve_tools(g.tools), max_tool_calls=g.max_tool_calls,
+        tool_response_template=g.tool_response_template,
     )
 
 

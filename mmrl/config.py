@@ -139,6 +139,13 @@ class GenerationConfig:
     video_nframes: int | None = opt(None, "Fixed number of video frames (rounded to even).")
     video_max_frames: int = opt(768, "Upper bound on sampled video frames.")
     video_max_pixels: int | None = opt(None, "Per-frame pixel budget for videos (Video-R1: 128 x 28 x 28).")
+    tools: list = opt([], "Image tools the policy may call mid-completion as <tool>name(numbers)</tool> (multi-turn "
+                          "rollouts, mmrl.pipelines.vlm.tools): built-in crop, rotate, contrast, or "
+                          "'package.module:function'; empty: plain single-turn rollouts.")
+    max_tool_calls: int = opt(2, "With tools: calls executed per completion; a call written after that is plain text.")
+    tool_response_template: str = opt("\n<observation>{image}</observation>\n",
+                                      "With tools: the context appended after each call ({image}: the returned view, "
+                                      "or the error message when the call failed); loss-masked, attended to.")
 
 
 @dataclass
@@ -292,6 +299,15 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "The loop."})
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "Outputs."})
     eval: EvalConfig = field(default_factory=EvalConfig, metadata={"help": "Benchmarks during training."})
+
+
+def import_attribute(spec: str) -> Any:
+    """``"package.module:name"`` -> that object (a plug-in named in a config). ValueError saying what failed."""
+    module, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import {attr!r} from {module!r} ({exc})") from None
 
 
 def _nearest(key: str, options: list[str], prefix: str = "") -> str:
@@ -689,6 +705,22 @@ def validate(config: Config, *, check_files: bool = True) -> None:
                               f"{exc})") from None
         if "{question}" not in g.question_template:
             raise ConfigError("generation.question_template must contain {question}")
+        if g.tools:
+            from mmrl.pipelines.vlm.tools import resolve_tools
+
+            try:
+                resolve_tools(g.tools)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            if g.max_tool_calls < 1:
+                raise ConfigError("generation.max_tool_calls must be >= 1 when generation.tools is set")
+            try:
+                g.tool_response_template.format(image="")
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ConfigError(f"generation.tool_response_template: only {{image}} may be in braces "
+                                  f"({exc})") from None
+            if "{image}" not in g.tool_response_template:
+                raise ConfigError("generation.tool_response_template must contain {image}")
     else:
         if d.prompts is None and not d.prompt_list:
             raise ConfigError("data: set data.prompts (a .txt or .jsonl file) or data.prompt_list")

@@ -565,6 +565,8 @@ def collate(policy, samples: list, target_field: str = "sft_target") -> SFTBatch
     samples = [samples[i] for i in kept]
     targets = [s.metadata[target_field] for s in samples]
     end = end_of_turn_id(policy)
+    if policy.tools:
+        return _collate_tool_traces(policy, samples, targets, inputs, vision, end)
     ids = [target_ids(policy.tokenizer, t, end) for t in targets]
     width = max(len(x) for x in ids)
     completion = torch.full((len(ids), width), policy.pad_id, dtype=inputs["input_ids"].dtype)
@@ -585,6 +587,38 @@ def collate(policy, samples: list, target_field: str = "sft_target") -> SFTBatch
         mm = inputs["mm_token_type_ids"]
         kwargs["mm_token_type_ids"] = torch.cat([mm, torch.zeros_like(completion, dtype=mm.dtype)], dim=1)
     return SFTBatch(input_ids, attention_mask, labels, kwargs, width, samples, targets)
+
+
+def _collate_tool_traces(policy, samples, targets, inputs, vision, end) -> SFTBatch:
+    """:func:`collate` with ``generation.tools``: each target's calls run on its image and their responses inserted
+    as in a tool rollout (:func:`mmrl.pipelines.vlm.tool_rollout.trace`): attended to, labelled -100, their views
+    after the prompt's images (TACO's first stage: SFT on tool-call traces)."""
+    from mmrl.pipelines.vlm.qwen import Vision
+    from mmrl.pipelines.vlm.tool_rollout import trace
+
+    if policy.freeze_vision:
+        policy._encode_vision(vision)
+    rows = [trace(policy, t, v.images[0] if v.images else None, end) for t, v in zip(targets, vision)]
+    width = max(len(r.ids) for r in rows)
+    prompt_ids, prompt_mask = inputs["input_ids"], inputs["attention_mask"]
+    completion = torch.full((len(rows), width), policy.pad_id, dtype=prompt_ids.dtype)
+    attention = torch.zeros((len(rows), width), dtype=prompt_mask.dtype)
+    labels = torch.full((len(rows), width), -100, dtype=prompt_ids.dtype)
+    types = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids = torch.tensor(r.ids, dtype=prompt_ids.dtype)
+        completion[i, :len(ids)] = ids
+        attention[i, :len(ids)] = 1
+        labels[i, :len(ids)] = torch.where(torch.tensor(r.own, dtype=torch.bool), ids, torch.full_like(ids, -100))
+        types[i, :len(ids)] = torch.tensor(r.types)
+    kwargs = policy._vision_kwargs([Vision.join([v, *r.views]) for v, r in zip(vision, rows)])
+    if inputs.get("mm_token_type_ids") is not None:
+        mm = inputs["mm_token_type_ids"]
+        kwargs["mm_token_type_ids"] = torch.cat([mm, types.to(mm.dtype)], dim=1)
+    input_ids = torch.cat([prompt_ids, completion], dim=1)
+    full_labels = torch.cat([torch.full_like(prompt_ids, -100), labels], dim=1)
+    return SFTBatch(input_ids, torch.cat([prompt_mask, attention], dim=1), full_labels, kwargs, width, samples,
+                    targets)
 
 
 def completion_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -1093,6 +1093,11 @@ class Trainer:
             lengths = rollout.extras["completion_length"].float().to(acc.device)
             metrics["completions/mean_length"] = float(acc.gather(lengths).mean() if acc.num_processes > 1
                                                        else lengths.mean())
+        for key in ("tool_calls", "tool_errors"):  # tool rollouts (generation.tools): per completion, mean
+            if key in rollout.extras:
+                values = rollout.extras[key].float().to(acc.device)
+                metrics[f"completions/{key}"] = float(acc.gather(values).mean() if acc.num_processes > 1
+                                                      else values.mean())
         skipped = dict(getattr(self.policy, "skipped", {}))
         if acc.num_processes > 1:  # every process's skips, summed (a bad sample may be on any of them)
             skipped = {}

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import json
 import re
 import typing
@@ -117,6 +116,15 @@ class RewardContext:
     intermediate: Callable[[], "Intermediate"]
     stats: dict[str, float]
     timer: dict[str, float]
+
+
+def item_of(rollout: Any, items: list, sample: int) -> Any:
+    """The data item (of ``items``, the list ``rollout`` was sampled from) that sample ``sample`` answers: a tool
+    rollout keeps a prompt row per sample and the item in ``item_index``; other rollouts index ``items`` by
+    ``prompt_index``."""
+    index = getattr(rollout, "item_index", None)
+    index = rollout.prompt_index if index is None else index
+    return items[int(index[sample])]
 
 
 @dataclass
@@ -329,11 +337,12 @@ def lookup(name: str) -> type[Variant]:
     if name in REGISTRY:
         return REGISTRY[name]
     if ":" in name:
-        module, _, attr = name.partition(":")
+        from mmrl.config import import_attribute
+
         try:
-            cls = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise VariantError(f"variant {name!r}: cannot import {attr!r} from {module!r} ({exc})") from None
+            cls = import_attribute(name)
+        except ValueError as exc:
+            raise VariantError(f"variant {name!r}: {exc}") from None
         _check_class(cls, name)
         return cls
     points = _entry_points()

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mmrl.algorithms.base import (RewardContext, Rewards, Variant, VariantError, check_tag, check_template, option,
-                                  register)
+from mmrl.algorithms.base import (RewardContext, Rewards, Variant, VariantError, check_tag, check_template, item_of,
+                                  option, register)
 
 
 @dataclass
@@ -75,7 +75,7 @@ class PRCO(Variant):
     def rewards(self, ctx: RewardContext) -> Rewards:
         o, observer = self.options, ctx.rollout
         captions = [self.caption(text) for text in observer.completions]
-        items = [ctx.items[int(observer.prompt_index[i])] for i in range(len(observer))]
+        items = [item_of(observer, ctx.items, i) for i in range(len(observer))]
         solver_items = [dataclasses.replace(item, question=o.solver_template.format(caption=caption,
                                                                                      question=item.question),
                                             image_paths=[], video_path=None, images=[])

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmrl.algorithms.base import RewardContext, Rewards, Variant, check_tag, check_template, option, register
+from mmrl.algorithms.base import RewardContext, Rewards, Variant, check_tag, check_template, item_of, option, register
 
 
 @dataclass
@@ -64,7 +64,7 @@ class VisionSR1(Variant):
             perception = self.perception(text)
             if perception is None:
                 continue
-            item = ctx.items[int(r.prompt_index[i])]
+            item = item_of(r, ctx.items, i)
             rows.append(i)
             prompts.append(dataclasses.replace(item, question=o.template.format(perception=perception,
                                                                                 question=item.question),

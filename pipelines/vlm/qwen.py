@@ -74,6 +74,23 @@ class Vision:
     # Qwen3-VL DeepStack: per image / video, one [tokens, hidden] per deepstack layer (empty for Qwen2/2.5-VL)
     image_deepstack: list[list[Tensor]] = field(default_factory=list)
     video_deepstack: list[list[Tensor]] = field(default_factory=list)
+    #: the PIL images as the processor received them (what tool calls operate on; kept only with generation.tools)
+    images: list = field(default_factory=list)
+
+    @staticmethod
+    def join(parts: list["Vision"]) -> "Vision":
+        """One prompt's vision inputs followed by more images (a tool rollout's returned views, in sequence order)."""
+        def cat(name):
+            found = [getattr(p, name) for p in parts if getattr(p, name) is not None]
+            return torch.cat(found) if found else None
+
+        first = parts[0]
+        return Vision(image_grid_thw=cat("image_grid_thw"), video_grid_thw=first.video_grid_thw,
+                      second_per_grid_ts=first.second_per_grid_ts, pixel_values=cat("pixel_values"),
+                      pixel_values_videos=first.pixel_values_videos,
+                      image_features=[f for p in parts for f in p.image_features], video_features=first.video_features,
+                      image_deepstack=[d for p in parts for d in p.image_deepstack],
+                      video_deepstack=first.video_deepstack, images=first.images)
 
 
 @dataclass
@@ -96,6 +113,14 @@ class VLMRollout:
     #: reward component -> per sample, the character spans of the completion the component's reward is about
     #: (``None``: the reward reported none for that sample); see :mod:`mmrl.pipelines.vlm.spans`
     spans: dict[str, list] = field(default_factory=dict)
+    #: tool rollouts (generation.tools): [N, T] 1 on every completion token the model reads (its own and the tools'
+    #: responses; ``mask`` is 1 on its own only), the responses' token types, and per sample its calls
+    #: (:class:`mmrl.pipelines.vlm.tools.ToolCall`); ``None`` for plain rollouts
+    completion_attention: Tensor | None = None
+    completion_mm_types: Tensor | None = None
+    tool_calls: list | None = None
+    #: [N] the sampled item of each sample where it is not ``prompt_index`` (a tool rollout: a prompt row per sample)
+    item_index: Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -124,8 +149,13 @@ class VLMRollout:
             mm_token_type_ids=None if self.mm_token_type_ids is None else self.mm_token_type_ids[used],
             completion_ids=self.completion_ids[index], mask=self.mask[index], prompt_index=remap[self.prompt_index[index]],
             vision=[self.vision[i] for i in used.tolist()],
-            extras={"completion_length": self.mask[index].sum(-1)},
+            extras={"completion_length": self.mask[index].sum(-1),
+                    **tool_extras(None if self.tool_calls is None else [self.tool_calls[i] for i in index.tolist()])},
             spans={k: [v[i] for i in index.tolist()] for k, v in self.spans.items()},
+            completion_attention=None if self.completion_attention is None else self.completion_attention[index],
+            completion_mm_types=None if self.completion_mm_types is None else self.completion_mm_types[index],
+            tool_calls=None if self.tool_calls is None else [self.tool_calls[i] for i in index.tolist()],
+            item_index=None if self.item_index is None else self.item_index[index],
         )
 
     @staticmethod
@@ -147,6 +177,7 @@ class VLMRollout:
             groups.append(g + total)
             total += int(g.max()) + 1 if len(g) else 0
         types = [p.mm_token_type_ids for p in parts]
+        tools = any(p.tool_calls is not None for p in parts)
         return VLMRollout(
             prompts=[x for p in parts for x in p.prompts], metadata=[x for p in parts for x in p.metadata],
             group_ids=torch.cat(groups), completions=[x for p in parts for x in p.completions],
@@ -157,10 +188,36 @@ class VLMRollout:
             mask=torch.cat([right(p.mask, 0) for p in parts]),
             prompt_index=torch.cat([p.prompt_index + o for p, o in zip(parts, offsets)]),
             vision=[v for p in parts for v in p.vision],
-            extras={"completion_length": torch.cat([p.mask.sum(-1) for p in parts])},
+            extras={"completion_length": torch.cat([p.mask.sum(-1) for p in parts]),
+                    **tool_extras([x for p in parts for x in (p.tool_calls or [[] for _ in range(len(p))])]
+                                  if tools else None)},
             spans={k: [x for p in parts for x in p.spans.get(k, [None] * len(p))]
                    for k in sorted({k for p in parts for k in p.spans})},
+            completion_attention=torch.cat([right(p.attention, 0) for p in parts]) if tools else None,
+            completion_mm_types=torch.cat([right(p.completion_types, 0) for p in parts]) if tools else None,
+            tool_calls=[x for p in parts for x in (p.tool_calls or [[] for _ in range(len(p))])] if tools else None,
         )
+
+    @property
+    def attention(self) -> Tensor:
+        """``[N, T]``: the completion tokens the model reads (``mask`` unless tools answered inside completions)."""
+        return self.mask if self.completion_attention is None else self.completion_attention
+
+    @property
+    def completion_types(self) -> Tensor:
+        """``[N, T]`` token types of the completions (0 text; the tools' images are 1, as the processor marks them)."""
+        if self.completion_mm_types is not None:
+            return self.completion_mm_types
+        dtype = self.mm_token_type_ids.dtype if self.mm_token_type_ids is not None else torch.long
+        return torch.zeros(self.completion_ids.shape, dtype=dtype)
+
+
+def tool_extras(calls: list | None) -> dict[str, Tensor]:
+    """A tool rollout's logged counts per sample: ``tool_calls`` and ``tool_errors`` (none for plain rollouts)."""
+    if calls is None:
+        return {}
+    return {"tool_calls": torch.tensor([len(c) for c in calls], dtype=torch.float),
+            "tool_errors": torch.tensor([sum(not x.ok for x in c) for c in calls], dtype=torch.float)}
 
 
 @dataclass
@@ -238,7 +295,8 @@ class QwenVLPolicy:
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 256,
                  max_prompt_length: int = 4096, system_prompt: str | None = None,
                  question_template: str = "{question}", media=None, gradient_checkpointing: bool = False,
-                 skip_bad_samples: bool = False, device: torch.device | str = "cpu"):
+                 skip_bad_samples: bool = False, device: torch.device | str = "cpu", tools: dict | None = None,
+                 max_tool_calls: int = 2, tool_response_template: str = "\n<observation>{image}</observation>\n"):
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.temperature = temperature
@@ -253,6 +311,9 @@ class QwenVLPolicy:
         self.freeze_vision = freeze_vision
         self.device = torch.device(device)
         self.skipped: dict[str, int] = {}
+        self.tools = dict(tools or {})
+        self.max_tool_calls = max_tool_calls
+        self.tool_response_template = tool_response_template
         self.dtype = model.dtype  # the loaded dtype; trainable parameters are upcast to fp32 below
         model.to(self.device)
         model.eval()  # no-grad forwards run in eval mode; logprobs switches to train mode for its grad forward
@@ -432,6 +493,9 @@ class QwenVLPolicy:
             inputs, vision, sub_kept = self.encode_prompts([items[i] for i in keep], shuffle_frames=shuffle_frames)
             return inputs, vision, [keep[j] for j in sub_kept]
         vision = self._split_vision(inputs, [len(ims) for ims in images], [v is not None for v in videos])
+        if self.tools:
+            for v, item_images in zip(vision, images):
+                v.images = item_images
         return inputs, vision, kept
 
     def _skip(self, reason: str, message: str) -> None:
@@ -515,28 +579,16 @@ class QwenVLPolicy:
         items = [items[i] for i in kept]
         if self.freeze_vision:
             self._encode_vision(vision)
+        if self.tools:
+            from mmrl.pipelines.vlm.tool_rollout import tool_rollout
+
+            return tool_rollout(self, items, inputs, vision, 1 if greedy else group_size, generator=generator,
+                                group_offset=group_offset, greedy=greedy)
         prompt_ids = inputs["input_ids"]
         prompt_mask = inputs["attention_mask"]
         mm_types = inputs.get("mm_token_type_ids")
-        gen_kwargs = {"input_ids": prompt_ids.to(self.device), "attention_mask": prompt_mask.to(self.device),
-                      **self._vision_kwargs(vision)}
-        if mm_types is not None:
-            gen_kwargs["mm_token_type_ids"] = mm_types.to(self.device)
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-        self.model.eval()
-        config = self.sampling_config(greedy=greedy, group_size=group_size)
-        # generate() fills every field the passed config leaves unset from model.generation_config (transformers
-        # 5.x GenerationMixin._prepare_generation_config, no opt-out): for this call the model's config is ours,
-        # so nothing the checkpoint ships (repetition_penalty, min_p, ...) reaches the sampling distribution
-        hf_model = self.base_model
-        shipped = hf_model.generation_config
-        hf_model.generation_config = config
-        try:
-            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                torch.manual_seed(seed)
-                sequences = self.model.generate(**gen_kwargs, generation_config=config)
-        finally:
-            hf_model.generation_config = shipped
+        sequences = self.generate(prompt_ids, prompt_mask, mm_types, vision,
+                                  self.sampling_config(greedy=greedy, group_size=group_size), generator)
         if greedy:
             group_size = 1
         completion_ids = sequences[:, prompt_ids.shape[1]:].cpu()
@@ -553,6 +605,30 @@ class QwenVLPolicy:
             completion_ids=completion_ids, mask=mask.float(), prompt_index=prompt_index, vision=vision,
             extras={"num_samples": n, "completion_length": mask.sum(-1).float()},
         )
+
+    def generate(self, input_ids: Tensor, attention_mask: Tensor, mm_types: Tensor | None, vision: list[Vision],
+                 config, generator: torch.Generator, **kwargs) -> Tensor:
+        """``model.generate`` on left-padded rows with per-row ``vision``, seeded from ``generator``; the sequences
+        (prompt columns included) on the model's device. ``kwargs`` go to ``generate`` (e.g. the tokenizer for stop
+        strings)."""
+        gen_kwargs = {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device),
+                      **self._vision_kwargs(vision), **kwargs}
+        if mm_types is not None:
+            gen_kwargs["mm_token_type_ids"] = mm_types.to(self.device)
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        self.model.eval()
+        # generate() fills every field the passed config leaves unset from model.generation_config (transformers
+        # 5.x GenerationMixin._prepare_generation_config, no opt-out): for this call the model's config is ours,
+        # so nothing the checkpoint ships (repetition_penalty, min_p, ...) reaches the sampling distribution
+        hf_model = self.base_model
+        shipped = hf_model.generation_config
+        hf_model.generation_config = config
+        try:
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                torch.manual_seed(seed)
+                return self.model.generate(**gen_kwargs, generation_config=config)
+        finally:
+            hf_model.generation_config = shipped
 
     def sampling_config(self, *, greedy: bool = False, group_size: int = 1):
         """A fresh ``GenerationConfig`` holding only the policy's settings: the processors that sampling applies
@@ -586,15 +662,17 @@ class QwenVLPolicy:
         completion = rollout.completion_ids[index]
         width = completion.shape[1]
         input_ids = torch.cat([rollout.prompt_ids[rows], completion], dim=1).to(self.device)
-        attention = torch.cat([rollout.prompt_mask[rows], rollout.mask[index].long()], dim=1).to(self.device)
+        attention = torch.cat([rollout.prompt_mask[rows], rollout.attention[index].long()], dim=1).to(self.device)
         vision = self.masked_vision(rollout) if masked_vision else \
             self.perturbed_vision(rollout, perturbed_vision) if perturbed_vision > 0 else rollout.vision
         kwargs = {"input_ids": input_ids, "attention_mask": attention,
                   **self._vision_kwargs([vision[r] for r in rows.tolist()])}
         if rollout.mm_token_type_ids is not None:
             kwargs["mm_token_type_ids"] = torch.cat(
-                [rollout.mm_token_type_ids[rows], torch.zeros_like(completion, dtype=rollout.mm_token_type_ids.dtype)],
+                [rollout.mm_token_type_ids[rows], rollout.completion_types[index].to(rollout.mm_token_type_ids.dtype)],
                 dim=1).to(self.device)
+
+        own = None if rollout.completion_attention is None else (rollout.mask[index] > 0).to(self.device)
 
         def token_logps(model, train: bool) -> Tensor:
             # the mode is set at the start of each forward and left as it is: a gradient-carrying forward stays in
@@ -606,7 +684,10 @@ class QwenVLPolicy:
                 logits[..., self.suppressed_ids] = float("-inf")
             targets = input_ids[:, -width:]
             picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-            return picked - torch.logsumexp(logits, dim=-1)
+            logps = picked - torch.logsumexp(logits, dim=-1)
+            if own is not None:  # a tool response's vision placeholders are suppressed ids: -inf, never actions
+                logps = torch.where(own, logps, torch.zeros_like(logps))
+            return logps
 
         ref = None
         if with_kl and (masked_vision or perturbed_vision > 0):
