@@ -18,6 +18,7 @@
     mmrl doctor CONFIG [key=value ...]       porting self-check on one small batch (exit 1 when a check fails)
     mmrl bench NAME [options]                a benchmark of benchmarks/ (flow-grpo, vlm-grpo, rewards,
                                              credit-curves, overhead), side by side with its peer; one JSON line
+                                             (memory: the GPU recipes' estimated peak memory and card presets)
     mmrl --version                           also: python -m mmrl ...
 
 Options and positional arguments may come in any order (``mmrl config validate --no-check-files CONFIG``).
@@ -609,7 +610,7 @@ def _cmd_doctor(args) -> int:
 
 #: ``mmrl bench NAME`` -> the script in the repository's benchmarks/ folder.
 BENCHES = {"flow-grpo": "flow_grpo_bench.py", "vlm-grpo": "vlm_grpo_vs_trl.py", "rewards": "reward_throughput.py",
-           "credit-curves": "credit_curves.py", "overhead": "overhead.py"}
+           "credit-curves": "credit_curves.py", "overhead": "overhead.py", "memory": "memory_estimate.py"}
 
 
 def benchmarks_dir() -> Path:
