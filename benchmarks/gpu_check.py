@@ -174,6 +174,10 @@ def time_updates(config, warmup: int, steps: int, cuda: bool) -> dict:
         train.append(metrics["time/train"])
     samples = config.data.prompts_per_step * config.data.group_size
     per_update = sorted(seconds)[len(seconds) // 2]
+    extra = {}
+    if hasattr(trainer.policy, "encode_prompts"):  # a VLM: the prompt length the memory estimate needs
+        inputs, _, _ = trainer.policy.encode_prompts(trainer.prompts.items[:1])
+        extra["prompt_tokens"] = int(inputs["input_ids"].shape[1])
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     return {"samples_per_update": samples, "seconds_per_update": round(per_update, 3),
             "rollout_s": round(sorted(rollout)[len(rollout) // 2], 3),
@@ -181,7 +185,7 @@ def time_updates(config, warmup: int, steps: int, cuda: bool) -> dict:
             "samples_per_s": round(samples / per_update, 3),
             "peak_gpu_gib": None if peak is None else round(peak, 2),
             "peak_gpu_gib_per_sample": None if peak is None else round(peak / samples, 3),
-            "trainable_parameters": sum(p.numel() for p in trainer.policy.trainable_parameters())}
+            "trainable_parameters": sum(p.numel() for p in trainer.policy.trainable_parameters()), **extra}
 
 
 def common_overrides(out: Path, steps: int) -> list[str]:
@@ -207,7 +211,8 @@ def check_flow(args, work: Path, device: str, dtype: torch.dtype, cuda: bool) ->
     figures = time_updates(config, args.warmup, args.steps, cuda)
     return {"check": "flow_sd35m_size", "parameters": sizes, "build_s": round(built, 1),
             "resolution": config.model.resolution, "sde_steps": config.sampling.num_steps,
-            "guidance": config.sampling.guidance_scale, **figures}
+            "guidance": config.sampling.guidance_scale, **figures,
+            **estimated("sd35m_flow_grpo_pickscore", overrides, None, args.smoke)}
 
 
 def check_vlm(args, work: Path, device: str, dtype: torch.dtype, cuda: bool) -> dict:
@@ -225,8 +230,26 @@ def check_vlm(args, work: Path, device: str, dtype: torch.dtype, cuda: bool) -> 
         overrides += ["model.dtype=float32", "train.mixed_precision=\"no\""]
     config = load_config(str(ROOT / "configs/gpu/qwen25vl3b_rec_grpo.yaml"), overrides)
     figures = time_updates(config, args.warmup, args.steps, cuda)
+    prompt_tokens = figures["prompt_tokens"]
     return {"check": "vlm_qwen25vl_3b_size", "parameters": sizes, "build_s": round(built, 1),
-            "max_new_tokens": config.generation.max_new_tokens, "image_px": 112, **figures}
+            "max_new_tokens": config.generation.max_new_tokens, "image_px": 112, **figures,
+            **estimated("qwen25vl3b_rec_grpo", overrides, prompt_tokens, args.smoke)}
+
+
+def estimated(recipe: str, overrides: list[str], prompt_tokens: int | None, smoke: bool) -> dict:
+    """``benchmarks/memory_estimate.py``'s peak for the same recipe and overrides, next to the measured one (the
+    estimator's check; not run with ``--smoke``, whose tiny models are not the sizes it builds)."""
+    if smoke:
+        return {}
+    from memory_estimate import estimate
+
+    kept = [o for o in overrides if o.split("=")[0] in MEMORY_KEYS]
+    return {"estimated_peak_gib": estimate(recipe, kept, prompt_tokens)["peak_gib"]}
+
+
+#: the overrides that change what the memory estimate holds (paths, logging and step counts do not)
+MEMORY_KEYS = {"data.prompts_per_step", "data.group_size", "train.batch_size", "train.gradient_accumulation_steps",
+               "train.sample_batch_size", "rewards", "optim.ema", "generation.max_new_tokens", "model.dtype"}
 
 
 def main() -> None:

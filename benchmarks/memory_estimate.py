@@ -13,7 +13,7 @@ it when the storage is freed), the way ``torch.cuda.max_memory_allocated`` count
   ``logits_to_keep`` logits in fp32, as :meth:`QwenVLPolicy.logprobs`), its backward and an AdamW step, with
   everything mmrl keeps resident: the frozen weights in the load dtype, trainable weights in fp32 with their
   gradients and two AdamW moments, the EMA shadows (``optim.ema``), a full fine-tune's frozen reference copy
-  (``algorithm.beta > 0``), the text encoders and the VAE (flows), the reward model's weights;
+  (``algorithm.beta > 0``), the text encoders and the VAE (flows), the PickScore reward model's weights where the recipe uses it;
 * ``rollout``: one sampling forward of ``train.sample_batch_size`` x 2 (CFG) rows and the VAE decode of
   ``train.sample_batch_size`` images (flows), or one decoding step of ``prompts_per_step x group_size`` sequences
   with their whole KV cache at full length (VLMs), on the same resident weights.
@@ -216,6 +216,12 @@ def resident(config, trainable_model: torch.nn.Module, others: list[torch.nn.Mod
     return tensors
 
 
+def uses_reward(config, name: str) -> bool:
+    """Whether the recipe's rewards include the reward model ``name`` (by key or by its ``reward:`` field)."""
+    return any(key == name or (isinstance(spec, dict) and spec.get("reward") == name)
+               for key, spec in config.rewards.items())
+
+
 def trained_numel(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -250,15 +256,16 @@ def estimate_flow(config) -> dict:
     encoders = [on_meta(CLIPTextModelWithProjection, CLIPTextConfig(**CLIP_L), dtype),
                 on_meta(CLIPTextModelWithProjection, CLIPTextConfig(**CLIP_G), dtype),
                 on_meta(T5EncoderModel, T5Config(**T5_XXL), dtype)]
-    reward = on_meta(CLIPModel, CLIPConfig(text_config=CLIP_H_TEXT, vision_config=CLIP_H_VISION,
-                                           projection_dim=1024), torch.bfloat16)
+    rewards = [] if not uses_reward(config, "pickscore") else [
+        on_meta(CLIPModel, CLIPConfig(text_config=CLIP_H_TEXT, vision_config=CLIP_H_VISION, projection_dim=1024),
+                torch.bfloat16)]
     s, t = config.sampling, config.train
     side = config.model.resolution // 8
     text_tokens = 77 + s.max_sequence_length  # CLIP's 77 and T5's max_sequence_length, joined
     trained = max(1, round(s.num_steps * s.timestep_fraction)) if s.train_steps == "fraction" else s.num_steps
     chunk = t.timestep_chunk or trained
     cfg = 2 if s.guidance_scale > 1 else 1
-    holding = resident(config, transformer, [vae, *encoders, reward])
+    holding = resident(config, transformer, [vae, *encoders, *rewards])
     parts = {"weights": sum(p.numel() * p.element_size() for p in holding), "trainable": trained_numel(transformer)}
 
     def forward(rows: int):
