@@ -12,19 +12,31 @@ per update, CFG 4.5 (and 1.0, no unconditional half).
   Flow-GRPO's ``scripts/train_sd3.py`` runs: sampling one batch after another, the rewards after all sampling, then
   one forward + backward per sample batch and trained timestep, one optimizer step at the end.
 
-Both sides are timed alternately (a busy machine slows both), ``--warmup`` updates first, then the median of
-``--steps`` updates is reported with the ratio plain / mmrl (> 1: mmrl faster). The check that both did the same
-work counts, by a forward pre-hook on the transformer, the calls and the rows (samples x CFG halves) each side
-ran through it with and without grad; rows must be equal (mmrl makes fewer, larger calls), as must the images
-sampled and the optimizer steps. The compute floor (``floor_s``) replays mmrl's transformer calls of an update at
-the same shapes with random inputs, forward only for sampling and forward + backward for training: ``mmrl_over_floor``
-is the trainer's overhead over the bare model work (issue 12's ``overhead`` target: at most 1.10).
+mmrl and the plain loop are timed alternately in one process (a busy machine slows both), ``--warmup`` updates
+first, then the median of ``--steps`` updates is reported with the ratio plain / mmrl (> 1: mmrl faster). The check
+that both did the same work counts, by a forward pre-hook on the transformer, the calls and the rows (samples x CFG
+halves) each side ran through it with and without grad; rows must be equal (mmrl makes fewer, larger calls), as must
+the images sampled and the optimizer steps. The compute floor (``floor_s``) replays mmrl's transformer calls of an
+update at the same shapes with random inputs, forward only for sampling and forward + backward for training:
+``mmrl_over_floor`` is the trainer's overhead over the bare model work (issue 12's ``overhead`` target: at most
+1.10).
 
-The official Flow-GRPO script is not run here (it needs its own environment and a checkout patched to the tiny
-model); the ratio against it, measured by hand, is in issue 12.
+* ``flow-grpo`` (with ``--flow-grpo PATH``, a checkout of https://github.com/yifan123/flow_grpo, and
+  ``pip install ml_collections absl-py wandb``): the official ``scripts/train_sd3.py``, unmodified, run by
+  ``benchmarks/flow_grpo_official.py`` in a process of its own with its ``config/grpo.py:compressibility`` config
+  and flags for the same workload (the same local model, 2 sampling batches of 4 images of one prompt each, 10 SDE
+  steps at noise 0.7, ``timestep_fraction`` 0.99, CFG 4.5 or 1, two training batches of 4 accumulated into one
+  AdamW step; its LoRA is r32 on the same projections; its reward ``jpeg_compressibility`` instead of
+  ``brightness``, both a few milliseconds on 32 px images). Its text encoding is fixed at 128 T5 tokens, so with
+  it every side runs ``sampling.max_sequence_length=128``. Its epochs are timed between its own once-per-epoch logs
+  (``wandb`` disabled), in two runs, one before and one after the in-process sides (a separate process cannot be
+  alternated update by update), ``--warmup`` intervals of each run dropped; its transformer rows with and without
+  grad and its optimizer steps are counted per epoch and must equal mmrl's. Without ``--flow-grpo`` (or without
+  its requirements) that side is skipped and the JSON line says why.
 
     python benchmarks/flow_grpo_bench.py [--steps 5] [--warmup 1] [--prompts 2] [--group 4] [--num-steps 10] \
-        [--threads 1] [--cfg both|on|off] [--width 384 --layers 8] [--set KEY=VALUE ...] [--out PATH]
+        [--threads 1] [--cfg both|on|off] [--width 384 --layers 8] [--set KEY=VALUE ...] [--flow-grpo PATH] \
+        [--out PATH]
     mmrl bench flow-grpo [same options]
 
 Prints one JSON line (and writes it to ``--out``, default ``benchmarks/results/flow_grpo_bench.json``).
@@ -32,6 +44,7 @@ Prints one JSON line (and writes it to ``--out``, default ``benchmarks/results/f
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -81,8 +94,60 @@ def overrides(args, guidance: float, out_dir: Path) -> list[str]:
         "train.inner_epochs=1", f"train.batch_size={args.prompts * args.group}", "train.gradient_accumulation_steps=1",
         f"train.sample_batch_size={args.prompts * args.group}", "algorithm.beta=0.0",
         "logging.eval_every=0", "logging.save_every=0", "logging.progress_bar=false", "eval.every=0",
-        "rewards={brightness: 1.0}", *args.set,
+        "rewards={brightness: 1.0}", *(["sampling.max_sequence_length=128"] if args.flow_grpo else []), *args.set,
     ]
+
+
+OFFICIAL_RUNNER = Path(__file__).resolve().parent / "flow_grpo_official.py"
+
+
+def official_missing(args) -> str | None:
+    """Why the official Flow-GRPO side cannot run (``None`` when it can)."""
+    if not args.flow_grpo:
+        return "no --flow-grpo PATH (a checkout of https://github.com/yifan123/flow_grpo) given"
+    if not (Path(args.flow_grpo) / "scripts" / "train_sd3.py").is_file():
+        return f"{args.flow_grpo} has no scripts/train_sd3.py"
+    import importlib.util
+
+    missing = [m for m in ("ml_collections", "absl", "wandb") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"Flow-GRPO's script needs {', '.join(missing)}: pip install ml_collections absl-py wandb"
+    return None
+
+
+def run_official(args, guidance: float, tmp: Path, epochs: int) -> dict:
+    """One run of the official script for ``epochs`` epoch intervals (``benchmarks/flow_grpo_official.py``)."""
+    import subprocess
+
+    from mmrl.pipelines.flow.loading import resolve_pretrained
+
+    prompts = tmp / "flow_grpo_prompts"
+    prompts.mkdir(exist_ok=True)
+    for split in ("train", "test"):
+        (prompts / f"{split}.txt").write_text("a red circle\na blue square\na green triangle\na white circle\n")
+    model = args.pipeline or resolve_pretrained("tiny:sd3")
+    images = args.prompts * args.group
+    flags = ["--config", "config/grpo.py:compressibility", f"--config.pretrained.model={model}",
+             f"--config.dataset={prompts}", "--config.mixed_precision=no", "--config.resolution=32",
+             f"--config.sample.num_steps={args.num_steps}", "--config.sample.eval_num_steps=2",
+             f"--config.sample.guidance_scale={guidance}", f"--config.train.cfg={guidance > 1}",
+             f"--config.sample.train_batch_size={args.group}", f"--config.sample.num_image_per_prompt={args.group}",
+             f"--config.sample.num_batches_per_epoch={args.prompts}", "--config.sample.test_batch_size=1",
+             f"--config.train.batch_size={args.group}", f"--config.train.gradient_accumulation_steps={args.prompts}",
+             "--config.train.timestep_fraction=0.99", "--config.train.beta=0", "--config.eval_freq=1000000",
+             "--config.save_freq=1000000", f"--config.logdir={tmp / 'flow_grpo_logs'}",
+             f"--config.save_dir={tmp / 'flow_grpo_save'}"]
+    cmd = [sys.executable, str(OFFICIAL_RUNNER), "--checkout", str(Path(args.flow_grpo).resolve()), "--epochs",
+           str(epochs), "--threads", str(args.threads or 0), "--", *flags]
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    for line in proc.stdout.splitlines():
+        if line.startswith("FLOW_GRPO_RESULT "):
+            out = json.loads(line.split(" ", 1)[1])
+            out["images"] = images
+            return out
+    raise RuntimeError(f"the official Flow-GRPO script gave no result (rc {proc.returncode}):\n"
+                       f"{proc.stderr[-3000:]}")
 
 
 class Counter:
@@ -207,6 +272,9 @@ def run_setting(args, guidance: float, tmp: Path) -> dict:
     times = {"mmrl": [], "plain": [], "floor": []}
     work = {"mmrl": [], "plain": []}
     generator = torch.Generator().manual_seed(0)
+    official_runs = []
+    if args.official_missing is None:  # before the in-process sides (and again after them)
+        official_runs.append(run_official(args, guidance, tmp, args.warmup + args.steps))
     mmrl_opt_steps = 0.0  # the trainer's optimizer_steps metric counts from the start of the run
     for k in range(args.warmup + args.steps):
         for side in (("mmrl", "plain") if k % 2 == 0 else ("plain", "mmrl")):
@@ -227,8 +295,27 @@ def run_setting(args, guidance: float, tmp: Path) -> dict:
                 work[side].append({**diff(counter.snapshot(), before), "images": images, "optimizer_steps": opt_steps})
                 if side == "mmrl":
                     times["floor"].append(replay_floor(trainer.policy.transformer, counter.log))
+    official = None
+    if args.official_missing is None:
+        official_runs.append(run_official(args, guidance, tmp, args.warmup + args.steps))
+        times["flow_grpo"] = [t for run in official_runs for t in run["epoch_s"][args.warmup:]]
+        official = official_runs[0]
     med = {side: statistics.median(v) for side, v in times.items()}
     problems = []
+    if official is not None:
+        ours = work["mmrl"][0]
+        theirs = {"grad": official["work"][-1]["rows_grad"], "no_grad": official["work"][-1]["rows_no_grad"]}
+        for mode in ("grad", "no_grad"):
+            if ours["rows"][mode] != theirs[mode]:
+                problems.append(f"transformer rows ({mode}) differ: mmrl {ours['rows'][mode]}, flow-grpo "
+                                f"{theirs[mode]}")
+        if official["work"][-1]["optimizer_steps"] != ours["optimizer_steps"]:
+            problems.append(f"optimizer steps differ: mmrl {ours['optimizer_steps']}, flow-grpo "
+                            f"{official['work'][-1]['optimizer_steps']}")
+        text = {spec["encoder_hidden_states"][0][1] for _, spec in counter.log if "encoder_hidden_states" in spec}
+        if text != {official["shapes"].get("text_tokens")}:
+            problems.append(f"text tokens differ: mmrl {sorted(text)}, flow-grpo "
+                            f"{official['shapes'].get('text_tokens')}")
     for key in ("images", "optimizer_steps"):
         if {w[key] for w in work["mmrl"]} != {w[key] for w in work["plain"]}:
             problems.append(f"{key} differ: mmrl {work['mmrl'][0][key]}, plain {work['plain'][0][key]}")
@@ -236,7 +323,12 @@ def run_setting(args, guidance: float, tmp: Path) -> dict:
         m, p = work["mmrl"][0]["rows"][mode], work["plain"][0]["rows"][mode]
         if m != p:
             problems.append(f"transformer rows ({mode}) differ: mmrl {m}, plain {p}")
-    return {"guidance_scale": guidance, "mmrl_s": med["mmrl"], "plain_s": med["plain"], "floor_s": med["floor"],
+    versus = {} if official is None else {
+        "flow_grpo_s": med["flow_grpo"], "speedup_vs_flow_grpo": med["flow_grpo"] / med["mmrl"],
+        "flow_grpo_over_floor": med["flow_grpo"] / med["floor"], "flow_grpo_epochs_s": times["flow_grpo"],
+        "flow_grpo_work": official["work"][-1]}
+    return {"guidance_scale": guidance, **versus, "mmrl_s": med["mmrl"], "plain_s": med["plain"],
+            "floor_s": med["floor"],
             "speedup_vs_plain": med["plain"] / med["mmrl"], "mmrl_over_floor": med["mmrl"] / med["floor"],
             "plain_over_floor": med["plain"] / med["floor"], "mmrl_steps_s": times["mmrl"],
             "plain_steps_s": times["plain"], "work": {"mmrl": work["mmrl"][0], "plain": work["plain"][0]},
@@ -257,8 +349,12 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an mmrl config override for the mmrl side (repeatable), e.g. train.overlap_scoring=true")
+    ap.add_argument("--flow-grpo", default=None, metavar="PATH",
+                    help="a checkout of the official Flow-GRPO (github.com/yifan123/flow_grpo): also time its "
+                         "scripts/train_sd3.py on the same workload")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "flow_grpo_bench.json")
     args = ap.parse_args(argv)
+    args.official_missing = official_missing(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     import tempfile
@@ -275,10 +371,14 @@ def main(argv=None) -> int:
 
         folder = Path(args.pipeline or resolve_pretrained("tiny:sd3")) / "transformer"
         transformer_params = sum(p.numel() for p in SD3Transformer2DModel.from_pretrained(folder).parameters())
-    line = {"bench": "flow-grpo", "speedup_vs_plain": {k: round(v["speedup_vs_plain"], 3) for k, v in results.items()},
+    versus = ({"speedup_vs_flow_grpo": {k: round(v["speedup_vs_flow_grpo"], 3) for k, v in results.items()}}
+              if args.official_missing is None else {"flow_grpo_skipped": args.official_missing})
+    line = {"bench": "flow-grpo", **versus,
+            "speedup_vs_plain": {k: round(v["speedup_vs_plain"], 3) for k, v in results.items()},
             "mmrl_over_floor": {k: round(v["mmrl_over_floor"], 3) for k, v in results.items()},
             "results": results, "ok": not any(v["problems"] for v in results.values()),
-            "settings": {k: v for k, v in vars(args).items() if k not in ("out", "pipeline")}
+            "settings": {k: v for k, v in vars(args).items()
+                         if k not in ("out", "pipeline", "official_missing")}
             | {"torch_threads": torch.get_num_threads(), "transformer_parameters": transformer_params},
             "versions": versions()}
     return finish(line, args.out)

@@ -66,6 +66,7 @@ def test_flow_grpo_bench_same_work_through_mmrl_bench(tmp_path):
         assert work[side]["images"] == n and work[side]["optimizer_steps"] == 1
     assert work["mmrl"]["calls"]["grad"] == 1 and work["plain"]["calls"]["grad"] == trained
     assert line["results"]["cfg"]["floor_s"] > 0 and line["mmrl_over_floor"]["cfg"] > 0
+    assert "no --flow-grpo" in line["flow_grpo_skipped"] and "speedup_vs_flow_grpo" not in line
 
 
 def test_overhead_bench_replays_the_trainers_model_work(tmp_path):
