@@ -8,8 +8,9 @@ and ``--config.*`` flags that point it at a local model and a prompt folder, and
 * epoch times: the script logs ``{"epoch": ..., "reward_*": ...}`` once per epoch, after that epoch's sampling and
   rewards; the interval between two such logs is one whole epoch (training of the first, sampling of the next).
   ``wandb`` runs disabled, and ``wandb.log`` is wrapped after ``wandb.init`` to take the time stamps;
-* the work: a global forward pre-hook counts the rows (samples x CFG halves) through every
-  ``SD3Transformer2DModel`` with and without grad, and a global optimizer hook counts optimizer steps, per epoch.
+* the work: ``SD3Transformer2DModel.forward`` is wrapped in this process to count the rows (samples x CFG halves)
+  through the transformer with and without grad and the text tokens it sees, and a global optimizer hook counts
+  optimizer steps, per epoch (nothing they compute changes).
 
 After ``--epochs`` timed epochs (the first interval is warm-up and dropped by the caller) it prints one line
 ``FLOW_GRPO_RESULT {json}`` and exits. Requirements beyond mmrl's: ``pip install ml_collections absl-py wandb``.
