@@ -2,7 +2,8 @@
 """Estimated peak GPU memory of the GPU recipes at their real sizes, on a machine without a GPU, and the memory
 presets (24 / 80 / 141 GB cards) it picks.
 
-Every model is built at its published size on PyTorch's ``meta`` device (shapes and dtypes, no storage, no
+Every model (SD3.5-Medium, FLUX.1-dev, Qwen2.5-VL-3B / 7B, with their text encoders, VAE and reward model) is
+built at its published size on PyTorch's ``meta`` device (shapes and dtypes, no storage, no
 arithmetic), and the recipe's two memory phases are run on it under a tracker of live tensor bytes
 (:class:`LiveBytes`, a ``TorchDispatchMode`` that adds each new storage's size when an op creates it and subtracts
 it when the storage is freed), the way ``torch.cuda.max_memory_allocated`` counts on a GPU:
@@ -13,10 +14,12 @@ it when the storage is freed), the way ``torch.cuda.max_memory_allocated`` count
   ``logits_to_keep`` logits in fp32, as :meth:`QwenVLPolicy.logprobs`), its backward and an AdamW step, with
   everything mmrl keeps resident: the frozen weights in the load dtype, trainable weights in fp32 with their
   gradients and two AdamW moments, the EMA shadows (``optim.ema``), a full fine-tune's frozen reference copy
-  (``algorithm.beta > 0``), the text encoders and the VAE (flows), the PickScore reward model's weights where the recipe uses it;
-* ``rollout``: one sampling forward of ``train.sample_batch_size`` x 2 (CFG) rows and the VAE decode of
-  ``train.sample_batch_size`` images (flows), or one decoding step of ``prompts_per_step x group_size`` sequences
-  with their whole KV cache at full length (VLMs), on the same resident weights.
+  (``algorithm.beta > 0``), the text encoders and the VAE (flows), the reward model's weights (PickScore's and
+  HPSv2's CLIP ViT-H-14) where the recipe uses it;
+* ``rollout``: one sampling forward of ``train.sample_batch_size`` x 2 (CFG; FLUX.1-dev's guidance is an input)
+  rows and the VAE decode of ``train.sample_batch_size`` images (flows), or one decoding step of
+  ``prompts_per_step x group_size`` sequences with their whole KV cache at full length (VLMs), on the same resident
+  weights and the AdamW moments of the previous update.
 
 Attention is counted as a flash kernel (``flash_attention_2`` / SDPA's flash backend on a GPU: no ``L x L``
 matrix is kept), by routing ``scaled_dot_product_attention`` to the CPU flash kernel, whose saved tensors are the
@@ -78,11 +81,17 @@ RECIPES = {
     "sd35m_flow_grpo_fast": ("sd35m", "configs/gpu/sd35m_flow_grpo_fast.yaml", None),
     "sd35m_dense_grpo": ("sd35m", "configs/gpu/sd35m_dense_grpo.yaml", None),
     "sd35m_tp_grpo": ("sd35m", "configs/gpu/sd35m_tp_grpo.yaml", None),
+    "flux_dance_grpo_hps": ("flux_dev", "configs/gpu/flux_dance_grpo_hps.yaml", None),
     "qwen25vl3b_rec_grpo": ("qwen25vl_3b", "configs/gpu/qwen25vl3b_rec_grpo.yaml", 450),
     "qwen25vl7b_video_tg_grpo": ("qwen25vl_7b", "configs/gpu/qwen25vl7b_video_tg_grpo.yaml", 3940),
 }
+FLOW_SIZES = ("sd35m", "flux_dev")
+#: FLUX.1-dev's transformer (black-forest-labs/FLUX.1-dev, transformer/config.json)
+FLUX_DEV_TRANSFORMER = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                            num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                            guidance_embeds=True, axes_dims_rope=(16, 56, 56))
 #: process counts tried for a sharded run (FSDP2) when no single-process preset fits a card
-SHARDS = (2, 4, 8)
+SHARDS = (2, 4, 8, 16)
 
 #: candidate memory settings per family, fastest first (a card's preset is the first whose estimate fits):
 #: ``batch_size`` (samples per training micro-batch; gradient accumulation is raised so that every optimizer step
@@ -237,45 +246,62 @@ def train_and_step(tracker: LiveBytes, model: torch.nn.Module, loss_fn) -> None:
     model.eval()
 
 
-def estimate_flow(config) -> dict:
-    """Peak bytes of the SD3.5-Medium-sized flow recipe's training and rollout phases (module docstring)."""
-    from diffusers import AutoencoderKL, SD3Transformer2DModel
-    from mmrl.pipelines.flow.sd3 import SD3Family
-    from transformers import (CLIPConfig, CLIPModel, CLIPTextConfig, CLIPTextModelWithProjection, CLIPVisionConfig,
+def estimate_flow(config, size: str) -> dict:
+    """Peak bytes of an SD3.5-Medium- or FLUX.1-dev-sized flow recipe's training and rollout phases (module
+    docstring)."""
+    from diffusers import AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel
+    from transformers import (CLIPConfig, CLIPModel, CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection,
                               T5Config, T5EncoderModel)
 
+    from mmrl.pipelines.flow.flux import FluxFamily
+    from mmrl.pipelines.flow.sd3 import SD3Family
+
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(config.model.dtype, torch.float32)
-    transformer = on_meta(SD3Transformer2DModel, SD35M_TRANSFORMER, dtype)
+    flux = size == "flux_dev"
+    transformer = on_meta(FluxTransformer2DModel, FLUX_DEV_TRANSFORMER, dtype) if flux else \
+        on_meta(SD3Transformer2DModel, SD35M_TRANSFORMER, dtype)
     if config.model.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     if not config.model.use_lora:
         transformer.requires_grad_(True)
+    family = FluxFamily if flux else SD3Family
     transformer = make_trainable(transformer, config,
-                                 list(config.model.lora_target_modules or SD3Family.default_lora_targets))
-    vae = on_meta(AutoencoderKL, SD3_VAE, dtype)
-    encoders = [on_meta(CLIPTextModelWithProjection, CLIPTextConfig(**CLIP_L), dtype),
-                on_meta(CLIPTextModelWithProjection, CLIPTextConfig(**CLIP_G), dtype),
-                on_meta(T5EncoderModel, T5Config(**T5_XXL), dtype)]
-    rewards = [] if not uses_reward(config, "pickscore") else [
-        on_meta(CLIPModel, CLIPConfig(text_config=CLIP_H_TEXT, vision_config=CLIP_H_VISION, projection_dim=1024),
-                torch.bfloat16)]
+                                 list(config.model.lora_target_modules or family.default_lora_targets))
+    vae = on_meta(AutoencoderKL, SD3_VAE, dtype)  # FLUX's autoencoder has the SD3 VAE's layout (16 channels)
+    encoders = [on_meta(CLIPTextModel, CLIPTextConfig(**CLIP_L), dtype)] if flux else [
+        on_meta(CLIPTextModelWithProjection, CLIPTextConfig(**CLIP_L), dtype),
+        on_meta(CLIPTextModelWithProjection, CLIPTextConfig(**CLIP_G), dtype)]
+    encoders.append(on_meta(T5EncoderModel, T5Config(**T5_XXL), dtype))
+    rewards = [on_meta(CLIPModel, CLIPConfig(text_config=CLIP_H_TEXT, vision_config=CLIP_H_VISION, projection_dim=1024),
+                       torch.bfloat16)
+               for name in ("pickscore", "hpsv2") if uses_reward(config, name)]  # both are CLIP ViT-H-14
     s, t = config.sampling, config.train
     side = config.model.resolution // 8
-    text_tokens = 77 + s.max_sequence_length  # CLIP's 77 and T5's max_sequence_length, joined
-    trained = max(1, round(s.num_steps * s.timestep_fraction)) if s.train_steps == "fraction" else s.num_steps
+    image_tokens = (side // 2) ** 2
+    # SD3 joins CLIP's 77 tokens and T5's; FLUX's transformer reads T5's alone (CLIP gives the pooled vector)
+    text_tokens = s.max_sequence_length if flux else 77 + s.max_sequence_length
+    trained = max(1, round(s.num_steps * s.timestep_fraction)) if "fraction" in s.train_steps else s.num_steps
     chunk = t.timestep_chunk or trained
-    cfg = 2 if s.guidance_scale > 1 else 1
+    cfg = 2 if s.guidance_scale > 1 and not flux else 1  # FLUX.1-dev's guidance is an input, not a second half
     holding = resident(config, transformer, [vae, *encoders, *rewards])
     parts = {"weights": sum(p.numel() * p.element_size() for p in holding), "trainable": trained_numel(transformer)}
 
     def forward(rows: int):
-        x = torch.randn(rows, 16, side, side, dtype=dtype, device=META)
         embeds = torch.randn(rows, text_tokens, 4096, dtype=dtype, device=META)
-        pooled = torch.randn(rows, 2048, dtype=dtype, device=META)
-        timestep = torch.rand(rows, device=META) * 1000
+        timestep = torch.rand(rows, device=META)
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            return transformer(hidden_states=x, encoder_hidden_states=embeds, pooled_projections=pooled,
-                               timestep=timestep).sample.float()
+            if flux:
+                return transformer(hidden_states=torch.randn(rows, image_tokens, 64, dtype=dtype, device=META),
+                                   encoder_hidden_states=embeds, timestep=timestep,
+                                   guidance=torch.full((rows,), s.guidance_scale, device=META),
+                                   pooled_projections=torch.randn(rows, 768, dtype=dtype, device=META),
+                                   txt_ids=torch.zeros(text_tokens, 3, dtype=dtype, device=META),
+                                   img_ids=torch.zeros(image_tokens, 3, dtype=dtype, device=META),
+                                   return_dict=False)[0].float()
+            return transformer(hidden_states=torch.randn(rows, 16, side, side, dtype=dtype, device=META),
+                               encoder_hidden_states=embeds,
+                               pooled_projections=torch.randn(rows, 2048, dtype=dtype, device=META),
+                               timestep=timestep * 1000).sample.float()
 
     with flash_attention():
         tracker = LiveBytes(holding)
@@ -292,7 +318,7 @@ def estimate_flow(config) -> dict:
             del latents
     return {"rollout": rollout, "training": training, "parts": parts,
             "shapes": {"training_rows": t.batch_size * chunk * cfg, "sampling_rows": t.sample_batch_size * cfg,
-                       "image_tokens": (side // 2) ** 2, "text_tokens": text_tokens}}
+                       "image_tokens": image_tokens, "text_tokens": text_tokens}}
 
 
 def estimate_vlm(config, size: str, prompt_tokens: int) -> dict:
@@ -357,26 +383,31 @@ def estimate_vlm(config, size: str, prompt_tokens: int) -> dict:
 def estimate(name: str, overrides: list[str], prompt_tokens: int | None = None) -> dict:
     """The recipe ``name`` with ``overrides``: peak GiB per phase (one process), the resident weights, and
     ``trainable_state_gib``: the trained weights' fp32 copy, gradient and two AdamW moments (16 bytes each), the
-    part that sharding (FSDP2) divides by the process count."""
+    part that sharding (FSDP2) divides by the process count. The rollout of every update after the first also
+    holds the AdamW moments (8 bytes per trained weight), which the traced first rollout has not made yet: they are
+    added."""
     from mmrl.config import load_config
 
     size, path, typical = RECIPES[name]
     config = load_config(ROOT / path, overrides, check_files=False)
-    raw = estimate_flow(config) if size == "sd35m" else estimate_vlm(config, size, prompt_tokens or typical)
-    peak = max(raw["rollout"], raw["training"])
+    raw = estimate_flow(config, size) if size in FLOW_SIZES else estimate_vlm(config, size, prompt_tokens or typical)
+    trained = raw["parts"]["trainable"]
+    rollout = raw["rollout"] + 8 * trained
+    peak = max(rollout, raw["training"])
     return {"overrides": overrides, "peak_gib": round(peak / GIB, 1), "training_gib": round(raw["training"] / GIB, 1),
-            "rollout_gib": round(raw["rollout"] / GIB, 1),
-            "resident_weights_gib": round(raw["parts"]["weights"] / GIB, 1),
-            "trainable_state_gib": round(16 * raw["parts"]["trainable"] / GIB, 1), "shapes": raw["shapes"]}
+            "rollout_gib": round(rollout / GIB, 1), "resident_weights_gib": round(raw["parts"]["weights"] / GIB, 1),
+            "trainable_state_gib": round(16 * trained / GIB, 1), "trained_parameters": trained,
+            "shapes": raw["shapes"]}
 
 
 def sharded_peak(one: dict, processes: int) -> float:
-    """Peak GiB per process of ``one`` (a one-process estimate) under FSDP2 over ``processes``: the training phase
-    holds ``1 / processes`` of the trainable state; the rollout gathers the whole weights (mmrl.distributed
-    ``full_weights``) next to the sharded gradients-free optimizer state (12 of the 16 bytes)."""
-    state = one["trainable_state_gib"]
-    training = one["training_gib"] - state * (1 - 1 / processes)
-    rollout = one["rollout_gib"] - 0.75 * state * (1 - 1 / processes)
+    """Peak GiB per process of ``one`` (a one-process estimate) under FSDP2 over ``processes``: training holds
+    ``1 / processes`` of the trained weights' fp32 copy, gradients and moments (FSDP2 gathers one block at a time);
+    a rollout gathers the whole fp32 weights next to their shard and the sharded moments
+    (``mmrl.distributed.full_weights``)."""
+    trained = one["trained_parameters"] / GIB
+    training = one["training_gib"] - 16 * trained * (1 - 1 / processes)
+    rollout = one["rollout_gib"] - 8 * trained + (4 + 8) * trained / processes
     return round(max(training, rollout), 1)
 
 
@@ -398,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     diffusers_logging.set_verbosity_error()  # "modules that should be kept in float32: []" for each meta build
     lines = []
     for name in args.recipes:
-        family = "flow" if RECIPES[name][0] == "sd35m" else "vlm"
+        family = "flow" if RECIPES[name][0] in FLOW_SIZES else "vlm"
         config = load_config(ROOT / RECIPES[name][1], list(args.set), check_files=False)
         candidates = [c for c in (preset_overrides(config, p) for p in PRESETS[family]) if c is not None]
         estimates = {tuple(c): estimate(name, [*args.set, *c], args.prompt_tokens) for c in candidates}

@@ -98,3 +98,15 @@ def test_full_fine_tuning_holds_fp32_weights_gradients_and_two_adam_moments():
     assert full["training_gib"] > 16 * language / 2 ** 30
     assert lora["training_gib"] < full["training_gib"] / 3
     assert full["shapes"]["sequence_tokens"] == 450 + 256 and full["shapes"]["rollout_rows"] == 16
+
+
+def test_flux_has_no_cfg_half_and_sharding_divides_the_trained_state():
+    one = me.estimate("flux_dance_grpo_hps", [])
+    assert one["shapes"]["training_rows"] == 4  # batch 4 x one step per forward, guidance is an input
+    assert one["shapes"]["image_tokens"] == 45 * 45 and one["shapes"]["text_tokens"] == 512
+    assert 11.5e9 < one["trained_parameters"] < 12.5e9  # FLUX.1-dev's transformer, trained whole
+    assert one["trainable_state_gib"] == round(16 * one["trained_parameters"] / 2 ** 30, 1)
+    peaks = [me.sharded_peak(one, n) for n in (1, 2, 4, 8)]
+    assert peaks[0] == one["peak_gib"] and peaks == sorted(peaks, reverse=True)
+    # the whole fp32 weights gathered for the rollout stay on every process however many there are
+    assert me.sharded_peak(one, 1024) > 4 * one["trained_parameters"] / 2 ** 30
