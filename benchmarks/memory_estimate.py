@@ -30,6 +30,7 @@ policy's) and processes other than one. So the figures are estimates of the allo
 real peak on a GPU.
 
     python benchmarks/memory_estimate.py [--recipes NAME ...] [--cards 24 80 141] [--headroom 0.15] [--out PATH]
+    python benchmarks/memory_estimate.py --config MY.yaml --model sd35m|flux_dev|qwen25vl_3b|qwen25vl_7b  # your own
     mmrl bench memory [same options]
 
 Prints one JSON line per recipe: the recipe as shipped (peak per phase, with its parts) and, for each card, the
@@ -380,6 +381,11 @@ def estimate_vlm(config, size: str, prompt_tokens: int) -> dict:
                        "rollout_rows": rollout_rows}}
 
 
+def recipe_path(name: str) -> Path:
+    """The config file of recipe ``name`` (shipped ones are relative to the repository)."""
+    return ROOT / RECIPES[name][1]  # an absolute path (--config) stays as it is
+
+
 def estimate(name: str, overrides: list[str], prompt_tokens: int | None = None) -> dict:
     """The recipe ``name`` with ``overrides``: peak GiB per phase (one process), the resident weights, and
     ``trainable_state_gib``: the trained weights' fp32 copy, gradient and two AdamW moments (16 bytes each), the
@@ -388,8 +394,9 @@ def estimate(name: str, overrides: list[str], prompt_tokens: int | None = None) 
     added."""
     from mmrl.config import load_config
 
-    size, path, typical = RECIPES[name]
-    config = load_config(ROOT / path, overrides, check_files=False)
+    size, _, typical = RECIPES[name]
+    path = recipe_path(name)
+    config = load_config(path, overrides, check_files=False)
     raw = estimate_flow(config, size) if size in FLOW_SIZES else estimate_vlm(config, size, prompt_tokens or typical)
     trained = raw["parts"]["trainable"]
     rollout = raw["rollout"] + 8 * trained
@@ -413,7 +420,10 @@ def sharded_peak(one: dict, processes: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=list(RECIPES))
+    parser.add_argument("--recipes", nargs="*", default=None, choices=list(RECIPES))
+    parser.add_argument("--config", type=Path, default=None,
+                        help="estimate this config instead (with --model: the real-size model it is for)")
+    parser.add_argument("--model", choices=("sd35m", "flux_dev", "qwen25vl_3b", "qwen25vl_7b"), default=None)
     parser.add_argument("--cards", nargs="*", type=float, default=[24, 80, 141], help="card memory in GB (1e9 B)")
     parser.add_argument("--headroom", type=float, default=0.15,
                         help="fraction of each card kept free for what the estimate does not count")
@@ -428,9 +438,16 @@ def main(argv: list[str] | None = None) -> int:
 
     diffusers_logging.set_verbosity_error()  # "modules that should be kept in float32: []" for each meta build
     lines = []
-    for name in args.recipes:
+    if args.config is not None:
+        if args.model is None:
+            parser.error("--config needs --model (the published model the config is for)")
+        RECIPES[args.config.stem] = (args.model, str(args.config.resolve()), 450)
+        names = [args.config.stem]
+    else:
+        names = args.recipes or [name for name in RECIPES]
+    for name in names:
         family = "flow" if RECIPES[name][0] in FLOW_SIZES else "vlm"
-        config = load_config(ROOT / RECIPES[name][1], list(args.set), check_files=False)
+        config = load_config(recipe_path(name), list(args.set), check_files=False)
         candidates = [c for c in (preset_overrides(config, p) for p in PRESETS[family]) if c is not None]
         estimates = {tuple(c): estimate(name, [*args.set, *c], args.prompt_tokens) for c in candidates}
         same_method = [c for c in candidates if "model.use_lora=true" not in c]  # the recipe's own fine-tune

@@ -110,3 +110,19 @@ def test_flux_has_no_cfg_half_and_sharding_divides_the_trained_state():
     assert peaks[0] == one["peak_gib"] and peaks == sorted(peaks, reverse=True)
     # the whole fp32 weights gathered for the rollout stay on every process however many there are
     assert me.sharded_peak(one, 1024) > 4 * one["trained_parameters"] / 2 ** 30
+
+
+def test_a_users_own_config_is_estimated_for_the_model_named(tmp_path):
+    import json
+
+    mine = tmp_path / "mine.yaml"
+    mine.write_text((me.ROOT / "configs/gpu/sd35m_flow_grpo_fast.yaml").read_text())
+    out = tmp_path / "estimate.json"
+    assert me.main(["--config", str(mine), "--model", "sd35m", "--cards", "141", "--set", "train.batch_size=3",
+                    "train.gradient_accumulation_steps=24", "--out", str(out)]) == 0
+    (line,) = json.loads(out.read_text())["recipes"]
+    assert line["recipe"] == "mine" and line["shipped"]["shapes"]["training_rows"] == 3  # the --set applied
+    assert line["presets"]["141GB"]["one_process"]["overrides"] == ["train.batch_size=3",
+                                                                    "train.gradient_accumulation_steps=24"]
+    with pytest.raises(SystemExit):
+        me.main(["--config", str(mine)])  # which model it is for must be said
