@@ -310,6 +310,12 @@ def import_attribute(spec: str) -> Any:
         raise ValueError(f"cannot import {attr!r} from {module!r} ({exc})") from None
 
 
+def _changed_fields(section: Any) -> list[str]:
+    """The fields of a config section whose values differ from their defaults."""
+    defaults = type(section)()
+    return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(defaults, f.name)]
+
+
 def _nearest(key: str, options: list[str], prefix: str = "") -> str:
     """``"; did you mean 'train.steps'?"`` (the full dotted key), or the section's valid keys."""
     close = difflib.get_close_matches(key, options, n=1, cutoff=0.5)
@@ -668,6 +674,12 @@ def validate(config: Config, *, check_files: bool = True) -> None:
     if a.batch_normalize_sum and a.reward_combination != "normalize_then_sum":
         raise ConfigError("algorithm.batch_normalize_sum is GDPO's step after normalize_then_sum: set "
                           "algorithm.reward_combination=normalize_then_sum")
+    other = "generation" if flow else "sampling"  # the section the other kind of policy reads: left at defaults
+    changed = _changed_fields(getattr(config, other))
+    if changed:
+        raise ConfigError(f"{other}.{changed[0]} applies to "
+                          f"{'VLM policies (model.family: qwen_vl)' if flow else 'flow policies (sd3, flux)'}; a "
+                          f"{m.family} policy {'samples with sampling.*' if flow else 'generates with generation.*'}")
     if config.model.family == "qwen_vl":
         if d.dataset is None:
             raise ConfigError("data.dataset: a VLM run needs a JSONL dataset (see mmrl.data.vlm)")
