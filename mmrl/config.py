@@ -14,6 +14,7 @@ not from the config file's folder. ``config_to_dict`` gives the resolved config 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import difflib
 import importlib.util
 import math
@@ -674,12 +675,13 @@ def validate(config: Config, *, check_files: bool = True) -> None:
     if a.batch_normalize_sum and a.reward_combination != "normalize_then_sum":
         raise ConfigError("algorithm.batch_normalize_sum is GDPO's step after normalize_then_sum: set "
                           "algorithm.reward_combination=normalize_then_sum")
-    other = "generation" if flow else "sampling"  # the section the other kind of policy reads: left at defaults
+    other = "generation" if flow else "sampling"  # the section the other kind of policy reads
     changed = _changed_fields(getattr(config, other))
-    if changed:
-        raise ConfigError(f"{other}.{changed[0]} applies to "
-                          f"{'VLM policies (model.family: qwen_vl)' if flow else 'flow policies (sd3, flux)'}; a "
-                          f"{m.family} policy {'samples with sampling.*' if flow else 'generates with generation.*'}")
+    if changed:  # a warning, not an error: a config turned into the other family by model.family keeps its section
+        logging.getLogger(__name__).warning(
+            "%s ignored: %s applies to %s; a %s policy %s", ", ".join(f"{other}.{k}" for k in changed),
+            f"{other}.*", "VLM policies (model.family: qwen_vl)" if flow else "flow policies (sd3, flux)", m.family,
+            "samples with sampling.*" if flow else "generates with generation.*")
     if config.model.family == "qwen_vl":
         if d.dataset is None:
             raise ConfigError("data.dataset: a VLM run needs a JSONL dataset (see mmrl.data.vlm)")
