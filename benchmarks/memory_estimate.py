@@ -237,7 +237,9 @@ def trained_numel(model: torch.nn.Module) -> int:
 
 
 def train_and_step(tracker: LiveBytes, model: torch.nn.Module, loss_fn) -> None:
-    """One forward + backward + AdamW step (moments created at the first step, as on a GPU)."""
+    """One forward + backward + AdamW step (moments created at the first step, as on a GPU). Traced as the
+    multi-tensor (foreach) AdamW: the fused kernel the loop uses on CUDA does not run on the meta device, and it
+    holds no temporary copy of the weights, so this is an upper bound at the step."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-6, foreach=True)
     model.train()

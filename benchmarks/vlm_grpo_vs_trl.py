@@ -319,7 +319,7 @@ def run_trl(args) -> dict:
             beta=args.beta, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group",
             multi_objective_aggregation="sum_then_normalize", reward_weights=list(REWARD_WEIGHTS.values()),
             learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-            optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
+            optim="adamw_torch_fused", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
             max_steps=global_per_step * (args.steps + 1), logging_steps=global_per_step,
             save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
             log_completions=False,

@@ -94,6 +94,16 @@ def check_resume(config: Config) -> None:
     resume_changes(json.loads((path / COMPLETE_MARKER).read_text()).get("config"), config_to_dict(config), path)
 
 
+def fused_adamw_applies(params: list[torch.Tensor], scaler=None) -> bool:
+    """Whether to use torch's fused AdamW kernel: parameters in floating point on CPU or CUDA, and no fp16
+    GradScaler (a fused step takes the scaler's inf check into the kernel and is always called, so a skipped step
+    could not be counted). One kernel per parameter instead of torch's default per-tensor loop (CPU) or foreach
+    path (CUDA, which also holds a temporary copy of the weights during the step); the same AdamW update, to
+    float rounding."""
+    return scaler is None and bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda")
+                                                   for p in params)
+
+
 def build_lr_scheduler(optimizer, name: str, warmup: int, total: int):
     def factor(step: int) -> float:
         if warmup and step < warmup:
@@ -158,7 +168,8 @@ class Trainer:
         if not params:
             raise ValueError("the policy has no trainable parameters")
         self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
-                                           eps=o.adam_eps)
+                                           eps=o.adam_eps,
+                                           fused=fused_adamw_applies(params, getattr(accelerator, "scaler", None)))
         if self._micro_per_optimizer_step() > self._micro_batches_per_epoch() and accelerator.is_main_process:
             logger.warning("train.gradient_accumulation_steps=%d is more than the %d minibatches of an update: each "
                            "optimizer step accumulates the %d there are (the loss is a mean over them)",

@@ -5,7 +5,7 @@ either all 8 samples on one process or split 4 + 4 over two gloo processes (unde
     python -m torch.distributed.run --nproc_per_node 2 --master_port PORT \\
         tests/layout_process_worker.py OUT FAMILY AGGREGATION SPLIT [MODEL_PATH] [--full] [--fsdp]  # two
 
-``--full``: full fine-tuning instead of the recipe's LoRA. ``--fsdp``: the processes shard the model with FSDP2
+``--full``: full fine-tuning instead of the recipe's LoRA (for the VLM, vision tower included). ``--fsdp``: the processes shard the model with FSDP2
 as ``configs/accelerate/fsdp2.yaml`` configures it (see :func:`select_fsdp2`) instead of DDP.
 
 Sampling randomness is seeded per process by design, so every process samples the SAME global rollout (same
@@ -49,6 +49,8 @@ def common(world: int, aggregation: str) -> list[str]:
 
 def build_config(out: Path, family: str, aggregation: str, world: int, model: str | None, full: bool = False):
     extra = ["model.use_lora=false", "optim.lr=1e-3"] if full else []
+    if full and family == "vlm":
+        extra.append("model.freeze_vision=false")  # the vision tower trained too
     if family == "flow":
         return load_config(TINY_RECIPE, [f"output_dir={out}/run", f"model.pretrained={model}", "sampling.num_steps=4",
                                   "sampling.eval_num_steps=4", "sampling.max_sequence_length=16",

@@ -67,7 +67,7 @@ def runs(tmp_path_factory):
             launcher = [sys.executable]
             if processes > 1:
                 port = BASE_PORT + (len(TWO_PROCESS_RUNS) + SHARDED.index((family, aggregation, full)) if fsdp
-                                    else TWO_PROCESS_RUNS.index((family, aggregation, split)))
+                                    else TWO_PROCESS_RUNS.index((family, aggregation, split)) + 40 * full)
                 launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(processes),
                              "--master_port", str(port)]
             flags = ["--full"] * full + ["--fsdp"] * fsdp
@@ -179,10 +179,25 @@ def test_logged_policy_metrics_describe_the_whole_batch(runs):
                          ids=[f"{f}-{a}-{'full' if full else 'lora'}" for f, a, full in SHARDED])
 def test_fsdp_sharded_update_is_the_one_process_update(runs, family, aggregation, full):
     """Two processes that shard the model (FSDP2) make the update one process makes: the rollout runs on the
-    gathered weights, the loss on the shards, the gradient is reduce-scattered and each process steps its half."""
+    gathered weights, the loss on the shards, the gradient is reduce-scattered and each process steps its half.
+    The VLM's full fine-tuning trains the vision tower too: one process encodes each prompt once per forward,
+    the sharded processes pass the pixels through the model's own forward."""
     one, two = runs(family, aggregation, full=full, fsdp=True)
     r0, r1 = two
     assert r0["sharded"] and r1["sharded"] and not one["sharded"]
+    assert_same_update_on_two_processes(one, two, f"fsdp {family}/{aggregation}/{'full' if full else 'lora'}")
+
+
+def test_ddp_full_finetuning_with_the_vision_tower_is_the_one_process_update(runs):
+    """DDP: the vision tower is encoded outside the wrapped forward (each prompt once per forward); its gradients
+    are still averaged over the processes."""
+    one, two = runs("vlm", "dapo", full=True)
+    assert not two[0]["sharded"] and not one["sharded"]
+    assert_same_update_on_two_processes(one, two, "ddp vlm/dapo/full")
+
+
+def assert_same_update_on_two_processes(one: dict, two: list[dict], name: str) -> None:
+    r0, r1 = two
     assert torch.equal(r0["initial"], one["initial"]) and torch.equal(r1["initial"], one["initial"])
     adv, adv_one = gathered_advantages(one, two)
     assert adv_one.abs().sum() > 0
@@ -196,7 +211,7 @@ def test_fsdp_sharded_update_is_the_one_process_update(runs, family, aggregation
     assert moved > 1e-3, moved
     weights = relative_error(r0["weights"], one["weights"])
     update = relative_error(r0["weights"] - r0["initial"], one["weights"] - one["initial"])
-    print(f"\nfsdp {family}/{aggregation}/{'full' if full else 'lora'}: weights {weights:.3g}, update {update:.3g} "
+    print(f"\n{name}: weights {weights:.3g}, update {update:.3g} "
           f"(moved {moved:.3g}), {one['weights'].numel()} trainable values")
     assert weights <= RTOL, weights
     assert update <= 10 * RTOL, update

@@ -80,6 +80,30 @@ def test_lr_schedule_counts_the_optimizer_steps_really_taken(tmp_path, tiny_sd3)
     assert trainer.lr_scheduler.get_last_lr()[0] == pytest.approx(0.0, abs=1e-12)  # the schedule ends at its end
 
 
+def test_adamw_is_fused_and_steps_as_torchs_default_adamw(tmp_path, tiny_sd3):
+    """The loop's AdamW runs torch's fused kernel on CPU / CUDA; its steps move the weights as the default AdamW
+    with the same settings does, to float rounding."""
+    trainer = build_trainer(flow_config(tmp_path, tiny_sd3, "optim.weight_decay=0.01"))
+    assert trainer.optimizer.param_groups[0]["fused"] is True
+    params = trainer.policy.trainable_parameters()
+    start = [p.detach().clone() for p in params]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    group = trainer.optimizer.param_groups[0]
+    default = torch.optim.AdamW(twins, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                                weight_decay=group["weight_decay"])
+    assert not default.param_groups[0]["fused"]
+    for step in range(3):
+        for i, (p, q) in enumerate(zip(params, twins)):
+            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(step * 1000 + i))
+            p.grad, q.grad = g.clone(), g.clone()
+        trainer.optimizer.step()
+        default.step()
+    moved = torch.cat([(q.detach() - s0).flatten() for q, s0 in zip(twins, start)]).abs().max()
+    apart = torch.cat([(p.detach() - q.detach()).flatten() for p, q in zip(params, twins)]).abs().max()
+    assert moved > 0.5 * group["lr"]  # three Adam steps of about lr each
+    assert apart <= 1e-3 * moved, (float(apart), float(moved))
+
+
 # ------------------------------------------------------------------------------------- fp16 scaler
 
 
@@ -104,6 +128,7 @@ def test_fp16_overflow_lets_the_scaler_skip_and_lower_its_scale(tmp_path, tiny_s
         return grad
 
     param.register_hook(overflow)
+    assert not trainer.optimizer.param_groups[0]["fused"]  # the scaler must see (and count) a skipped step
     before = {k: v.detach().clone() for k, v in policy.named_trainable_parameters().items()}
     first = trainer.step()
     assert first["train/skipped_optimizer_steps"] == 1.0

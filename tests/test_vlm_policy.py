@@ -115,29 +115,35 @@ def test_first_ratio_is_one_kl_zero_and_only_lora_trains(model_path):
     assert after.kl[rollout.mask[idx].bool()].max() > 0
 
 
-def test_vision_is_encoded_once_per_prompt_per_update(model_path, monkeypatch):
-    policy = make_policy(model_path)
+def count_encodes(policy, monkeypatch) -> dict:
+    """Images / videos through the vision tower, outermost calls only (Qwen3-VL's video path calls the image one)."""
     model = policy.base_model.model
-    calls = {"image": 0, "video": 0}
-    active = []  # Qwen3-VL's get_video_features calls get_image_features: count the outermost call only
-    for kind in calls:
+    seen = {"image": 0, "video": 0}
+    active = []
+    for kind in seen:
         original = getattr(model, f"get_{kind}_features")
 
-        def counting(*args, _original=original, _kind=kind, **kwargs):
+        def counting(pixels, grid, *args, _original=original, _kind=kind, **kwargs):
             if not active:
-                calls[_kind] += 1
+                seen[_kind] += len(grid)
             active.append(_kind)
             try:
-                return _original(*args, **kwargs)
+                return _original(pixels, grid, *args, **kwargs)
             finally:
                 active.pop()
 
         monkeypatch.setattr(model, f"get_{kind}_features", counting)
+    return seen
+
+
+def test_vision_is_encoded_once_per_prompt_per_update(model_path, monkeypatch):
+    policy = make_policy(model_path)
+    seen = count_encodes(policy, monkeypatch)
     rollout = policy.rollout(ITEMS, 4, generator=torch.Generator().manual_seed(3))
     for _ in range(2):  # two inner epochs of minibatches
         for idx in torch.arange(len(rollout)).split(5):
             policy.logprobs(rollout, idx)
-    assert calls == {"image": 2, "video": 1}  # two prompts with images, one with a video; 16 completions
+    assert seen == {"image": 3, "video": 1}  # three images in two prompts, one video; 16 completions
 
 
 def test_cached_vision_features_match_encoding_pixels_each_forward(model_path):
@@ -149,11 +155,43 @@ def test_cached_vision_features_match_encoding_pixels_each_forward(model_path):
         assert all(len(d) == 2 for v in rollout.vision for d in v.image_deepstack + v.video_deepstack)
         assert rollout.vision[1].image_deepstack and rollout.vision[3].video_deepstack
     pixels = make_policy(model_path, lora=None, freeze_vision=False)
+    pixels._per_forward = False  # the pixels through the model's own forward, one copy per row (the FSDP2 path)
     idx = torch.arange(len(rollout))
     want = pixels.logprobs(rollout, idx).logps.detach()
     got = cached.logprobs(rollout, idx).logps
     mask = rollout.mask.bool()
     torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=1e-5)
+
+
+def test_trained_tower_encodes_each_prompt_once_per_forward_with_the_pixel_paths_gradient(model_path, monkeypatch):
+    """freeze_vision=False: the rollout encodes each prompt once, each gradient forward each distinct prompt of its
+    rows once (the rows' gradients meet in the shared features); log-probs and gradients equal the pixel path's,
+    which encodes one copy per row."""
+    shared = make_policy(model_path, lora=None, freeze_vision=False)
+    seen = count_encodes(shared, monkeypatch)
+    rollout = shared.rollout(ITEMS, 3, generator=torch.Generator().manual_seed(6))
+    assert seen == {"image": 3, "video": 1}  # 3 images in two prompts, one video; 12 completions
+    pixels = make_policy(model_path, lora=None, freeze_vision=False)
+    pixels._per_forward = False
+    idx = torch.tensor([0, 1, 2, 3, 4, 9, 10])  # 3 + 2 rows of two image prompts, 2 rows of the video prompt
+    weights = torch.linspace(-1.0, 1.0, rollout.mask.shape[1])
+    for policy in (shared, pixels):
+        policy.model.zero_grad()
+        for k in seen:
+            seen[k] = 0
+        out = policy.logprobs(rollout, idx).logps
+        (out * rollout.mask[idx] * weights).sum().backward()
+        if policy is shared:
+            assert seen == {"image": 3, "video": 1}  # each distinct prompt of the batch once
+            got, got_grads = out.detach(), {n: p.grad.clone() for n, p in policy.named_trainable_parameters().items()
+                                            if p.grad is not None}
+    mask = rollout.mask[idx].bool()
+    torch.testing.assert_close(got[mask], out.detach()[mask], atol=1e-5, rtol=1e-5)
+    want_grads = {n: p.grad for n, p in pixels.named_trainable_parameters().items() if p.grad is not None}
+    assert got_grads.keys() == want_grads.keys() and any("visual" in n for n in got_grads)
+    for name, grad in want_grads.items():
+        scale = grad.abs().max().clamp_min(1e-12)
+        assert (got_grads[name] - grad).abs().max() <= 1e-4 * scale, name
 
 
 def test_full_finetuning_trains_the_vision_tower_when_unfrozen(model_path):

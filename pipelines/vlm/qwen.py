@@ -20,7 +20,9 @@ Vision features: with the vision tower frozen (the default, as VLM-R1 / Video-R1
 images or frames are encoded ONCE per update and the features are reused by generation (all ``G``
 completions) and by every log-prob forward of every inner epoch, through transformers'
 ``mm_encoder_outputs``. TRL's ``GRPOTrainer`` instead re-encodes each image once per completion in each
-forward. With ``freeze_vision=False`` the pixels go through the tower in every forward, with gradients.
+forward. With ``freeze_vision=False`` the rollout still encodes each prompt once (sampling has no gradient),
+and every gradient forward encodes each distinct prompt's pixels once, with gradients, however many of its
+completions the batch holds (under FSDP2 the pixels go through the model's own forward, one copy per row).
 
 Layout of a rollout: prompts are left-padded (``prompt_ids [P, Lp]``), completions right-padded
 (``completion_ids [N, T]``, ``mask`` 1 up to and including the end-of-turn token). A training forward
@@ -528,40 +530,80 @@ class QwenVLPolicy:
 
     @torch.no_grad()
     def _encode_vision(self, vision: list[Vision]) -> None:
-        """Frozen tower: encode every prompt's images / frames once; features are reused for the whole update."""
+        """Encode every prompt's images / frames once without gradients and keep the features on each ``Vision``:
+        for a frozen tower they serve the whole update; for a trained one, only the rollout (sampling is gradient
+        free, so ``generate`` reads each prompt's features instead of encoding one copy per returned sequence)."""
         self.model.eval()
-        base = self.base_model.model
-        for v in vision:
-            if v.pixel_values is not None:
-                out = base.get_image_features(v.pixel_values.to(self.device), v.image_grid_thw.to(self.device),
-                                              return_dict=True)
-                v.image_features = [f.detach() for f in out.pooler_output]
-                v.image_deepstack = _per_item_deepstack(out, len(v.image_features))
-            if v.pixel_values_videos is not None:
-                out = base.get_video_features(v.pixel_values_videos.to(self.device),
-                                              v.video_grid_thw.to(self.device), return_dict=True)
-                v.video_features = [f.detach() for f in out.pooler_output]
-                v.video_deepstack = _per_item_deepstack(out, len(v.video_features))
+        for v, encoded in zip(vision, self._encode(self.base_model, vision, detach=True)):
+            v.image_features, v.image_deepstack, v.video_features, v.video_deepstack = encoded
 
-    def _vision_kwargs(self, vision: list[Vision]) -> dict[str, Any]:
-        """Model kwargs for a batch whose rows use these per-row vision inputs (features when cached)."""
+    @staticmethod
+    def _encode(hf_model, vision: list[Vision], *, detach: bool) -> list[tuple[list, list, list, list]]:
+        """Per ``Vision``: its image features, image DeepStack features, video features and video DeepStack
+        features from ``hf_model``'s vision tower (one entry per image / video), all images in one tower call and
+        all videos in another; ``detach`` cuts them from the graph."""
+        device = next(hf_model.parameters()).device
+        encoded = [([], [], [], []) for _ in vision]
+        for slot, pixels_of, grid_of, encode in (
+                (0, "pixel_values", "image_grid_thw", hf_model.model.get_image_features),
+                (2, "pixel_values_videos", "video_grid_thw", hf_model.model.get_video_features)):
+            owners = [i for i, v in enumerate(vision) if getattr(v, pixels_of) is not None]
+            if not owners:
+                continue
+            grids = [getattr(vision[i], grid_of) for i in owners]
+            out = encode(torch.cat([getattr(vision[i], pixels_of) for i in owners]).to(device),
+                         torch.cat(grids).to(device), return_dict=True)
+            features = [f.detach() if detach else f for f in out.pooler_output]
+            deepstack = _per_item_deepstack(out, len(features), detach=detach)
+            start = 0
+            for i, grid in zip(owners, grids):
+                stop = start + len(grid)
+                encoded[i][slot].extend(features[start:stop])
+                encoded[i][slot + 1].extend(deepstack[start:stop])
+                start = stop
+        return encoded
+
+    def _encodes_per_forward(self) -> bool:
+        """A trained tower is encoded in the gradient forward itself, each distinct prompt's pixels once however
+        many of its completions the batch holds (their gradients meet in the shared features); not under FSDP2,
+        whose root forward is what gathers the tower's sharded weights."""
+        if self.freeze_vision or self.use_lora:
+            return False
+        if getattr(self, "_per_forward", None) is None:
+            from mmrl.distributed import fsdp_modules
+
+            self._per_forward = not fsdp_modules(self.train_model)
+        return self._per_forward
+
+    def _vision_kwargs(self, vision: list[Vision], encoded: dict[int, tuple] | None = None,
+                       cached: bool | None = None) -> dict[str, Any]:
+        """Model kwargs for a batch whose rows use these per-row vision inputs: the features of ``encoded``
+        (``id(Vision)`` -> :meth:`_encode`'s tuple, computed for this forward), else the cached features when
+        ``cached`` (default: the tower is frozen), else the pixels."""
+        cached = self.freeze_vision if cached is None else cached
+
+        def features(v: Vision) -> tuple:
+            return encoded[id(v)] if encoded is not None else \
+                (v.image_features, v.image_deepstack, v.video_features, v.video_deepstack)
+
+        use_features = encoded is not None or cached
         kwargs: dict[str, Any] = {}
         img = [v for v in vision if v.image_grid_thw is not None]
         vid = [v for v in vision if v.video_grid_thw is not None]
         if img:
             kwargs["image_grid_thw"] = torch.cat([v.image_grid_thw for v in img]).to(self.device)
-            if self.freeze_vision:
+            if use_features:
                 kwargs.setdefault("mm_encoder_outputs", {})["image"] = _encoder_output(
-                    [f for v in img for f in v.image_features], [d for v in img for d in v.image_deepstack])
+                    [f for v in img for f in features(v)[0]], [d for v in img for d in features(v)[1]])
             else:
                 kwargs["pixel_values"] = torch.cat([v.pixel_values for v in img]).to(self.device)
         if vid:
             kwargs["video_grid_thw"] = torch.cat([v.video_grid_thw for v in vid]).to(self.device)
             if vid[0].second_per_grid_ts is not None:
                 kwargs["second_per_grid_ts"] = torch.cat([v.second_per_grid_ts for v in vid]).to(self.device)
-            if self.freeze_vision:
+            if use_features:
                 kwargs.setdefault("mm_encoder_outputs", {})["video"] = _encoder_output(
-                    [f for v in vid for f in v.video_features], [d for v in vid for d in v.video_deepstack])
+                    [f for v in vid for f in features(v)[2]], [d for v in vid for d in features(v)[3]])
             else:
                 kwargs["pixel_values_videos"] = torch.cat([v.pixel_values_videos for v in vid]).to(self.device)
         return kwargs
@@ -577,7 +619,7 @@ class QwenVLPolicy:
         if not kept:
             raise EmptyBatchError("no usable sample in this batch (all skipped: see the skip counts)")
         items = [items[i] for i in kept]
-        if self.freeze_vision:
+        if self.freeze_vision or not self.tools:
             self._encode_vision(vision)
         if self.tools:
             from mmrl.pipelines.vlm.tool_rollout import tool_rollout
@@ -612,7 +654,8 @@ class QwenVLPolicy:
         (prompt columns included) on the model's device. ``kwargs`` go to ``generate`` (e.g. the tokenizer for stop
         strings)."""
         gen_kwargs = {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device),
-                      **self._vision_kwargs(vision), **kwargs}
+                      **self._vision_kwargs(vision, cached=self.freeze_vision or all(map(_has_features, vision))),
+                      **kwargs}
         if mm_types is not None:
             gen_kwargs["mm_token_type_ids"] = mm_types.to(self.device)
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
@@ -665,8 +708,8 @@ class QwenVLPolicy:
         attention = torch.cat([rollout.prompt_mask[rows], rollout.attention[index].long()], dim=1).to(self.device)
         vision = self.masked_vision(rollout) if masked_vision else \
             self.perturbed_vision(rollout, perturbed_vision) if perturbed_vision > 0 else rollout.vision
-        kwargs = {"input_ids": input_ids, "attention_mask": attention,
-                  **self._vision_kwargs([vision[r] for r in rows.tolist()])}
+        row_vision = [vision[r] for r in rows.tolist()]
+        kwargs = {"input_ids": input_ids, "attention_mask": attention}
         if rollout.mm_token_type_ids is not None:
             kwargs["mm_token_type_ids"] = torch.cat(
                 [rollout.mm_token_type_ids[rows], rollout.completion_types[index].to(rollout.mm_token_type_ids.dtype)],
@@ -678,7 +721,14 @@ class QwenVLPolicy:
             # the mode is set at the start of each forward and left as it is: a gradient-carrying forward stays in
             # train mode through its backward, where gradient checkpointing recomputes it (dropout included)
             model.train(train)
-            logits = model(**kwargs, logits_to_keep=width + 1, use_cache=False).logits[:, :-1].float()
+            encoded = None
+            if self._encodes_per_forward():
+                hf_model = self.base_model if model is self.model or model is self.train_model else model
+                unique = list({id(v): v for v in row_vision}.values())
+                encoded = dict(zip(map(id, unique), self._encode(hf_model, unique,
+                                                                 detach=not torch.is_grad_enabled())))
+            vision_kwargs = self._vision_kwargs(row_vision, encoded)
+            logits = model(**kwargs, **vision_kwargs, logits_to_keep=width + 1, use_cache=False).logits[:, :-1].float()
             logits = logits / self.temperature
             if self.suppressed_ids:
                 logits[..., self.suppressed_ids] = float("-inf")
@@ -776,14 +826,20 @@ class QwenVLPolicy:
         return self.rollout(items, 1, generator=torch.Generator().manual_seed(0), greedy=True).completions
 
 
-def _per_item_deepstack(out, n: int) -> list[list[Tensor]]:
+def _per_item_deepstack(out, n: int, *, detach: bool = True) -> list[list[Tensor]]:
     """Qwen3-VL's ``get_*_features`` also return DeepStack features: a list over deepstack layers of per-item
     tuples. Transposed to one list over layers per image / video (so prompts can be regrouped); ``[]`` per item
     for models without DeepStack."""
     layers = getattr(out, "deepstack_features", None)
     if not layers:
         return []
-    return [[layer[i].detach() for layer in layers] for i in range(n)]
+    return [[layer[i].detach() if detach else layer[i] for layer in layers] for i in range(n)]
+
+
+def _has_features(v: Vision) -> bool:
+    """Whether every image / video of ``v`` has its encoded features."""
+    return (v.pixel_values is None or bool(v.image_features)) and \
+        (v.pixel_values_videos is None or bool(v.video_features))
 
 
 def _encoder_output(features: list[Tensor], deepstack: list[list[Tensor]]):
