@@ -120,22 +120,25 @@ def assert_same_update(a, b, *, rtol: float = 1e-5) -> None:
 
 
 FSDP_CONFIG = Path(__file__).parents[1] / "configs" / "accelerate" / "fsdp2.yaml"
+OFFLOAD_CONFIG = FSDP_CONFIG.with_name("fsdp2_offload.yaml")
 
 
-def select_fsdp2() -> None:
+def select_fsdp2(offload: bool = False) -> None:
     """Make mmrl's accelerator shard with FSDP2 as ``accelerate launch --config_file configs/accelerate/fsdp2.yaml``
     does on GPUs. accelerate never selects FSDP on CPU (its MULTI_CPU type stays DDP), although torch's
     ``fully_shard`` runs on gloo CPU processes; so a test worker exports the config's ``fsdp_config`` the way
     ``accelerate launch`` does (``FSDP_<KEY>`` variables) and, once mmrl has built its accelerator, switches the
     accelerator's state to FSDP with the plugin those variables describe. Everything after that (``prepare``,
-    the loop, the checkpoint) is the production path."""
+    the loop, the checkpoint) is the production path. ``offload``: ``configs/accelerate/fsdp2_offload.yaml``
+    instead (``fsdp_offload_params: true``: the shards, their gradients and the optimizer on the CPU), unpinned:
+    pinned memory needs a CUDA driver."""
     import yaml
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     import mmrl.build as build
 
-    fsdp_config = yaml.safe_load(FSDP_CONFIG.read_text())["fsdp_config"]
+    fsdp_config = yaml.safe_load((OFFLOAD_CONFIG if offload else FSDP_CONFIG).read_text())["fsdp_config"]
     for key, value in fsdp_config.items():
         os.environ["FSDP_" + key.removeprefix("fsdp_").upper()] = str(value).lower() if isinstance(value, bool) \
             else str(value)
@@ -145,6 +148,11 @@ def select_fsdp2() -> None:
         accelerator = original(config)
         state = AcceleratorState()
         state.fsdp_plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables
+        if offload:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            assert isinstance(state.fsdp_plugin.cpu_offload, CPUOffloadPolicy)
+            state.fsdp_plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
         state.distributed_type = DistributedType.FSDP
         assert accelerator.is_fsdp2
         return accelerator

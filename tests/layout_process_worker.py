@@ -5,8 +5,9 @@ either all 8 samples on one process or split 4 + 4 over two gloo processes (unde
     python -m torch.distributed.run --nproc_per_node 2 --master_port PORT \\
         tests/layout_process_worker.py OUT FAMILY AGGREGATION SPLIT [MODEL_PATH] [--full] [--fsdp]  # two
 
-``--full``: full fine-tuning instead of the recipe's LoRA (for the VLM, vision tower included). ``--fsdp``: the processes shard the model with FSDP2
-as ``configs/accelerate/fsdp2.yaml`` configures it (see :func:`select_fsdp2`) instead of DDP.
+``--full``: full fine-tuning instead of the recipe's LoRA (for the VLM, vision tower included). ``--fsdp``: the
+processes shard the model with FSDP2 as ``configs/accelerate/fsdp2.yaml`` configures it (see :func:`select_fsdp2`)
+instead of DDP; with ``--offload`` as ``configs/accelerate/fsdp2_offload.yaml`` does (shards on the CPU).
 
 Sampling randomness is seeded per process by design, so every process samples the SAME global rollout (same
 items, same generator, group ids 0..1) and keeps its share of the rows: SPLIT ``contiguous`` gives process r
@@ -62,6 +63,18 @@ def build_config(out: Path, family: str, aggregation: str, world: int, model: st
     raise SystemExit(f"unknown family {family!r}")
 
 
+def offloaded(trainer) -> bool:
+    """Whether every FSDP2 unit of the policy keeps its shards on the CPU (``CPUOffloadPolicy``)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from mmrl.distributed import fsdp_modules
+
+    policy = trainer.policy
+    modules = fsdp_modules(getattr(policy, "train_model", policy.model))  # the VLM's prepared model, the flow's
+    groups = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
+    return bool(groups) and all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups)
+
+
 def main() -> None:
     flags = {a for a in sys.argv[1:] if a.startswith("--")}
     out, family, aggregation, split, *rest = [a for a in sys.argv[1:] if not a.startswith("--")]
@@ -69,7 +82,7 @@ def main() -> None:
     model = rest[0] if rest else None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if "--fsdp" in flags:
-        select_fsdp2()
+        select_fsdp2(offload="--offload" in flags)
     trainer = build_trainer(build_config(out, family, aggregation, world, model, full="--full" in flags))
     acc = trainer.accelerator
     assert acc.num_processes == world, (acc.num_processes, world)
@@ -105,7 +118,7 @@ def main() -> None:
         weights = flat_weights(trainer.policy).clone()
     result = {"metrics": metrics, "adv_stats": adv_stats, "advantages": advantages.cpu(), "rows": rows,
               "scores": {k: v.cpu() for k, v in scores.items()}, "actions": float(local.mask.sum()),
-              "initial": initial, "weights": weights, "sharded": trainer.sharded}
+              "initial": initial, "weights": weights, "sharded": trainer.sharded, "offloaded": offloaded(trainer)}
     torch.save(result, out / f"rank{rank}.pt")
     if rank == 0:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1))

@@ -43,6 +43,8 @@ INVARIANT = [("flow", "grpo", "contiguous"), ("vlm", "grpo", "contiguous"),
 TWO_PROCESS_RUNS = [*INVARIANT, ("vlm", "bnpo", "contiguous")]
 # FSDP2 cases: (family, aggregation, full fine-tuning); vlm dapo exercises the global action count under sharding
 SHARDED = [("flow", "grpo", False), ("flow", "grpo", True), ("vlm", "dapo", False), ("vlm", "dapo", True)]
+# FSDP2 with the shards, gradients and optimizer state offloaded to the CPU (configs/accelerate/fsdp2_offload.yaml)
+OFFLOADED = [("flow", "grpo", True), ("vlm", "dapo", True)]
 BASE_PORT = 29611  # + the index in TWO_PROCESS_RUNS: every torchrun launch of the module has its own port
 
 
@@ -57,8 +59,8 @@ def runs(tmp_path_factory):
     sd3: list[str] = []
 
     def launch(family: str, aggregation: str, split: str, processes: int, full: bool = False,
-               fsdp: bool = False) -> list[dict]:
-        key = (family, aggregation, split if processes > 1 else None, processes, full, fsdp)
+               fsdp: bool = False, offload: bool = False) -> list[dict]:
+        key = (family, aggregation, split if processes > 1 else None, processes, full, fsdp, offload)
         if key not in cache:
             if family == "flow" and not sd3:
                 sd3.append(str(build_tiny_sd3(base / "sd3")))
@@ -66,11 +68,13 @@ def runs(tmp_path_factory):
             out.mkdir()
             launcher = [sys.executable]
             if processes > 1:
-                port = BASE_PORT + (len(TWO_PROCESS_RUNS) + SHARDED.index((family, aggregation, full)) if fsdp
+                port = BASE_PORT + (len(TWO_PROCESS_RUNS) + len(SHARDED) + OFFLOADED.index((family, aggregation, full))
+                                    if offload else
+                                    len(TWO_PROCESS_RUNS) + SHARDED.index((family, aggregation, full)) if fsdp
                                     else TWO_PROCESS_RUNS.index((family, aggregation, split)) + 40 * full)
                 launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(processes),
                              "--master_port", str(port)]
-            flags = ["--full"] * full + ["--fsdp"] * fsdp
+            flags = ["--full"] * full + ["--fsdp"] * fsdp + ["--offload"] * offload
             cmd = [*launcher, str(WORKER), str(out), family, aggregation, split, *(sd3 if family == "flow" else []),
                    *flags]
             result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -78,10 +82,11 @@ def runs(tmp_path_factory):
             cache[key] = [torch.load(out / f"rank{r}.pt") for r in range(processes)]
         return cache[key]
 
-    def run(family: str, aggregation: str, split: str = "contiguous", full: bool = False, fsdp: bool = False):
+    def run(family: str, aggregation: str, split: str = "contiguous", full: bool = False, fsdp: bool = False,
+            offload: bool = False):
         # one process first: it also builds the tiny VLM into the cache, before two processes could race for it
         one = launch(family, aggregation, split, 1, full)[0]
-        return one, launch(family, aggregation, split, 2, full, fsdp)
+        return one, launch(family, aggregation, split, 2, full, fsdp or offload, offload)
 
     return run
 
@@ -186,6 +191,16 @@ def test_fsdp_sharded_update_is_the_one_process_update(runs, family, aggregation
     r0, r1 = two
     assert r0["sharded"] and r1["sharded"] and not one["sharded"]
     assert_same_update_on_two_processes(one, two, f"fsdp {family}/{aggregation}/{'full' if full else 'lora'}")
+
+
+@pytest.mark.parametrize("family,aggregation,full", OFFLOADED,
+                         ids=[f"{f}-{a}-{'full' if full else 'lora'}" for f, a, full in OFFLOADED])
+def test_fsdp_with_cpu_offload_is_the_one_process_update(runs, family, aggregation, full):
+    """``fsdp_offload_params: true``: the shards, their gradients and the AdamW state live on the CPU (unpinned
+    here: pinning needs a CUDA driver); the update is still the one-process update."""
+    one, two = runs(family, aggregation, full=full, offload=True)
+    assert all(r["sharded"] and r["offloaded"] for r in two) and not one["offloaded"]
+    assert_same_update_on_two_processes(one, two, f"fsdp+offload {family}/{aggregation}/{'full' if full else 'lora'}")
 
 
 def test_ddp_full_finetuning_with_the_vision_tower_is_the_one_process_update(runs):

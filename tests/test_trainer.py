@@ -170,13 +170,18 @@ def test_every_shipped_config_validates(path):
 
         launch = load_config_from_file(path)
         expected = {"one_gpu.yaml": ("NO", 1, 1), "ddp_one_node.yaml": ("MULTI_GPU", 8, 1),
-                    "ddp_multi_node.yaml": ("MULTI_GPU", 16, 2), "fsdp2.yaml": ("FSDP", 8, 1)}[Path(path).name]
+                    "ddp_multi_node.yaml": ("MULTI_GPU", 16, 2), "fsdp2.yaml": ("FSDP", 8, 1),
+                    "fsdp2_offload.yaml": ("FSDP", 8, 1)}[Path(path).name]
         assert (str(launch.distributed_type).split(".")[-1], launch.num_processes, launch.num_machines) == expected
         assert launch.mixed_precision == "no" and not launch.use_cpu  # mmrl's train.mixed_precision decides
-        if Path(path).name == "fsdp2.yaml":  # the version mmrl supports, blocks as shard units, whole checkpoints
+        if Path(path).name.startswith("fsdp2"):  # the version mmrl supports, blocks as shard units, whole checkpoints
             fsdp = launch.fsdp_config
             assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
             assert fsdp["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+            assert fsdp["fsdp_offload_params"] is Path(path).name.endswith("_offload.yaml")
+            other = {k: v for k, v in fsdp.items() if k != "fsdp_offload_params"}
+            twin = load_config_from_file(str(Path(path).with_name("fsdp2.yaml"))).fsdp_config
+            assert other == {k: v for k, v in twin.items() if k != "fsdp_offload_params"}  # offload is the only change
         return
     command = OTHER_COMMANDS.get(Path(path).name, "train")
     if command == "pretrain":
