@@ -1,12 +1,16 @@
-"""What every benchmark script ends with: its JSON line written to ``--out`` and printed."""
+"""What the benchmark scripts share: their JSON line written to ``--out`` and printed, and a live tensor-memory
+tracker (:class:`LiveBytes`)."""
 
 from __future__ import annotations
 
 import json
 import platform
+import weakref
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 def versions() -> dict:
@@ -19,3 +23,41 @@ def finish(line: dict, out: Path) -> int:
     out.write_text(json.dumps(line, indent=1, default=str) + "\n")
     print(json.dumps(line, default=str))
     return 0 if line["ok"] else 1
+
+
+class LiveBytes(TorchDispatchMode):
+    """Inside the block: ``current`` is the bytes of every live tensor storage seen (those passed to the
+    constructor, and every storage an op creates from then on), ``peak`` its maximum. A storage counts from the op
+    that creates it until it is freed (a finalizer on the storage), once however many tensors view it."""
+
+    def __init__(self, existing=()):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+        for tensor in existing:
+            self.track(tensor)
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key)
+
+    def track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self.live:
+            return
+        size = storage.nbytes()
+        self.live[key] = size
+        self.current += size
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._free, key)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor):
+                self.track(value)
+        return out

@@ -39,6 +39,12 @@ update at the same shapes with random inputs, forward only for sampling and forw
         [--out PATH]
     mmrl bench flow-grpo [same options]
 
+Memory: after the timed updates each side runs one more (the official script one more epoch) under
+``common.LiveBytes``, a ``TorchDispatchMode`` that tracks the bytes of every tensor storage the update creates in
+the main thread while it lives; ``peak_step_mib_per_image`` is its peak divided by the images of the update: the
+update's transient memory (activations, gradients, sampled latents, temporaries; not the weights and optimizer
+state made before it), measured on CPU where ``torch.cuda.max_memory_allocated`` does not exist.
+
 Prints one JSON line (and writes it to ``--out``, default ``benchmarks/results/flow_grpo_bench.json``).
 """
 from __future__ import annotations
@@ -54,7 +60,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from common import finish, versions  # noqa: E402  (benchmarks/ is the script folder: on sys.path)
+from common import LiveBytes, finish, versions  # noqa: E402  (benchmarks/ is the script folder: on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "configs" / "tiny" / "flow_grpo.yaml"
@@ -295,9 +301,17 @@ def run_setting(args, guidance: float, tmp: Path) -> dict:
                 work[side].append({**diff(counter.snapshot(), before), "images": images, "optimizer_steps": opt_steps})
                 if side == "mmrl":
                     times["floor"].append(replay_floor(trainer.policy.transformer, counter.log))
+    # one more update of each in-process side, untimed, under the tensor tracker: the peak of what it creates
+    with LiveBytes() as tracker:
+        trainer.step()
+    peak = {"mmrl": tracker.peak / (args.prompts * args.group)}
+    with LiveBytes() as tracker:
+        images = plain.update(trainer.prompts.next_batch(args.prompts), generator)
+    peak["plain"] = tracker.peak / images
     official = None
     if args.official_missing is None:
         official_runs.append(run_official(args, guidance, tmp, args.warmup + args.steps))
+        peak["flow_grpo"] = statistics.median(run["peak_epoch_bytes"] for run in official_runs) / images
         times["flow_grpo"] = [t for run in official_runs for t in run["epoch_s"][args.warmup:]]
         official = official_runs[0]
     med = {side: statistics.median(v) for side, v in times.items()}
@@ -332,6 +346,7 @@ def run_setting(args, guidance: float, tmp: Path) -> dict:
             "speedup_vs_plain": med["plain"] / med["mmrl"], "mmrl_over_floor": med["mmrl"] / med["floor"],
             "plain_over_floor": med["plain"] / med["floor"], "mmrl_steps_s": times["mmrl"],
             "plain_steps_s": times["plain"], "work": {"mmrl": work["mmrl"][0], "plain": work["plain"][0]},
+            "peak_step_mib_per_image": {side: b / 2**20 for side, b in peak.items()},
             "problems": problems}
 
 
@@ -376,6 +391,8 @@ def main(argv=None) -> int:
     line = {"bench": "flow-grpo", **versus,
             "speedup_vs_plain": {k: round(v["speedup_vs_plain"], 3) for k, v in results.items()},
             "mmrl_over_floor": {k: round(v["mmrl_over_floor"], 3) for k, v in results.items()},
+            "peak_step_mib_per_image": {k: {side: round(b, 3) for side, b in v["peak_step_mib_per_image"].items()}
+                                        for k, v in results.items()},
             "results": results, "ok": not any(v["problems"] for v in results.values()),
             "settings": {k: v for k, v in vars(args).items()
                          if k not in ("out", "pipeline", "official_missing")}

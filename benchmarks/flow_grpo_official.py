@@ -12,8 +12,9 @@ and ``--config.*`` flags that point it at a local model and a prompt folder, and
   through the transformer with and without grad and the text tokens it sees, and a global optimizer hook counts
   optimizer steps, per epoch (nothing they compute changes).
 
-After ``--epochs`` timed epochs (the first interval is warm-up and dropped by the caller) it prints one line
-``FLOW_GRPO_RESULT {json}`` and exits. Requirements beyond mmrl's: ``pip install ml_collections absl-py wandb``.
+After ``--epochs`` timed epochs (the first interval is warm-up and dropped by the caller) it runs one more epoch
+under ``common.LiveBytes`` (the peak bytes of the tensors the epoch creates in the main thread), then prints one
+line ``FLOW_GRPO_RESULT {json}`` and exits. Requirements beyond mmrl's: ``pip install ml_collections absl-py wandb``.
 
     python benchmarks/flow_grpo_official.py --checkout PATH --model DIR --prompts DIR --epochs N --threads T \\
         -- [--config.KEY=VALUE ...]
@@ -38,6 +39,7 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    here = os.path.dirname(os.path.abspath(__file__))  # benchmarks/ (common.py), before leaving the folder
     sys.path.insert(0, args.checkout)
     os.chdir(args.checkout)
 
@@ -47,6 +49,8 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    sys.path.append(here)  # after the checkout's own modules
+    from common import LiveBytes
     stamps: list[float] = []
     work: list[dict] = []  # the counts between one epoch log and the next
     current = {"rows_grad": 0, "rows_no_grad": 0, "calls_grad": 0, "calls_no_grad": 0, "optimizer_steps": 0}
@@ -69,16 +73,22 @@ def main() -> None:
     register_optimizer_step_post_hook(
         lambda *_: current.__setitem__("optimizer_steps", current["optimizer_steps"] + 1))
 
+    tracker = LiveBytes()
+
     def on_log(original):
         def log(data, *a, **k):
             if "epoch" in data and "inner_epoch" not in data:  # once per epoch, after its sampling and rewards
                 stamps.append(time.perf_counter())
                 work.append(dict(current))
                 current.update({key: 0 for key in current})
-                if len(stamps) > args.epochs:
+                if len(stamps) == args.epochs + 1:  # one more epoch, untimed, under the tensor tracker
+                    tracker.__enter__()
+                elif len(stamps) > args.epochs + 1:
+                    tracker.__exit__(None, None, None)
                     # interval i: epoch i's training and epoch i + 1's sampling, i.e. one whole epoch of work
-                    intervals = [b - a for a, b in zip(stamps, stamps[1:])]
-                    print("FLOW_GRPO_RESULT " + json.dumps({"epoch_s": intervals, "work": work[1:], "shapes": shapes}),
+                    intervals = [b - a for a, b in zip(stamps, stamps[1:])][:args.epochs]
+                    print("FLOW_GRPO_RESULT " + json.dumps({"epoch_s": intervals, "work": work[1:args.epochs + 1],
+                                                            "shapes": shapes, "peak_epoch_bytes": tracker.peak}),
                           flush=True)
                     os._exit(0)
             return original(data, *a, **k)

@@ -47,17 +47,14 @@ import contextlib
 import json
 import os
 import sys
-import weakref
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_flatten  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import finish, versions  # noqa: E402
+from common import LiveBytes, finish, versions  # noqa: E402
 from gpu_check import (CLIP_G, CLIP_L, QWEN25VL_3B_TEXT, QWEN25VL_3B_VISION, SD3_VAE, SD35M_TRANSFORMER,  # noqa: E402
                        T5_XXL)
 
@@ -127,44 +124,6 @@ def preset_overrides(config, preset: dict) -> list[str] | None:
     if preset.get("lora"):
         out += ["model.use_lora=true", "model.lora_rank=64", "model.lora_alpha=128"]
     return out
-
-
-class LiveBytes(TorchDispatchMode):
-    """Inside the block: ``current`` is the bytes of every live tensor storage seen (those passed to the
-    constructor, and every storage an op creates from then on), ``peak`` its maximum. A storage counts from the op
-    that creates it until it is freed (a finalizer on the storage), once however many tensors view it."""
-
-    def __init__(self, existing=()):
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.current = 0
-        self.peak = 0
-        for tensor in existing:
-            self.track(tensor)
-
-    def _free(self, key: int) -> None:
-        self.current -= self.live.pop(key)
-
-    def track(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        key = storage._cdata
-        if key in self.live:
-            return
-        size = storage.nbytes()
-        self.live[key] = size
-        self.current += size
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._free, key)
-
-    def reset_peak(self) -> None:
-        self.peak = self.current
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for value in tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor):
-                self.track(value)
-        return out
 
 
 def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

@@ -19,6 +19,11 @@ A TRL "step" here is the ``(N / batch) * num_iterations`` optimizer steps betwee
 mmrl ``trainer.step()`` and one TRL step do the same updates. Each framework runs in its own subprocess
 (``--repeats`` alternates their order), warms up one step, then times ``--steps`` steps.
 
+After the timed steps each side runs one more step under :class:`common.LiveBytes` (a ``TorchDispatchMode``
+tracking the bytes of every tensor storage the step creates while it lives): its peak per sample is the
+step's transient memory (activations, gradients, temporaries; the resident weights and optimizer state created
+earlier are not counted), on CPU where ``torch.cuda.max_memory_allocated`` does not exist.
+
 It also counts, per step, the vision-encoder calls (``get_image_features`` on the model, and the images and
 patches they encode) and the language-model forwards (calls and token positions, with and without grad), so
 the "encode each image once per prompt" difference is visible, and checks that both did the same token work.
@@ -41,6 +46,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_OUT = ROOT / "results" / "vlm_grpo_vs_trl.json"
@@ -163,6 +170,7 @@ def run_mmrl(args) -> dict:
     import torch
 
     setup_threads(args.threads)
+    from common import LiveBytes
     from mmrl.build import build_trainer
 
     with tempfile.TemporaryDirectory(prefix="bench_mmrl_") as tmp:
@@ -204,9 +212,13 @@ def run_mmrl(args) -> dict:
             optimizer_steps = metrics["optimizer_steps"]
         steps[0]["warmup"] = True
         timed = steps[1:]
+        sampled.clear()
+        with LiveBytes() as tracker:  # one more step, untimed: the peak of the tensors it creates
+            trainer.step()
         result = summarise([s["time_s"] for s in timed], [s["completions"] for s in timed])
         result.update(
             framework="mmrl",
+            peak_step_mib=tracker.peak / 2**20, peak_step_mib_per_sample=tracker.peak / 2**20 / sum(sampled),
             optimizer_steps_per_step=statistics.mean(s["optimizer_steps"] for s in timed),
             split_s={k: statistics.mean(s[k] for s in timed) for k in ("rollout_s", "reward_s", "train_s")},
             mean_completion_tokens=statistics.mean(s["mean_completion_tokens"] for s in timed),
@@ -292,6 +304,8 @@ def run_trl(args) -> dict:
     from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from common import LiveBytes
+
     from mmrl.pipelines.vlm.qwen import QwenVLPolicy
 
     model_dir, _ = tiny_paths()
@@ -320,17 +334,25 @@ def run_trl(args) -> dict:
             multi_objective_aggregation="sum_then_normalize", reward_weights=list(REWARD_WEIGHTS.values()),
             learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
             optim="adamw_torch_fused", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
-            max_steps=global_per_step * (args.steps + 1), logging_steps=global_per_step,
+            max_steps=global_per_step * (args.steps + 2), logging_steps=global_per_step,
             save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
             log_completions=False,
         )
         counters = Counters()
         marks: list[dict] = []
 
+        tracker = LiveBytes()
+
         class StepClock(TrainerCallback):
             def on_step_end(self, _args, state, control, **kwargs):
                 marks.append({"t": time.perf_counter(), "global_step": state.global_step,
                               "counts": counters.snapshot()})
+                # the last cycle, untimed, runs under the tensor tracker: from the end of the cycle before it to
+                # the end of its own last optimizer step, the same span as a timed step
+                if state.global_step == global_per_step * (args.steps + 1):
+                    tracker.__enter__()
+                elif state.global_step == global_per_step * (args.steps + 2):
+                    tracker.__exit__(None, None, None)
 
         trainer = GRPOTrainer(model=model, reward_funcs=trl_reward_funcs(), args=grpo_args, train_dataset=dataset,
                               processing_class=processor, callbacks=[StepClock()])
@@ -363,8 +385,9 @@ def run_trl(args) -> dict:
 
         t_start = time.perf_counter()
         trainer.train()
-        assert len(marks) == global_per_step * (args.steps + 1), (len(marks), global_per_step)
-        assert len(phases) == args.steps + 1, len(phases)
+        assert len(marks) == global_per_step * (args.steps + 2), (len(marks), global_per_step)
+        assert len(phases) == args.steps + 2, len(phases)
+        measured = phases.pop()["completions"]
 
         boundaries = [t_start] + [marks[global_per_step * (j + 1) - 1]["t"] for j in range(args.steps + 1)]
         zero = {k: 0 for k in counters.snapshot()}
@@ -390,6 +413,7 @@ def run_trl(args) -> dict:
                  for k in ("generate_s", "reward_s", "score_other_s", "train_s")}
         result.update(
             framework="trl",
+            peak_step_mib=tracker.peak / 2**20, peak_step_mib_per_sample=tracker.peak / 2**20 / measured,
             optimizer_steps_per_step=global_per_step,
             split_s=split,
             split_share={k.replace("_s", ""): v / result["mean_step_s"] for k, v in split.items()},
@@ -540,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         out["completions_per_step"] = statistics.mean(comps)
         out["prompt_lengths"] = sorted({len(ids) for ids in rs[0]["prompt_ids"].values()})
         out["trainable_params"] = rs[0]["trainable_params"]
+        out["peak_step_mib_per_sample"] = statistics.median(r["peak_step_mib_per_sample"] for r in rs)
         return out
 
     m, t = pooled("mmrl"), pooled("trl")
@@ -550,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     ratio = m["steps_per_s"] / t["steps_per_s"]
     ratio_median = t["median_step_s"] / m["median_step_s"]  # less sensitive to a busy machine's outliers
     cm, ct = m["counts_per_step"], t["counts_per_step"]
+    memory_ratio = t["peak_step_mib_per_sample"] / m["peak_step_mib_per_sample"]
     rows = [
         ("per GRPO step", "mmrl", "TRL", "mmrl/TRL"),
         ("steps/s", f"{m['steps_per_s']:.3f}", f"{t['steps_per_s']:.3f}", f"{ratio:.2f}x"),
@@ -577,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
          f"{ct['lm_tokens']:g} ({ct['lm_grad_tokens']:g})", ""),
         ("vision encoder time (s)", f"{cm['vision_s']:.4f}", f"{ct['vision_s']:.4f}", ""),
         ("LM forward time, no backward (s)", f"{cm['lm_forward_s']:.3f}", f"{ct['lm_forward_s']:.3f}", ""),
+        ("peak step tensor memory per sample (MiB)", f"{m['peak_step_mib_per_sample']:.2f}",
+         f"{t['peak_step_mib_per_sample']:.2f}", f"{memory_ratio:.2f}x less" if memory_ratio >= 1 else
+         f"{1 / memory_ratio:.2f}x more"),
     ]
     print()
     print(table(rows))
@@ -599,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions(),
         "ratio_steps_per_s_mmrl_over_trl": ratio,
         "ratio_median_step_trl_over_mmrl": ratio_median,
+        "ratio_peak_step_memory_per_sample_trl_over_mmrl": memory_ratio,
         "mmrl": m, "trl": t,
         "workload_problems": problems,
         "workload_checks": {
@@ -612,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
     print(json.dumps({"bench": "vlm-grpo", "speedup_vs_trl": ratio, "median_step_speedup_vs_trl": ratio_median,
-                      "ok": not problems, "problems": problems, "out": str(args.out)}))
+                      "peak_step_memory_per_sample_trl_over_mmrl": memory_ratio, "ok": not problems, "problems": problems, "out": str(args.out)}))
     return 1 if problems else 0
 
 

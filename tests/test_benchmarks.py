@@ -44,6 +44,11 @@ def test_vlm_grpo_vs_trl_smoke(tmp_path, train_vision):
     else:
         assert mmrl["counts_per_step"]["vision_images"] == prompts
     assert report["ratio_steps_per_s_mmrl_over_trl"] > 0
+    # one more step of each under the tensor tracker: at least the step's logits (rows x kept positions x vocab)
+    for side in (mmrl, trl):
+        assert side["peak_step_mib_per_sample"] * 2**20 >= 4 * 640, side["peak_step_mib_per_sample"]
+    assert report["ratio_peak_step_memory_per_sample_trl_over_mmrl"] == pytest.approx(
+        trl["peak_step_mib_per_sample"] / mmrl["peak_step_mib_per_sample"])
     # the tiny Qwen2.5-VL: 156,224 language-model parameters; the vision tower adds to them when trained too
     assert (mmrl["trainable_params"] > 156_224) == train_vision and mmrl["trainable_params"] == trl["trainable_params"]
 
@@ -66,6 +71,9 @@ def test_flow_grpo_bench_same_work_through_mmrl_bench(tmp_path):
         assert work[side]["images"] == n and work[side]["optimizer_steps"] == 1
     assert work["mmrl"]["calls"]["grad"] == 1 and work["plain"]["calls"]["grad"] == trained
     assert line["results"]["cfg"]["floor_s"] > 0 and line["mmrl_over_floor"]["cfg"] > 0
+    peak = line["peak_step_mib_per_image"]["cfg"]
+    assert set(peak) == {"mmrl", "plain"}
+    assert all(mib * 2**20 >= 16 * 4 * 4 for mib in peak.values()), peak  # at least one 4 x 4 latent per image
     assert "no --flow-grpo" in line["flow_grpo_skipped"] and "speedup_vs_flow_grpo" not in line
 
 

@@ -70,6 +70,8 @@ def test_the_runner_times_epochs_and_counts_the_work_of_each(tmp_path):
     assert result["work"] == [{"rows_grad": 8, "rows_no_grad": 12, "calls_grad": 2, "calls_no_grad": 3,
                                "optimizer_steps": 1}] * 3
     assert result["shapes"] == {"latent": [4, 8, 8], "text_tokens": 7}
+    # one more epoch under the tensor tracker: it holds at least one call's latents (4 x 4 x 8 x 8 fp32)
+    assert result["peak_epoch_bytes"] >= 4 * 4 * 8 * 8 * 4
 
 
 def test_the_bench_says_why_it_skips_the_official_side(tmp_path, monkeypatch):
