@@ -23,7 +23,9 @@ Same model, same images, same prompts on both sides; each side starts from the f
 the per-image loop once per image. Each scorer is warmed up once, then timed ``--repeats`` times,
 alternating with its baseline (so load changes on a shared machine hit both alike); the median
 images/second is reported, with the ratio mmrl / loop and the largest score difference
-(the two sides must agree).
+(the two sides must agree). Then each side scores the batch once more under ``common.LiveBytes``: the peak bytes
+of the tensors the call creates, per image (``*_peak_mib_per_image``; not for the remote row, whose server runs in
+another thread).
 
     python benchmarks/reward_throughput.py [--images 64] [--size 256] [--group 8] [--repeats 5]
 
@@ -47,6 +49,7 @@ import torch
 from PIL import Image
 
 RESULTS = Path(__file__).resolve().parent / "results" / "reward_throughput.json"
+sys.path.insert(0, str(RESULTS.parents[1]))  # benchmarks/common.py
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,6 +212,16 @@ def time_pair(fn_a, fn_b, images, prompts, repeats: int, device: torch.device):
     return statistics.median(times[0]), statistics.median(times[1]), results[0], results[1]
 
 
+def peak_mib_per_image(fn, images, prompts) -> float:
+    """One more call of ``fn`` under :class:`common.LiveBytes`: the peak of the tensors it creates (in this
+    thread), per image."""
+    from common import LiveBytes
+
+    with LiveBytes() as tracker:
+        fn(images, prompts)
+    return tracker.peak / 2**20 / len(images)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=64, help="images per batch")
@@ -244,12 +257,15 @@ def main(argv: list[str] | None = None) -> int:
     def wanted(name):
         return args.only is None or name in args.only
 
-    def record(name, mmrl_fn, loop_fn, note, mmrl_label="mmrl batched", loop_label="per-image loop"):
+    def record(name, mmrl_fn, loop_fn, note, mmrl_label="mmrl batched", loop_label="per-image loop", memory=True):
         t_mmrl, t_loop, s_mmrl, s_loop = time_pair(mmrl_fn, loop_fn, images, prompts, args.repeats, device)
         diff = float((s_mmrl.float().cpu() - s_loop.float().cpu()).abs().max())
         row = {"reward": name, "mmrl_images_per_s": round(args.images / t_mmrl, 2),
                "loop_images_per_s": round(args.images / t_loop, 2), "ratio": round(t_loop / t_mmrl, 2),
                "max_abs_score_diff": diff, "mmrl": mmrl_label, "baseline": loop_label, "note": note}
+        if memory:  # the server side of the remote row runs in its own thread, which the tracker does not see
+            row["mmrl_peak_mib_per_image"] = round(peak_mib_per_image(mmrl_fn, images, prompts), 4)
+            row["loop_peak_mib_per_image"] = round(peak_mib_per_image(loop_fn, images, prompts), 4)
         rows.append(row)
         print(f"{name:22s} mmrl {row['mmrl_images_per_s']:9.1f} img/s  loop {row['loop_images_per_s']:9.1f} img/s  "
               f"ratio {row['ratio']:6.2f}x  max|diff| {diff:.2e}", flush=True)
@@ -273,9 +289,9 @@ def main(argv: list[str] | None = None) -> int:
             reward = build_reward(name)
             record(name, lambda x, p, r=reward, n=name: r(x, p)[n], loop_numpy(name), "numpy per PIL image")
     if wanted("jpeg_compressibility"):
-        jpeg = build_reward("jpeg_compressibility")
+        jpeg = build_reward("jpeg_compressibility", scale_divisor=1)  # DDPO's scale, as the loop (mmrl's: 500)
         record("jpeg_compressibility", lambda x, p: jpeg(x, p)["jpeg_compressibility"], loop_jpeg,
-               "both encode per image with pillow (quality 95)")
+               "both encode per image with pillow (quality 95); both score -kB (DDPO's scale, scale_divisor=1)")
     if pick is not None and wanted("remote_pickscore") and not args.no_remote:
         from mmrl.rewards import ComposedReward
         from mmrl.rewards.remote import RemoteReward, RewardServer
@@ -284,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             client = RemoteReward(server.url, timeout=120, retries=0)
             record("remote_pickscore", lambda x, p: client(x, p)["remote"], lambda x, p: pick(x, p)["pickscore"],
                    "loopback HTTP, uint8 raw arrays; ratio < 1 is the serving overhead",
-                   mmrl_label="RemoteReward via mmrl serve-rewards (loopback)", loop_label="local batched PickScore")
+                   mmrl_label="RemoteReward via mmrl serve-rewards (loopback)", loop_label="local batched PickScore",
+                   memory=False)
     tmp.cleanup()
 
     import transformers

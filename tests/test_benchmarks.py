@@ -103,3 +103,20 @@ def test_mmrl_bench_names_and_errors(capsys):
     assert main(["bench", "--help"]) == 0 and "flow-grpo" in capsys.readouterr().out
     assert main(["bench", "flow-grp"]) == 2
     assert "unknown benchmark 'flow-grp'; did you mean 'flow-grpo'?" in capsys.readouterr().err
+
+
+def test_rewards_bench_scores_alike_and_reports_memory(tmp_path):
+    """`benchmarks/reward_throughput.py`: the batched scorer and the per-image loop give the same scores (the JPEG
+    reward at DDPO's scale, which the loop computes), and each side's peak tensor memory per image is measured."""
+    out = tmp_path / "rewards.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT.with_name("reward_throughput.py")), "--images", "4", "--size",
+                           "32", "--group", "2", "--repeats", "1", "--only", "brightness", "jpeg_compressibility",
+                           "--no-remote", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["reward"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"brightness", "jpeg_compressibility"}
+    assert rows["jpeg_compressibility"]["max_abs_score_diff"] == 0.0  # the same encoder, the same -kB
+    assert rows["brightness"]["max_abs_score_diff"] < 1e-2  # the loop's uint8 quantisation only
+    one_image = 3 * 32 * 32 / 2**20  # MiB of one image as uint8: every side converts at least that
+    for row in rows.values():
+        assert row["mmrl_peak_mib_per_image"] >= one_image and row["loop_peak_mib_per_image"] >= one_image, row
