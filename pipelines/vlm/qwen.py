@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from mmrl.core.losses import k3_kl
-from mmrl.distributed import full_weights
+from mmrl.distributed import fsdp_modules, full_weights
 from mmrl.data.prompts import EmptyBatchError
 
 logger = logging.getLogger(__name__)
@@ -344,6 +344,7 @@ class QwenVLPolicy:
             if hasattr(model, "enable_input_require_grads"):
                 model.enable_input_require_grads()
         self._reference_model = None
+        self._per_forward: bool | None = None  # see _encodes_per_forward
         eos = [self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
         self.eos_ids = [i for i in eos if i is not None and i >= 0]
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[-1]
@@ -384,6 +385,7 @@ class QwenVLPolicy:
         """Wrap the model and its optimizer with ``accelerator.prepare``, together (FSDP2 swaps the optimizer's
         parameters for their shards): DDP wraps, FSDP2 shards in place. Returns the prepared optimizer."""
         self.train_model, optimizer = accelerator.prepare(self.model, optimizer)
+        self._per_forward = None  # FSDP2 may shard now: decided again at the next forward
         return optimizer
 
     def full_weights(self):
@@ -569,9 +571,7 @@ class QwenVLPolicy:
         whose root forward is what gathers the tower's sharded weights."""
         if self.freeze_vision or self.use_lora:
             return False
-        if getattr(self, "_per_forward", None) is None:
-            from mmrl.distributed import fsdp_modules
-
+        if self._per_forward is None:
             self._per_forward = not fsdp_modules(self.train_model)
         return self._per_forward
 
