@@ -115,8 +115,9 @@ def test_first_ratio_is_one_kl_zero_and_only_lora_trains(model_path):
     assert after.kl[rollout.mask[idx].bool()].max() > 0
 
 
-def count_encodes(policy, monkeypatch) -> dict:
-    """Images / videos through the vision tower, outermost calls only (Qwen3-VL's video path calls the image one)."""
+def count_encodes(policy, monkeypatch, calls: dict | None = None) -> dict:
+    """Images / videos through the vision tower, outermost calls only (Qwen3-VL's video path calls the image one);
+    ``calls`` (if given) counts the tower calls per kind."""
     model = policy.base_model.model
     seen = {"image": 0, "video": 0}
     active = []
@@ -126,6 +127,8 @@ def count_encodes(policy, monkeypatch) -> dict:
         def counting(pixels, grid, *args, _original=original, _kind=kind, **kwargs):
             if not active:
                 seen[_kind] += len(grid)
+                if calls is not None:
+                    calls[_kind] = calls.get(_kind, 0) + 1
             active.append(_kind)
             try:
                 return _original(pixels, grid, *args, **kwargs)
@@ -138,12 +141,14 @@ def count_encodes(policy, monkeypatch) -> dict:
 
 def test_vision_is_encoded_once_per_prompt_per_update(model_path, monkeypatch):
     policy = make_policy(model_path)
-    seen = count_encodes(policy, monkeypatch)
+    calls = {}
+    seen = count_encodes(policy, monkeypatch, calls)
     rollout = policy.rollout(ITEMS, 4, generator=torch.Generator().manual_seed(3))
     for _ in range(2):  # two inner epochs of minibatches
         for idx in torch.arange(len(rollout)).split(5):
             policy.logprobs(rollout, idx)
     assert seen == {"image": 3, "video": 1}  # three images in two prompts, one video; 16 completions
+    assert calls == {"image": 2, "video": 1}  # one tower call per prompt
 
 
 def test_cached_vision_features_match_encoding_pixels_each_forward(model_path):

@@ -536,7 +536,8 @@ class QwenVLPolicy:
         for a frozen tower they serve the whole update; for a trained one, only the rollout (sampling is gradient
         free, so ``generate`` reads each prompt's features instead of encoding one copy per returned sequence)."""
         self.model.eval()
-        for v, encoded in zip(vision, self._encode(self.base_model, vision, detach=True)):
+        for v in vision:  # one prompt per tower call, so a prompt's features never depend on the batch it came in
+            (encoded,) = self._encode(self.base_model, [v], detach=True)
             v.image_features, v.image_deepstack, v.video_features, v.video_deepstack = encoded
 
     @staticmethod
