@@ -642,7 +642,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
     print(json.dumps({"bench": "vlm-grpo", "speedup_vs_trl": ratio, "median_step_speedup_vs_trl": ratio_median,
-                      "peak_step_memory_per_sample_trl_over_mmrl": memory_ratio, "ok": not problems, "problems": problems, "out": str(args.out)}))
+                      "peak_step_memory_per_sample_trl_over_mmrl": memory_ratio, "ok": not problems,
+                      "problems": problems, "out": str(args.out)}))
     return 1 if problems else 0
 
 

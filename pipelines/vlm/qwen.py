@@ -540,12 +540,11 @@ class QwenVLPolicy:
             (encoded,) = self._encode(self.base_model, [v], detach=True)
             v.image_features, v.image_deepstack, v.video_features, v.video_deepstack = encoded
 
-    @staticmethod
-    def _encode(hf_model, vision: list[Vision], *, detach: bool) -> list[tuple[list, list, list, list]]:
+    def _encode(self, hf_model, vision: list[Vision], *, detach: bool) -> list[tuple[list, list, list, list]]:
         """Per ``Vision``: its image features, image DeepStack features, video features and video DeepStack
         features from ``hf_model``'s vision tower (one entry per image / video), all images in one tower call and
-        all videos in another; ``detach`` cuts them from the graph."""
-        device = next(hf_model.parameters()).device
+        all videos in another, on the policy's device; ``detach`` cuts them from the graph."""
+        device = self.device
         encoded = [([], [], [], []) for _ in vision]
         for slot, pixels_of, grid_of, encode in (
                 (0, "pixel_values", "image_grid_thw", hf_model.model.get_image_features),
