@@ -311,7 +311,8 @@ def run_setting(args, guidance: float, tmp: Path) -> dict:
     official = None
     if args.official_missing is None:
         official_runs.append(run_official(args, guidance, tmp, args.warmup + args.steps))
-        peak["flow_grpo"] = statistics.median(run["peak_epoch_bytes"] for run in official_runs) / images
+        peak["flow_grpo"] = statistics.median(run["peak_epoch_bytes"] for run in official_runs) / (
+            args.prompts * args.group)
         times["flow_grpo"] = [t for run in official_runs for t in run["epoch_s"][args.warmup:]]
         official = official_runs[0]
     med = {side: statistics.median(v) for side, v in times.items()}

@@ -14,9 +14,9 @@ not from the config file's folder. ``config_to_dict`` gives the resolved config 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import difflib
 import importlib.util
+import logging
 import math
 import typing
 from dataclasses import dataclass, field
@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+logger = logging.getLogger(__name__)
 
 
 #: The embedded default run (`mmrl train` with no config): tiny SD3 on CPU. configs/tiny/flow_grpo.yaml is a copy.
@@ -678,7 +680,7 @@ def validate(config: Config, *, check_files: bool = True) -> None:
     other = "generation" if flow else "sampling"  # the section the other kind of policy reads
     changed = _changed_fields(getattr(config, other))
     if changed:  # a warning, not an error: a config turned into the other family by model.family keeps its section
-        logging.getLogger(__name__).warning(
+        logger.warning(
             "%s ignored: %s applies to %s; a %s policy %s", ", ".join(f"{other}.{k}" for k in changed),
             f"{other}.*", "VLM policies (model.family: qwen_vl)" if flow else "flow policies (sd3, flux)", m.family,
             "samples with sampling.*" if flow else "generates with generation.*")
