@@ -301,10 +301,16 @@ def run_setting(args, guidance: float, tmp: Path) -> dict:
                 work[side].append({**diff(counter.snapshot(), before), "images": images, "optimizer_steps": opt_steps})
                 if side == "mmrl":
                     times["floor"].append(replay_floor(trainer.policy.transformer, counter.log))
-    # one more update of each in-process side, untimed, under the tensor tracker: the peak of what it creates
+    # one more update of each in-process side, untimed, under the tensor tracker: the peak of what it creates; and
+    # the floor's replay of that update's calls (one forward, with its backward where trained, per call)
+    counter.log = []
     with LiveBytes() as tracker:
         trainer.step()
     peak = {"mmrl": tracker.peak / (args.prompts * args.group)}
+    calls = list(counter.log)
+    with LiveBytes() as tracker:
+        replay_floor(trainer.policy.transformer, calls)
+    peak["floor"] = tracker.peak / (args.prompts * args.group)
     with LiveBytes() as tracker:
         images = plain.update(trainer.prompts.next_batch(args.prompts), generator)
     peak["plain"] = tracker.peak / images

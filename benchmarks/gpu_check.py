@@ -17,7 +17,12 @@ the weights' values), written to a temporary folder and loaded by mmrl exactly a
 For each: build seconds, then ``--warmup`` updates and ``--steps`` timed updates of ``Trainer.step`` (rollout,
 rewards, training pass, optimizer step), printing seconds per update (and its rollout / training parts), samples
 per second, peak GPU memory (``torch.cuda.max_memory_allocated``) over the timed updates and that peak per
-sample. vLLM rollouts and DeepSpeed are not part of mmrl (see the README), so they are not checked here.
+sample. vLLM does not install beside mmrl's torch pin (see the README), so it is not checked here.
+
+Under ``accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml --num_processes 1`` the same
+script runs the updates on DeepSpeed's ZeRO-2 engine (bf16 weights, fp32 master weights and AdamW state in the
+engine): its lines carry ``"engine": "deepspeed_zero2"``. ``gpu_check.sh`` runs the VLM check that way too when
+DeepSpeed is installed.
 """
 
 from __future__ import annotations
@@ -156,8 +161,10 @@ def qwen25vl_3b(out: Path, device: str, dtype: torch.dtype, smoke: bool) -> tupl
 def time_updates(config, warmup: int, steps: int, cuda: bool) -> dict:
     """``warmup`` + ``steps`` updates of mmrl's own Trainer; figures over the timed ones."""
     from mmrl.build import build_trainer
+    from mmrl.distributed import deepspeed_stage
 
     trainer = build_trainer(config)
+    stage = deepspeed_stage(trainer.accelerator)
     for _ in range(warmup):
         trainer.step()
     if cuda:
@@ -185,7 +192,8 @@ def time_updates(config, warmup: int, steps: int, cuda: bool) -> dict:
             "samples_per_s": round(samples / per_update, 3),
             "peak_gpu_gib": None if peak is None else round(peak, 2),
             "peak_gpu_gib_per_sample": None if peak is None else round(peak / samples, 3),
-            "trainable_parameters": sum(p.numel() for p in trainer.policy.trainable_parameters()), **extra}
+            "trainable_parameters": sum(p.numel() for p in trainer.policy.trainable_parameters()),
+            "engine": "plain" if stage is None else f"deepspeed_zero{stage}", **extra}
 
 
 def common_overrides(out: Path, steps: int) -> list[str]:

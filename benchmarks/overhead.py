@@ -13,6 +13,9 @@ overhead``). Target (issue 12): at most 1.10.
 * ``flow``: ``flow_grpo_bench.py --width 384 --layers 8 --cfg off`` (a random 41.4M-parameter SD3 transformer),
   whose ``mmrl_over_floor`` is the same quotient for the flow family.
 
+``peak_step_mib_per_sample``: one more update of each family, untimed, and the floor's replay of its calls under
+``common.LiveBytes`` (the bytes of tensor storages each creates, at their peak), per sample.
+
 Prints one JSON line (and writes ``benchmarks/results/overhead.json``).
 """
 
@@ -31,7 +34,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from common import finish, versions  # noqa: E402  (benchmarks/ is the script folder: on sys.path)
+from common import LiveBytes, finish, versions  # noqa: E402  (benchmarks/ is the script folder: on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 VLM_RECIPE = ROOT / "configs" / "tiny" / "vlm_grounding.yaml"
@@ -153,9 +156,20 @@ def run_vlm(args, tmp: Path) -> dict:
             times.append(elapsed)
             floors.append(floor)
     ratios = [t / f for t, f in zip(times, floors)]
+    # one more update, untimed, under the tensor tracker, and the floor's replay of its calls: the peak bytes each
+    # creates (common.LiveBytes), per sample
+    recorder.reset()
+    with LiveBytes() as tracker:
+        trainer.step()
+    samples = args.prompts * args.group
+    peak = {"mmrl": tracker.peak / samples / 2**20}
+    with LiveBytes() as tracker:
+        recorder.replay()
+    peak["floor"] = tracker.peak / samples / 2**20
     params = sum(p.numel() for p in trainer.policy.base_model.parameters())
     return {"mmrl_s": statistics.median(times), "floor_s": statistics.median(floors),
             "mmrl_over_floor": statistics.median(ratios), "ratios": ratios, "parameters": params,
+            "peak_step_mib_per_sample": peak,
             "generate_calls": len(recorder.generates), "new_tokens": [n for _, n in recorder.generates],
             "forwards": {"grad": sum(g for g, _ in recorder.forwards),
                          "no_grad": sum(not g for g, _ in recorder.forwards)}}
@@ -171,7 +185,8 @@ def run_flow(args) -> dict:
     line = json.loads(out.read_text())
     return {"mmrl_over_floor": line["mmrl_over_floor"]["no_cfg"],
             "parameters": line["settings"]["transformer_parameters"],
-            "mmrl_s": line["results"]["no_cfg"]["mmrl_s"], "floor_s": line["results"]["no_cfg"]["floor_s"]}
+            "mmrl_s": line["results"]["no_cfg"]["mmrl_s"], "floor_s": line["results"]["no_cfg"]["floor_s"],
+            "peak_step_mib_per_sample": line["results"]["no_cfg"]["peak_step_mib_per_image"]}
 
 
 def main(argv=None) -> int:
@@ -198,6 +213,8 @@ def main(argv=None) -> int:
             results["flow"] = run_flow(args)
     line = {"bench": "overhead", "mmrl_over_floor": {k: round(v["mmrl_over_floor"], 3) for k, v in results.items()
                                                      if "mmrl_over_floor" in v},
+            "peak_step_mib_per_sample": {k: {side: round(b, 3) for side, b in v["peak_step_mib_per_sample"].items()}
+                                         for k, v in results.items() if "peak_step_mib_per_sample" in v},
             "target": 1.10, "results": results,
             "settings": {k: v for k, v in vars(args).items() if k != "out"} | {"torch_threads": torch.get_num_threads()},
             "versions": versions()}

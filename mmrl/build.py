@@ -23,15 +23,33 @@ EVAL_COLLECTIVE_TIMEOUT_S = 3 * 3600
 def build_accelerator(config: Config):
     from accelerate import Accelerator
 
-    handlers = []
+    # `accelerate launch` with a DeepSpeed config exports ACCELERATE_USE_DEEPSPEED; accelerate ignores DeepSpeed when
+    # told cpu=True, and DeepSpeed has a CPU accelerator of its own, so a machine without GPUs runs it on gloo (named
+    # here: without a backend accelerate would count one process on every rank)
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    cpu = not torch.cuda.is_available()
+    process_group = {}
     if config.eval.every:
         from datetime import timedelta
 
+        process_group["timeout"] = timedelta(seconds=EVAL_COLLECTIVE_TIMEOUT_S)
+    if deepspeed and cpu:
+        process_group["backend"] = "gloo"
+    handlers = []
+    if process_group:
         from accelerate.utils import InitProcessGroupKwargs
 
-        handlers.append(InitProcessGroupKwargs(timeout=timedelta(seconds=EVAL_COLLECTIVE_TIMEOUT_S)))
-    return Accelerator(mixed_precision=config.train.mixed_precision, cpu=not torch.cuda.is_available(),
-                       gradient_accumulation_steps=1, kwargs_handlers=handlers)
+        handlers.append(InitProcessGroupKwargs(**process_group))
+    accelerator = Accelerator(mixed_precision=config.train.mixed_precision, cpu=cpu and not deepspeed,
+                              gradient_accumulation_steps=1, kwargs_handlers=handlers)
+    if deepspeed:
+        # accelerate registers its DeepSpeed config with transformers, whose from_pretrained then builds every model
+        # partitioned under ZeRO-3 (deepspeed.zero.Init), the frozen text encoders and reward models included. mmrl
+        # loads its models whole and the engine partitions the policy at prepare (zero3_init_flag: false)
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+    return accelerator
 
 
 def build_prompt_items(config: Config) -> list[PromptItem]:

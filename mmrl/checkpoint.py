@@ -71,9 +71,12 @@ def save_checkpoint(
     objects: dict[str, Any],
     export: Callable[[str], None] | None = None,
     keep_last: int = 2,
+    folders: dict[str, Path] | None = None,
 ) -> Path:
     """Write ``directory/step_<step>`` atomically and prune to ``keep_last``. ``objects`` are torch-saved
-    (optimizer, scheduler, EMA, RNG state dicts); ``state`` is JSON; ``export`` writes the ecosystem format."""
+    (optimizer, scheduler, EMA, RNG state dicts); ``state`` is JSON; ``export`` writes the ecosystem format;
+    ``folders`` (name -> a folder written beforehand, e.g. DeepSpeed's per-process files) are moved in under their
+    names before the checkpoint is marked complete."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step_{step}"
@@ -86,6 +89,8 @@ def save_checkpoint(
         torch.save(obj, tmp / f"{name}.pt")
     if export is not None:
         export(str(tmp / "export"))
+    for name, folder in (folders or {}).items():
+        os.replace(folder, tmp / name)
     (tmp / COMPLETE_MARKER).write_text(json.dumps(state, indent=2))
     for path in tmp.rglob("*"):
         if path.is_file():

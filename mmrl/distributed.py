@@ -1,4 +1,12 @@
-"""Sharded training (FSDP2 through accelerate): what the loop needs beyond ``accelerator.prepare``.
+"""Sharded training (FSDP2 or DeepSpeed ZeRO through accelerate): what the loop needs beyond
+``accelerator.prepare``.
+
+DeepSpeed ZeRO-1 / ZeRO-2 (``configs/accelerate/deepspeed_zero2.yaml``) partitions the optimizer state (and, at
+stage 2, the gradients) and keeps every weight whole on every process, so rollouts, evaluation and exports read
+the model as they do under DDP; ZeRO-3 (``deepspeed_zero3.yaml``) partitions the weights too, and rollouts,
+evaluation and checkpoints then run inside :func:`full_weights` as under FSDP2. :func:`configure_deepspeed` fills
+the engine's config from mmrl's fields, the loop hands each backward and optimizer step to the engine, and
+checkpoints add the engine's own partitioned files. The rest of this module is FSDP2's.
 
 ``accelerate launch --config_file configs/accelerate/fsdp2.yaml`` makes ``accelerator.prepare(model, optimizer)``
 apply ``torch.distributed.fsdp.fully_shard``: each process keeps ``1 / processes`` of every parameter, gradient
@@ -29,10 +37,9 @@ import torch
 
 
 def check_engine(accelerator) -> None:
-    """The distributed engines the loop supports: none, DDP (any device) and FSDP2. FSDP1 (``fsdp_version: 1``)
-    flattens parameters into ``FlatParameter`` blocks that rollouts, checkpoints and exports here do not gather, and
-    DeepSpeed's engine owns the optimizer step and gradient clipping the loop does itself: both are refused before
-    any model is wrapped, with the config to use instead."""
+    """The distributed engines the loop supports: none, DDP (any device), FSDP2 and DeepSpeed ZeRO stages 1-3.
+    FSDP1 (``fsdp_version: 1``) flattens parameters into ``FlatParameter`` blocks that rollouts, checkpoints and
+    exports here do not gather: refused before any model is wrapped, with the config to use instead."""
     from accelerate.utils import DistributedType
 
     from mmrl.config import ConfigError
@@ -41,10 +48,73 @@ def check_engine(accelerator) -> None:
     if kind == DistributedType.FSDP and not accelerator.is_fsdp2:
         raise ConfigError("FSDP version 1 is not supported: set fsdp_version: 2 in the accelerate config "
                           "(configs/accelerate/fsdp2.yaml)")
-    if kind == DistributedType.DEEPSPEED:
-        raise ConfigError("DeepSpeed is not supported by mmrl's loop (its engine owns the optimizer step and the "
-                          "gradient clipping); FSDP2 shards weights, gradients and optimizer state as ZeRO-3 does: "
-                          "accelerate launch --config_file configs/accelerate/fsdp2.yaml")
+    stage = deepspeed_stage(accelerator)
+    if stage is not None and stage not in (1, 2, 3):
+        raise ConfigError(f"DeepSpeed ZeRO stage {stage} is not supported: use zero_stage 1, 2 or 3 "
+                          "(configs/accelerate/deepspeed_zero2.yaml, deepspeed_zero3.yaml)")
+
+
+def deepspeed_stage(accelerator) -> int | None:
+    """The ZeRO stage when accelerate runs DeepSpeed, else ``None``."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return None
+    return int(accelerator.state.deepspeed_plugin.zero_stage)
+
+
+def configure_deepspeed(accelerator, *, micro_batch: int, max_grad_norm: float) -> None:
+    """Fill the DeepSpeed config from mmrl's own fields before ``accelerator.prepare`` builds the engine.
+
+    The loop keeps its layout: it accumulates as many micro-batches (minibatches x timestep chunks) per optimizer
+    step as ``train.gradient_accumulation_steps`` and the chunking give, each loss already normalised by what the
+    whole step covers, and tells the engine where each step ends (``set_gradient_accumulation_boundary``). So the
+    engine's own accumulation is 1 (its ``backward`` divides by nothing), its micro-batch is ``train.batch_size``
+    and its clipping is ``optim.max_grad_norm`` (0: none; DeepSpeed clips the global norm as
+    ``clip_grad_norm_`` does). An accelerate / DeepSpeed config that sets either to something else is refused:
+    the mmrl field is the one to set."""
+    from mmrl.config import ConfigError
+
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    accumulation = ds.get("gradient_accumulation_steps", "auto")
+    if accumulation not in ("auto", 1):
+        raise ConfigError(f"the DeepSpeed config sets gradient_accumulation_steps: {accumulation}; mmrl accumulates "
+                          "itself: leave it at 1 or auto and set train.gradient_accumulation_steps")
+    clipping = ds.get("gradient_clipping", "auto")
+    if clipping not in ("auto", None) and float(clipping) != float(max_grad_norm):
+        raise ConfigError(f"the DeepSpeed config sets gradient_clipping: {clipping} but optim.max_grad_norm is "
+                          f"{max_grad_norm}: leave gradient_clipping out (or auto) and set optim.max_grad_norm")
+    if accelerator.state.deepspeed_plugin.zero3_init_flag:
+        raise ConfigError("zero3_init_flag: true is not supported: mmrl loads its models whole (it casts, wraps "
+                          "LoRA and copies the reference before training) and the engine partitions the policy when "
+                          "it is prepared; set zero3_init_flag: false")
+    for key in ("optimizer", "scheduler"):
+        if key in ds:
+            raise ConfigError(f"the DeepSpeed config has a {key!r} section; mmrl builds its own AdamW and schedule "
+                              "from the optim section: remove it")
+    ds["gradient_accumulation_steps"] = 1
+    ds["train_micro_batch_size_per_gpu"] = int(micro_batch)
+    ds["train_batch_size"] = int(micro_batch) * accelerator.num_processes
+    ds["gradient_clipping"] = float(max_grad_norm)
+
+
+def is_zero3(module) -> bool:
+    """Whether ``module`` is a DeepSpeed engine that partitions its weights (ZeRO-3): each process holds 1/N of
+    every parameter and forward hooks all-gather a submodule's weights for its forward."""
+    stage = getattr(module, "zero_optimization_stage", None)
+    return callable(stage) and stage() == 3
+
+
+def weights_partitioned(module) -> bool:
+    """Whether ``module``'s weights are split over the processes (FSDP2 or ZeRO-3): then every forward outside
+    :func:`full_weights` is a collective, which every process must run the same number of times."""
+    return is_zero3(module) or bool(fsdp_modules(module))
+
+
+def deepspeed_engine(accelerator):
+    """The ``DeepSpeedEngine`` that ``accelerator.prepare`` built, or ``None``."""
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    return None if wrapped is None else wrapped.engine
 
 
 def fsdp_modules(module: torch.nn.Module | None) -> list[torch.nn.Module]:
@@ -69,7 +139,13 @@ def _reshards_after_forward(module) -> bool:
 def full_weights(module: torch.nn.Module | None) -> Iterator[None]:
     """Inside the block every parameter of a sharded ``module`` is its full, plain tensor on every process and no
     forward communicates; on exit the shards are restored. A collective: every process must enter it. Writes to
-    the gathered tensors are not written back (load weights with :func:`copy_full_into`)."""
+    the gathered tensors are not written back (load weights with :func:`copy_full_into`).
+
+    A ZeRO-3 engine: :func:`_zero3_full_weights`."""
+    if is_zero3(module):
+        with _zero3_full_weights(module):
+            yield
+        return
     modules = fsdp_modules(module)
     if not modules:
         yield
@@ -90,6 +166,30 @@ def full_weights(module: torch.nn.Module | None) -> Iterator[None]:
             m.set_reshard_after_forward(True, recurse=False)
             m.reshard()
             m.set_reshard_after_forward(reshard, recurse=False)
+
+
+@contextlib.contextmanager
+def _zero3_full_weights(engine) -> Iterator[None]:
+    """Every parameter of a ZeRO-3 ``engine`` all-gathered (``deepspeed.zero.GatheredParameters``) and the engine's
+    forward hooks taken off for the block, so no forward inside it communicates: DeepSpeed's
+    ``unwrap_model_for_generation`` (which TRL uses) does the same but keeps the root module's start-of-forward
+    hook, whose trace check is a collective, so a forward on the main process alone (evaluation) would wait for
+    the others. On exit the hooks are registered again (the next forward records a new trace) and the
+    partitions restored."""
+    import deepspeed
+    from deepspeed.runtime.zero import parameter_offload
+
+    offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        for hook in (*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook):
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            depth = len(parameter_offload.FWD_MODULE_STACK)
+            offload.setup_zero_stage3_hooks()
+            del parameter_offload.FWD_MODULE_STACK[depth:]  # it pushes the root module again: keep the stack's depth
 
 
 def is_dtensor(tensor) -> bool:

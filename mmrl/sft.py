@@ -76,7 +76,7 @@ from mmrl.config import (ConfigError, GenerationConfig, _build, _set_dotted, con
                          dump_config, opt, parse_overrides, read_config_file, yaml_key_lines)
 from mmrl.data.prompts import DataError
 from mmrl.data.shapeworld import check_vlm_spec
-from mmrl.distributed import is_dtensor
+from mmrl.distributed import deepspeed_stage, is_dtensor
 
 logger = logging.getLogger(__name__)
 
@@ -727,6 +727,9 @@ class SFTRun:
         self.optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
                                            eps=t.adam_eps)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, t.lr_scheduler, t.warmup_steps, t.steps)
+        if deepspeed_stage(acc) is not None:
+            raise ConfigError("mmrl sft does not run under DeepSpeed (its optimizer step and checkpoints are the "
+                              "plain loop's): launch it with DDP (configs/accelerate/ddp_one_node.yaml)")
         self.optimizer = self.policy.prepare(acc, self.optimizer)
         if any(is_dtensor(p) for p in self.policy.trainable_parameters()):
             raise ConfigError("mmrl sft does not shard with FSDP (its generation-based evaluation and checkpoints "

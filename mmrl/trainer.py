@@ -34,8 +34,9 @@ from mmrl.algorithms import (AdvantageContext, Intermediate, RewardContext, Rewa
                              TransformContext, build_variants)
 from mmrl.core.advantages import PerPromptStatTracker, combine_rewards
 from mmrl.core.losses import policy_loss
-from mmrl.distributed import (broadcast_from_main, check_engine, full_model_state, full_optimizer_state,
-                              full_tensor, is_dtensor, load_full_optimizer_state)
+from mmrl.distributed import (broadcast_from_main, check_engine, configure_deepspeed, deepspeed_engine,
+                              deepspeed_stage, full_model_state, full_optimizer_state, full_tensor, is_dtensor,
+                              load_full_optimizer_state)
 from mmrl.ema import EMA
 from mmrl.health import RunHealth
 from mmrl.data.prompts import EmptyBatchError, PromptSource
@@ -179,16 +180,23 @@ class Trainer:
         total_optimizer_steps = config.train.steps * config.train.inner_epochs * steps_per_epoch
         self.lr_scheduler = build_lr_scheduler(self.optimizer, o.lr_scheduler, o.warmup_steps, total_optimizer_steps)
         check_engine(accelerator)
+        if deepspeed_stage(accelerator) is not None:
+            configure_deepspeed(accelerator, micro_batch=config.train.batch_size, max_grad_norm=o.max_grad_norm)
         if accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes > 1:
             broadcast_from_main(policy.trainable_parameters())  # DDP would broadcast rank 0's initial weights itself
         if a.beta > 0 and not getattr(policy, "use_lora", True):
             policy.init_reference()  # the frozen copy of a full fine-tune, taken before FSDP could shard what it copies
         self.optimizer = policy.prepare(accelerator, self.optimizer)
+        #: DeepSpeed: the engine that takes each backward and optimizer step
+        self.engine = deepspeed_engine(accelerator)
         #: FSDP2: the trainable parameters are DTensor shards (:mod:`mmrl.distributed`)
         self.sharded = any(is_dtensor(p) for p in policy.trainable_parameters())
-        if self.sharded and o.ema:
-            raise ConfigError("optim.ema is not supported with FSDP sharding: its shadow weights would be shards, "
-                              "which checkpoints and evaluation do not gather; turn optim.ema off or train with DDP")
+        #: ZeRO-3: every weight is partitioned, gathered by the engine's hooks per forward
+        self.zero3 = deepspeed_stage(accelerator) == 3
+        if (self.sharded or self.zero3) and o.ema:
+            raise ConfigError("optim.ema is not supported with FSDP sharding or ZeRO-3: its shadow weights would be "
+                              "shards, which checkpoints and evaluation do not gather; turn optim.ema off or train "
+                              "with DDP or ZeRO-2")
         self.ema = EMA(policy.named_trainable_parameters(), o.ema_decay, update_interval=o.ema_update_interval,
                        warmup=o.ema_warmup) if o.ema else None
         for variant in self.variants:
@@ -221,37 +229,55 @@ class Trainer:
     # ------------------------------------------------------------------------------------- checkpoints
 
     def _full_weights(self):
-        """The policy's whole weights for the block when FSDP shards them (every process enters), else nothing."""
-        return self.policy.full_weights() if self.sharded else contextlib.nullcontext()
+        """The policy's whole weights for the block when FSDP or ZeRO-3 split them (every process enters), else
+        nothing."""
+        return self.policy.full_weights() if self.sharded or self.zero3 else contextlib.nullcontext()
 
     def save(self) -> None:
         acc = self.accelerator
         acc.wait_for_everyone()
+        checkpoints = self.output_dir / "checkpoints"
+        folders = {}
+        if self.engine is not None:  # the optimizer state is partitioned: every process writes its own files
+            staging = checkpoints / f".step_{self.update}.tmp-deepspeed"  # swept as a stale temporary if killed
+            self.engine.save_checkpoint(str(staging), tag="deepspeed", save_latest=False,
+                                        exclude_frozen_parameters=True)
+            acc.wait_for_everyone()
+            folders["deepspeed"] = staging / "deepspeed"
+        model_state = optimizer_state = None
         if self.sharded:  # the whole weights and optimizer state, gathered to the main process (collectives)
             model_state = full_model_state(self.policy.model)
             optimizer_state = full_optimizer_state(self.policy.model, self.optimizer)
-        if acc.is_main_process:
-            if self.sharded:  # the same files as an unsharded run's, whole tensors keyed by the same names
-                trainable = {name: model_state[name] for name in self.policy.named_trainable_parameters()}
-                export = lambda directory: self.policy.export(directory, state_dict=model_state)  # noqa: E731
-            else:
-                trainable, export, optimizer_state = (self.policy.named_trainable_parameters(), self._export,
-                                                      self.optimizer.state_dict())
-            objects = {"optimizer": optimizer_state, "lr_scheduler": self.lr_scheduler.state_dict(),
-                       "rng": rng_state()}
-            if self.ema is not None:
-                objects["ema"] = self.ema.state_dict()
-            variant_states = {v.name: v.state_dict() for v in self.variants if v.state_dict()}
-            if variant_states:  # torch-saved: a variant's state may hold tensors (GRPO-CARE's EMA reference)
-                objects["variants"] = variant_states
-            state = {"update": self.update, "optimizer_steps": self.optimizer_steps,
-                     "data": self.prompts.state_dict(), "tracker": self.tracker.state_dict(),
-                     "config": config_to_dict(self.config)}
-            if hasattr(self.policy, "step_noise_levels"):
-                state["noise_levels"] = self.policy.step_noise_levels.tolist()
-            save_checkpoint(self.output_dir / "checkpoints", self.update, trainable=trainable, state=state,
-                            objects=objects, export=export, keep_last=self.config.logging.keep_last)
+        # ZeRO-3: the weights gathered for the main process's files (every process enters)
+        with self._full_weights() if self.zero3 else contextlib.nullcontext():
+            if acc.is_main_process:
+                self._write_checkpoint(checkpoints, folders, model_state, optimizer_state)
         acc.wait_for_everyone()
+
+    def _write_checkpoint(self, checkpoints: Path, folders: dict, model_state, optimizer_state) -> None:
+        """The main process's part of :meth:`save`. ``model_state`` / ``optimizer_state``: FSDP's, gathered."""
+        if self.sharded:  # the same files as an unsharded run's, whole tensors keyed by the same names
+            trainable = {name: model_state[name] for name in self.policy.named_trainable_parameters()}
+            export = lambda directory: self.policy.export(directory, state_dict=model_state)  # noqa: E731
+        else:
+            trainable, export = self.policy.named_trainable_parameters(), self._export
+        objects = {"lr_scheduler": self.lr_scheduler.state_dict(), "rng": rng_state()}
+        if self.engine is None:  # DeepSpeed's optimizer state is in its own folder
+            objects["optimizer"] = optimizer_state if self.sharded else self.optimizer.state_dict()
+        if self.ema is not None:
+            objects["ema"] = self.ema.state_dict()
+        variant_states = {v.name: v.state_dict() for v in self.variants if v.state_dict()}
+        if variant_states:  # torch-saved: a variant's state may hold tensors (GRPO-CARE's EMA reference)
+            objects["variants"] = variant_states
+        state = {"update": self.update, "optimizer_steps": self.optimizer_steps,
+                 "data": self.prompts.state_dict(), "tracker": self.tracker.state_dict(),
+                 "config": config_to_dict(self.config)}
+        if hasattr(self.policy, "step_noise_levels"):
+            state["noise_levels"] = self.policy.step_noise_levels.tolist()
+        if self.engine is not None:
+            state["deepspeed_processes"] = self.accelerator.num_processes
+        save_checkpoint(checkpoints, self.update, trainable=trainable, state=state, objects=objects,
+                        export=export, keep_last=self.config.logging.keep_last, folders=folders)
 
     def resume(self, target: str) -> int | None:
         """Load ``target`` ('auto' = the latest complete checkpoint in output_dir, if any). Returns its update."""
@@ -260,19 +286,28 @@ class Trainer:
             return None
         trainable, state, objects = load_checkpoint(path)
         self.resume_changes = resume_changes(state.get("config"), config_to_dict(self.config), path)
-        try:
-            load_trainable(self.policy.named_trainable_parameters(), trainable, path)
+        try:  # ZeRO-3: checked against the gathered weights (the engine's own files restore its partitions below)
+            with self._full_weights() if self.zero3 else contextlib.nullcontext():
+                load_trainable(self.policy.named_trainable_parameters(), trainable, path)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        sharded_state = isinstance(next(iter(objects["optimizer"]["param_groups"][0]["params"]), 0), str)
-        if sharded_state != self.sharded:  # FSDP's state is keyed by parameter name, the plain optimizer's by index
-            raise ConfigError(f"checkpoint {path} was written {'with' if sharded_state else 'without'} FSDP sharding "
-                              f"and this run is {'' if self.sharded else 'not '}sharded: resume it the way it was "
-                              f"written (the process count may change)")
-        if self.sharded:
-            load_full_optimizer_state(self.policy.model, self.optimizer, objects["optimizer"])
+        written_by_deepspeed = "deepspeed_processes" in state
+        if written_by_deepspeed != (self.engine is not None):
+            raise ConfigError(f"checkpoint {path} was written {'with' if written_by_deepspeed else 'without'} "
+                              f"DeepSpeed and this run {'uses' if self.engine is not None else 'does not use'} it: "
+                              f"resume it under the engine that wrote it")
+        if self.engine is not None:
+            self._resume_deepspeed(path, state)
         else:
-            self.optimizer.load_state_dict(objects["optimizer"])
+            sharded_state = isinstance(next(iter(objects["optimizer"]["param_groups"][0]["params"]), 0), str)
+            if sharded_state != self.sharded:  # FSDP's state is keyed by parameter name, the plain one's by index
+                raise ConfigError(f"checkpoint {path} was written {'with' if sharded_state else 'without'} FSDP "
+                                  f"sharding and this run is {'' if self.sharded else 'not '}sharded: resume it the "
+                                  f"way it was written (the process count may change)")
+            if self.sharded:
+                load_full_optimizer_state(self.policy.model, self.optimizer, objects["optimizer"])
+            else:
+                self.optimizer.load_state_dict(objects["optimizer"])
         self.lr_scheduler.load_state_dict(objects["lr_scheduler"])
         self._apply_optimizer_config()
         if self.ema is not None and "ema" in objects:
@@ -287,6 +322,17 @@ class Trainer:
         if "noise_levels" in state:
             self.policy.step_noise_levels = torch.tensor(state["noise_levels"])
         return self.update
+
+    def _resume_deepspeed(self, path: Path, state: dict) -> None:
+        """Load the engine's partitioned optimizer state (and its fp32 master weights) from ``path/deepspeed``. Its
+        partitions are cut for the process count that wrote them, so that count must be this run's."""
+        written = state["deepspeed_processes"]
+        if written != self.accelerator.num_processes:
+            raise ConfigError(f"checkpoint {path} was written by {written} DeepSpeed process(es), this run has "
+                              f"{self.accelerator.num_processes}: ZeRO partitions the optimizer state per process, "
+                              f"resume with --num_processes {written}")
+        self.engine.load_checkpoint(str(path), tag="deepspeed", load_module_strict=False,
+                                    load_optimizer_states=True, load_lr_scheduler_states=False)
 
     def _apply_optimizer_config(self) -> None:
         """After loading a checkpoint's optimizer and scheduler: the configured hyperparameters win (a resume with
@@ -439,6 +485,14 @@ class Trainer:
         skipped by the scaler, which lowers its scale (accelerate reports ``step_was_skipped``); without one a
         non-finite gradient norm skips the step. Returns ``(stepped, grad_norm)``."""
         acc, c = self.accelerator, self.config
+        if self.engine is not None:
+            # DeepSpeed: the engine reduces the partitioned gradients, clips them to optim.max_grad_norm (its
+            # gradient_clipping), skips a step whose gradients are not finite (and lowers an fp16 loss scale), steps
+            # AdamW on its fp32 partitions, gathers the weights back and zeroes the gradients
+            self.engine.step()
+            norm = self.engine.get_global_grad_norm()
+            stepped = not getattr(self.engine.optimizer, "overflow", False)
+            return stepped, float("nan") if norm is None else float(norm)
         scaler = getattr(acc, "scaler", None)
         if c.optim.max_grad_norm > 0:
             norm = acc.clip_grad_norm_(params, c.optim.max_grad_norm)  # unscales first under a scaler
@@ -534,8 +588,9 @@ class Trainer:
                             self._sequence_log_ratio(rollout, idx, step_chunks, counts)
                     for k, steps in enumerate(step_chunks):
                         sync = g == len(group) - 1 and k == len(step_chunks) - 1
-                        ctx = acc.no_sync(policy.model) if not sync and acc.num_processes > 1 else \
-                            contextlib.nullcontext()
+                        # DeepSpeed is told where the optimizer step ends instead (set_gradient_accumulation_boundary)
+                        ctx = acc.no_sync(policy.model) if not sync and acc.num_processes > 1 and \
+                            self.engine is None else contextlib.nullcontext()
                         with ctx, acc.autocast():
                             out = policy.logprobs(rollout, idx, steps, with_kl=a.beta > 0)
                             device = out.logps.device
@@ -554,12 +609,18 @@ class Trainer:
                             )
                         loss = result.loss
                         if not torch.isfinite(loss):
-                            # keep every process in the same backward (DDP) but contribute nothing
+                            # keep every process in the same backward (DDP) but contribute nothing; ZeRO-3's weights are
+                            # partitions outside a forward, so its zero goes through this forward's output instead
                             skipped_loss += 1
-                            loss = sum((p * 0.0).sum() for p in policy.trainable_parameters())
+                            loss = torch.where(torch.isfinite(out.logps), out.logps, 0.0).sum() * 0.0 if self.zero3 \
+                                else sum((p * 0.0).sum() for p in policy.trainable_parameters())
                         else:
                             step_loss += float(loss.detach())
-                        acc.backward(loss)
+                        if self.engine is not None:  # its own accumulation is 1: no division by it
+                            self.engine.set_gradient_accumulation_boundary(sync)
+                            self.engine.backward(loss)
+                        else:
+                            acc.backward(loss)
                         active = float(mask[:, steps].sum())
                         for key, value in result.metrics.items():
                             if key == "ratio/min":
@@ -737,9 +798,10 @@ class Trainer:
         """The startup summary the main process prints: where, on what, how much per update, from where."""
         c, acc = self.config, self.accelerator
         params = self.policy.trainable_parameters()
-        trainable = sum(p.numel() for p in params)
+        numel = lambda p: getattr(p, "ds_numel", None) or p.numel()  # noqa: E731  (ZeRO-3: the whole count)
+        trainable = sum(numel(p) for p in params)
         model = getattr(self.policy, "model", None)
-        total = sum(p.numel() for p in model.parameters()) if isinstance(model, torch.nn.Module) else None
+        total = sum(numel(p) for p in model.parameters()) if isinstance(model, torch.nn.Module) else None
         per_process = c.data.prompts_per_step * c.data.group_size
         trained = self._trained_per_process()
         other_role = f" ({trained} rows trained per process with the other role's)" if trained != per_process else ""

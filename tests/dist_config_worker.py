@@ -1,7 +1,8 @@
 """Run under torchrun by the multi-process tests: train a config on 2 gloo processes, save each replica's weights
 (``rank<k>.safetensors``) and, on every rank, the data position it ended at (``rank<k>.json``). A first argument
 ``--fsdp`` shards the model with FSDP2 (``configs/accelerate/fsdp2.yaml``, see ``layout.select_fsdp2``) instead of
-DDP."""
+DDP; ``--deepspeed``: the test launched this under ``accelerate launch`` with the DeepSpeed ZeRO-2 config (the
+process count may then be 1)."""
 
 import json
 import os
@@ -21,15 +22,16 @@ from mmrl.config import load_config  # noqa: E402
 
 def main() -> None:
     args = sys.argv[1:]
-    fsdp = args[0] == "--fsdp"
+    fsdp, deepspeed = args[0] == "--fsdp", args[0] == "--deepspeed"
     if fsdp:
         select_fsdp2()
+    if fsdp or deepspeed:
         args = args[1:]
     out, config_path, *overrides = args
     config = load_config(config_path, [f"output_dir={out}/run", *overrides])
     trainer = build_trainer(config)
-    assert trainer.accelerator.num_processes == 2, trainer.accelerator.num_processes
-    assert trainer.sharded == fsdp
+    assert trainer.accelerator.num_processes == int(os.environ["WORLD_SIZE"]), trainer.accelerator.num_processes
+    assert trainer.sharded == fsdp and (trainer.engine is not None) == deepspeed
     trainer.train()
     rank = trainer.accelerator.process_index
     with trainer._full_weights():  # sharded: the whole tensors (a collective)

@@ -8,6 +8,10 @@ either all 8 samples on one process or split 4 + 4 over two gloo processes (unde
 ``--full``: full fine-tuning instead of the recipe's LoRA (for the VLM, vision tower included). ``--fsdp``: the
 processes shard the model with FSDP2 as ``configs/accelerate/fsdp2.yaml`` configures it (see :func:`select_fsdp2`)
 instead of DDP; with ``--offload`` as ``configs/accelerate/fsdp2_offload.yaml`` does (shards on the CPU).
+``--deepspeed``: launched by ``accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml`` (the test
+does that); the trained steps are then cut into chunks (``train.timestep_chunk``: 2 flow steps, 4 VLM tokens), so
+each optimizer step takes several backwards (the one-process run it is compared with does not chunk: chunking
+never changes the update).
 
 Sampling randomness is seeded per process by design, so every process samples the SAME global rollout (same
 items, same generator, group ids 0..1) and keeps its share of the rows: SPLIT ``contiguous`` gives process r
@@ -48,8 +52,11 @@ def common(world: int, aggregation: str) -> list[str]:
             "logging.tensorboard=false"]
 
 
-def build_config(out: Path, family: str, aggregation: str, world: int, model: str | None, full: bool = False):
+def build_config(out: Path, family: str, aggregation: str, world: int, model: str | None, full: bool = False,
+                 chunked: bool = False):
     extra = ["model.use_lora=false", "optim.lr=1e-3"] if full else []
+    if chunked:
+        extra.append(f"train.timestep_chunk={2 if family == 'flow' else 4}")
     if full and family == "vlm":
         extra.append("model.freeze_vision=false")  # the vision tower trained too
     if family == "flow":
@@ -83,7 +90,11 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if "--fsdp" in flags:
         select_fsdp2(offload="--offload" in flags)
-    trainer = build_trainer(build_config(out, family, aggregation, world, model, full="--full" in flags))
+    trainer = build_trainer(build_config(out, family, aggregation, world, model, full="--full" in flags,
+                                         chunked="--deepspeed" in flags))
+    from mmrl.distributed import deepspeed_stage
+
+    assert (deepspeed_stage(trainer.accelerator) is not None) == ("--deepspeed" in flags)
     acc = trainer.accelerator
     assert acc.num_processes == world, (acc.num_processes, world)
     assert trainer.sharded == ("--fsdp" in flags), trainer.sharded
@@ -118,7 +129,8 @@ def main() -> None:
         weights = flat_weights(trainer.policy).clone()
     result = {"metrics": metrics, "adv_stats": adv_stats, "advantages": advantages.cpu(), "rows": rows,
               "scores": {k: v.cpu() for k, v in scores.items()}, "actions": float(local.mask.sum()),
-              "initial": initial, "weights": weights, "sharded": trainer.sharded, "offloaded": offloaded(trainer)}
+              "initial": initial, "weights": weights, "sharded": trainer.sharded, "offloaded": offloaded(trainer),
+              "deepspeed": deepspeed_stage(acc)}
     torch.save(result, out / f"rank{rank}.pt")
     if rank == 0:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1))

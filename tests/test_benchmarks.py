@@ -72,7 +72,7 @@ def test_flow_grpo_bench_same_work_through_mmrl_bench(tmp_path):
     assert work["mmrl"]["calls"]["grad"] == 1 and work["plain"]["calls"]["grad"] == trained
     assert line["results"]["cfg"]["floor_s"] > 0 and line["mmrl_over_floor"]["cfg"] > 0
     peak = line["peak_step_mib_per_image"]["cfg"]
-    assert set(peak) == {"mmrl", "plain"}
+    assert set(peak) == {"mmrl", "plain", "floor"}  # the floor: the replay of the untimed update's calls
     assert all(mib * 2**20 >= 16 * 4 * 4 for mib in peak.values()), peak  # at least one 4 x 4 latent per image
     assert "no --flow-grpo" in line["flow_grpo_skipped"] and "speedup_vs_flow_grpo" not in line
 
@@ -94,6 +94,9 @@ def test_overhead_bench_replays_the_trainers_model_work(tmp_path):
     # tiny recipe: batch 4 of 8 samples, 2 inner epochs: 4 training forwards; old + reference passes: 2 + 2
     assert vlm["forwards"] == {"grad": 4, "no_grad": 4}
     assert vlm["floor_s"] > 0 and vlm["mmrl_over_floor"] > 0
+    peak = vlm["peak_step_mib_per_sample"]  # an untimed update and its replay under the tensor tracker
+    assert set(peak) == {"mmrl", "floor"} and peak["mmrl"] > 0 and peak["floor"] > 0
+    assert line["peak_step_mib_per_sample"]["vlm"] == {k: round(v, 3) for k, v in peak.items()}
 
 
 def test_mmrl_bench_names_and_errors(capsys):

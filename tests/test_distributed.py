@@ -1,4 +1,4 @@
-"""mmrl.distributed in one process: the engines the loop refuses, and the helpers' behaviour on a model that is
+"""mmrl.distributed in one process: the engines the loop refuses, the DeepSpeed config it fills, and the helpers' behaviour on a model that is
 not sharded (the sharded behaviour is tested on 2 gloo processes in test_layout_processes.py and
 test_multiprocess.py)."""
 
@@ -11,7 +11,8 @@ import torch
 from accelerate.utils import DistributedType
 
 from mmrl.config import ConfigError
-from mmrl.distributed import check_engine, copy_full_into, fsdp_modules, full_tensor, full_weights, is_dtensor
+from mmrl.distributed import (check_engine, configure_deepspeed, copy_full_into, deepspeed_stage, fsdp_modules,
+                              full_tensor, full_weights, is_dtensor)
 
 
 @pytest.mark.parametrize("kind,fsdp2", [(DistributedType.NO, False), (DistributedType.MULTI_CPU, False),
@@ -25,9 +26,62 @@ def test_fsdp1_is_refused_with_the_config_to_use():
         check_engine(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False))
 
 
-def test_deepspeed_is_refused_with_the_config_to_use():
-    with pytest.raises(ConfigError, match="configs/accelerate/fsdp2.yaml"):
-        check_engine(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, is_fsdp2=False))
+def deepspeed_accelerator(stage: int, processes: int = 2, **ds_config):
+    plugin = SimpleNamespace(zero_stage=stage, zero3_init_flag=False, deepspeed_config={"zero_optimization": {"stage": stage}, **ds_config})
+    return SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, is_fsdp2=False, num_processes=processes,
+                           state=SimpleNamespace(deepspeed_plugin=plugin))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_zero_stages_pass(stage):
+    accelerator = deepspeed_accelerator(stage)
+    check_engine(accelerator)
+    assert deepspeed_stage(accelerator) == stage
+    assert deepspeed_stage(SimpleNamespace(distributed_type=DistributedType.MULTI_GPU)) is None
+
+
+def test_an_unknown_deepspeed_stage_is_refused():
+    with pytest.raises(ConfigError, match="ZeRO stage 0 is not supported"):
+        check_engine(deepspeed_accelerator(0))
+
+
+def test_zero3_init_at_model_construction_is_refused():
+    """mmrl casts, wraps LoRA and copies the reference on whole models before the engine partitions them."""
+    accelerator = deepspeed_accelerator(3)
+    accelerator.state.deepspeed_plugin.zero3_init_flag = True
+    with pytest.raises(ConfigError, match="zero3_init_flag: false"):
+        configure_deepspeed(accelerator, micro_batch=2, max_grad_norm=0.5)
+
+
+def test_only_a_zero3_engine_counts_as_partitioned_weights():
+    from mmrl.distributed import is_zero3, weights_partitioned
+
+    engine = lambda stage: SimpleNamespace(zero_optimization_stage=lambda: stage)  # noqa: E731
+    assert is_zero3(engine(3)) and not is_zero3(engine(2)) and not is_zero3(torch.nn.Linear(2, 2))
+    assert weights_partitioned(engine(3)) is True and weights_partitioned(torch.nn.Linear(2, 2)) is False
+
+
+def test_the_deepspeed_config_is_filled_from_mmrls_fields():
+    """The engine accumulates nothing itself (the loop does and marks each step's end), takes train.batch_size as
+    its micro-batch and clips at optim.max_grad_norm."""
+    accelerator = deepspeed_accelerator(2, processes=4, gradient_accumulation_steps="auto", gradient_clipping="auto")
+    configure_deepspeed(accelerator, micro_batch=3, max_grad_norm=0.5)
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    assert (ds["gradient_accumulation_steps"], ds["train_micro_batch_size_per_gpu"], ds["train_batch_size"],
+            ds["gradient_clipping"]) == (1, 3, 12, 0.5)
+    same = deepspeed_accelerator(2, gradient_accumulation_steps=1, gradient_clipping=0.5)
+    configure_deepspeed(same, micro_batch=2, max_grad_norm=0.5)  # agreeing values are fine
+
+
+@pytest.mark.parametrize("ds_config,message", [
+    ({"gradient_accumulation_steps": 4}, "train.gradient_accumulation_steps"),
+    ({"gradient_clipping": 1.0}, "optim.max_grad_norm"),
+    ({"optimizer": {"type": "AdamW"}}, "'optimizer' section"),
+    ({"scheduler": {"type": "WarmupLR"}}, "'scheduler' section"),
+])
+def test_a_deepspeed_config_that_contradicts_mmrl_is_refused(ds_config, message):
+    with pytest.raises(ConfigError, match=message):
+        configure_deepspeed(deepspeed_accelerator(2, **ds_config), micro_batch=2, max_grad_norm=0.5)
 
 
 def test_helpers_leave_an_unsharded_model_alone():

@@ -70,7 +70,25 @@ def test_the_gpu_check_runs_end_to_end_on_cpu_with_the_tiny_models(tmp_path):
     assert [line["check"] for line in lines] == ["flow_sd35m_size", "vlm_qwen25vl_3b_size"], lines
     for line in lines:
         assert line["seconds_per_update"] > 0 and line["samples_per_update"] == 2
+        assert line["engine"] == "plain"
         assert line["trainable_parameters"] > 0 and line["peak_gpu_gib"] is None  # no GPU here
+
+
+def test_the_gpu_check_runs_on_deepspeed_under_its_accelerate_config(tmp_path):
+    """What gpu_check.sh runs after the plain check: the VLM updates on the ZeRO-2 engine, launched with the shipped
+    config (one process; DeepSpeed's CPU accelerator here)."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MMRL_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                             str(ROOT / "configs" / "accelerate" / "deepspeed_zero2.yaml"), "--num_processes", "1",
+                             "--main_process_port", "29593", str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke",
+                             "--only", "vlm", "--warmup", "0", "--steps", "1", "--vlm-new-tokens", "4",
+                             "--vlm-group", "2", "--vlm-prompts", "1"],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [(line["check"], line["engine"]) for line in lines] == [("vlm_qwen25vl_3b_size", "deepspeed_zero2")]
+    assert lines[0]["seconds_per_update"] > 0 and lines[0]["trainable_parameters"] > 0
 
 
 def test_without_a_gpu_the_full_check_says_so_and_passes():

@@ -19,6 +19,11 @@ computed from one process's rewards). What must agree, to 1e-5 relative:
 FSDP2 (``configs/accelerate/fsdp2.yaml``): the same comparison with the two processes SHARDING the model instead of
 replicating it (each keeps half of every parameter and its optimizer state; gradients are reduce-scattered), for
 both families with LoRA and with full fine-tuning: the sharded update is the one-process update.
+
+DeepSpeed ZeRO-2 and ZeRO-3 (``configs/accelerate/deepspeed_zero{2,3}.yaml``, launched by ``accelerate launch``
+with that file as a user does, on DeepSpeed's CPU accelerator): the engine partitions the gradients and the AdamW
+state (ZeRO-3: the weights too), takes each backward with the loop's accumulation boundary and steps; the update is
+the one-process update.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ TWO_PROCESS_RUNS = [*INVARIANT, ("vlm", "bnpo", "contiguous")]
 SHARDED = [("flow", "grpo", False), ("flow", "grpo", True), ("vlm", "dapo", False), ("vlm", "dapo", True)]
 # FSDP2 with the shards, gradients and optimizer state offloaded to the CPU (configs/accelerate/fsdp2_offload.yaml)
 OFFLOADED = [("flow", "grpo", True), ("vlm", "dapo", True)]
+# DeepSpeed cases (family, aggregation, full fine-tuning, ZeRO stage): flow LoRA with the steps chunked (several
+# backwards per optimizer step), VLM full fine-tuning with the vision tower
+DEEPSPEED = [("flow", "grpo", False, 2), ("vlm", "dapo", True, 2), ("flow", "grpo", False, 3), ("vlm", "dapo", True, 3)]
+ACCELERATE_CONFIGS = Path(__file__).parents[1] / "configs" / "accelerate"
 BASE_PORT = 29611  # + the index in TWO_PROCESS_RUNS: every torchrun launch of the module has its own port
 
 
@@ -59,22 +68,27 @@ def runs(tmp_path_factory):
     sd3: list[str] = []
 
     def launch(family: str, aggregation: str, split: str, processes: int, full: bool = False,
-               fsdp: bool = False, offload: bool = False) -> list[dict]:
-        key = (family, aggregation, split if processes > 1 else None, processes, full, fsdp, offload)
+               fsdp: bool = False, offload: bool = False, deepspeed: int | None = None) -> list[dict]:
+        key = (family, aggregation, split if processes > 1 else None, processes, full, fsdp, offload, deepspeed)
         if key not in cache:
             if family == "flow" and not sd3:
                 sd3.append(str(build_tiny_sd3(base / "sd3")))
             out = base / "-".join(str(k) for k in key)
             out.mkdir()
             launcher = [sys.executable]
-            if processes > 1:
+            if deepspeed:  # the production launcher, reading the shipped config
+                port = BASE_PORT + 60 + DEEPSPEED.index((family, aggregation, full, deepspeed))
+                launcher += ["-m", "accelerate.commands.launch", "--config_file",
+                             str(ACCELERATE_CONFIGS / f"deepspeed_zero{deepspeed}.yaml"),
+                             "--num_processes", str(processes), "--main_process_port", str(port)]
+            elif processes > 1:
                 port = BASE_PORT + (len(TWO_PROCESS_RUNS) + len(SHARDED) + OFFLOADED.index((family, aggregation, full))
                                     if offload else
                                     len(TWO_PROCESS_RUNS) + SHARDED.index((family, aggregation, full)) if fsdp
                                     else TWO_PROCESS_RUNS.index((family, aggregation, split)) + 40 * full)
                 launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(processes),
                              "--master_port", str(port)]
-            flags = ["--full"] * full + ["--fsdp"] * fsdp + ["--offload"] * offload
+            flags = ["--full"] * full + ["--fsdp"] * fsdp + ["--offload"] * offload + ["--deepspeed"] * bool(deepspeed)
             cmd = [*launcher, str(WORKER), str(out), family, aggregation, split, *(sd3 if family == "flow" else []),
                    *flags]
             result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -83,10 +97,10 @@ def runs(tmp_path_factory):
         return cache[key]
 
     def run(family: str, aggregation: str, split: str = "contiguous", full: bool = False, fsdp: bool = False,
-            offload: bool = False):
+            offload: bool = False, deepspeed: int | None = None):
         # one process first: it also builds the tiny VLM into the cache, before two processes could race for it
         one = launch(family, aggregation, split, 1, full)[0]
-        return one, launch(family, aggregation, split, 2, full, fsdp or offload, offload)
+        return one, launch(family, aggregation, split, 2, full, fsdp or offload, offload, deepspeed)
 
     return run
 
@@ -201,6 +215,20 @@ def test_fsdp_with_cpu_offload_is_the_one_process_update(runs, family, aggregati
     one, two = runs(family, aggregation, full=full, offload=True)
     assert all(r["sharded"] and r["offloaded"] for r in two) and not one["offloaded"]
     assert_same_update_on_two_processes(one, two, f"fsdp+offload {family}/{aggregation}/{'full' if full else 'lora'}")
+
+
+@pytest.mark.parametrize("family,aggregation,full,stage", DEEPSPEED,
+                         ids=[f"zero{z}-{f}-{a}-{'full' if full else 'lora'}" for f, a, full, z in DEEPSPEED])
+def test_deepspeed_is_the_one_process_update(runs, family, aggregation, full, stage):
+    """``accelerate launch --config_file configs/accelerate/deepspeed_zero{2,3}.yaml``: each process holds half of
+    the gradients and of the AdamW state (ZeRO-3: of the weights too, gathered per forward by the engine's hooks
+    and once for the rollout), the engine reduce-scatters, steps its half and all-gathers; the loop's own
+    accumulation (several timestep chunks per optimizer step for the flow) reaches the engine as its boundary.
+    The update is the one-process update."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
+    one, two = runs(family, aggregation, full=full, deepspeed=stage)
+    assert all(r["deepspeed"] == stage for r in two) and one["deepspeed"] is None
+    assert_same_update_on_two_processes(one, two, f"zero{stage} {family}/{aggregation}/{'full' if full else 'lora'}")
 
 
 def test_ddp_full_finetuning_with_the_vision_tower_is_the_one_process_update(runs):

@@ -1,6 +1,6 @@
 """Two gloo processes (torchrun) stay in step where one process's data or statistics could differ: a bad sample
 skipped on one rank only, adaptive noise levels computed from the whole batch and resumed on every rank, and a
-sharded (FSDP2) run's checkpoint and resume."""
+sharded (FSDP2) run's checkpoint and resume, and a DeepSpeed ZeRO-2 run's."""
 
 from __future__ import annotations
 
@@ -23,15 +23,26 @@ WORKER = Path(__file__).with_name("dist_config_worker.py")
 QUIET = ["logging.progress_bar=false", "logging.tensorboard=false", "logging.eval_every=0"]
 
 
-def torchrun(tmp_path: Path, port: int, *args: str) -> None:
-    """``args``: [``--fsdp``] CONFIG OVERRIDE..."""
+def torchrun(tmp_path: Path, port: int, *args: str, processes: int = 2, expect_failure: bool = False,
+             stage: int = 2) -> str:
+    """``args``: [``--fsdp`` | ``--deepspeed``] CONFIG OVERRIDE...; ``--deepspeed`` launches with ``accelerate launch
+    --config_file configs/accelerate/deepspeed_zero<stage>.yaml``. Returns stderr."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    flags = [a for a in args[:1] if a == "--fsdp"]
+    flags = [a for a in args[:1] if a in ("--fsdp", "--deepspeed")]
     config, *overrides = args[len(flags):]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           str(WORKER), *flags, str(tmp_path), config, *QUIET, *overrides]
+    if flags == ["--deepspeed"]:
+        launcher = ["-m", "accelerate.commands.launch", "--config_file",
+                    str(REPO / "configs" / "accelerate" / f"deepspeed_zero{stage}.yaml"),
+                    "--num_processes", str(processes), "--main_process_port", str(port)]
+    else:
+        launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(port)]
+    cmd = [sys.executable, *launcher, str(WORKER), *flags, str(tmp_path), config, *QUIET, *overrides]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    if expect_failure:
+        assert result.returncode != 0, "the launch was expected to fail"
+    else:
+        assert result.returncode == 0, result.stderr[-4000:]
+    return result.stderr
 
 
 def replicas(tmp_path: Path):
@@ -98,28 +109,65 @@ def test_adaptive_noise_levels_agree_on_every_rank_and_resume(tmp_path, tiny_sd3
         assert torch.equal(w0[key], w1[key]) and torch.equal(w0[key], r0[key]) and torch.equal(r0[key], r1[key]), key
 
 
-def test_a_sharded_run_checkpoints_whole_weights_and_resumes_exactly(tmp_path, tiny_sd3):
-    """FSDP2 (``configs/accelerate/fsdp2.yaml``) on 2 processes: the checkpoint holds the WHOLE trainable tensors
-    and the whole optimizer state (gathered, not one process's shards), the main process's evaluation grid runs on
-    the gathered weights, and 1 + resume + 1 updates give exactly the weights of 2 straight updates."""
-    common = [f"model.pretrained={tiny_sd3}", "sampling.num_steps=4", "sampling.eval_num_steps=4",
-              "sampling.max_sequence_length=16", "data.prompts_per_step=1", "data.group_size=4", "train.batch_size=2",
-              "train.gradient_accumulation_steps=2", "optim.lr=1e-2", "algorithm.clip_low=0.2", "algorithm.beta=0.04",
-              "logging.save_every=1", "logging.eval_every=1", "data.num_eval_prompts=1", "data.eval_seeds=[0]"]
+def resume_overrides(tiny_sd3) -> list[str]:
+    return [f"model.pretrained={tiny_sd3}", "sampling.num_steps=4", "sampling.eval_num_steps=4",
+            "sampling.max_sequence_length=16", "data.prompts_per_step=1", "data.group_size=4", "train.batch_size=2",
+            "train.gradient_accumulation_steps=2", "optim.lr=1e-2", "algorithm.clip_low=0.2", "algorithm.beta=0.04",
+            "logging.save_every=1"]
+
+
+def straight_and_resumed(tmp_path: Path, tiny_sd3, engine: str, ports: tuple[int, int, int], *extra: str,
+                         stage: int = 2):
+    """2 straight updates, and 1 + resume + 1, of the tiny flow recipe under ``engine`` (``--fsdp`` /
+    ``--deepspeed``) on 2 processes (gradient accumulation 2, a checkpoint every update). Checks that all four
+    replicas end on the same weights and that the straight run's last checkpoint holds them whole; returns
+    (that checkpoint, its trainable tensors)."""
+    common = [*resume_overrides(tiny_sd3), *extra]
     config = str(REPO / "configs/tiny/flow_grpo.yaml")
-    torchrun(tmp_path / "straight", 29549, "--fsdp", config, *common, "train.steps=2")
-    torchrun(tmp_path / "resumed", 29551, "--fsdp", config, *common, "train.steps=1")
-    torchrun(tmp_path / "resumed", 29553, "--fsdp", config, *common, "train.steps=2", "resume=auto")
+    torchrun(tmp_path / "straight", ports[0], engine, config, *common, "train.steps=2", stage=stage)
+    torchrun(tmp_path / "resumed", ports[1], engine, config, *common, "train.steps=1", stage=stage)
+    torchrun(tmp_path / "resumed", ports[2], engine, config, *common, "train.steps=2", "resume=auto", stage=stage)
     w0, w1, _, _ = replicas(tmp_path / "straight")
     r0, r1, _, _ = replicas(tmp_path / "resumed")
     checkpoint = tmp_path / "straight" / "run" / "checkpoints" / "step_2"
     saved = load_file(str(checkpoint / "trainable.safetensors"))
     assert set(saved) == set(w0) and len(saved) > 0
+    first = load_file(str(tmp_path / "resumed" / "run" / "checkpoints" / "step_1" / "trainable.safetensors"))
+    assert any(not torch.equal(first[key], w0[key]) for key in w0)  # the resumed update moved the weights
     for key in w0:
         assert torch.equal(w0[key], w1[key]) and torch.equal(w0[key], r0[key]) and torch.equal(r0[key], r1[key]), key
         assert torch.equal(saved[key], w0[key]), key  # whole tensors, not a shard
+    return checkpoint, saved
+
+
+def test_a_sharded_run_checkpoints_whole_weights_and_resumes_exactly(tmp_path, tiny_sd3):
+    """FSDP2 (``configs/accelerate/fsdp2.yaml``) on 2 processes: the checkpoint holds the WHOLE trainable tensors
+    and the whole optimizer state (gathered, not one process's shards), the main process's evaluation grid runs on
+    the gathered weights, and 1 + resume + 1 updates give exactly the weights of 2 straight updates."""
+    checkpoint, saved = straight_and_resumed(tmp_path, tiny_sd3, "--fsdp", (29549, 29551, 29553),
+                                             "logging.eval_every=1", "data.num_eval_prompts=1", "data.eval_seeds=[0]")
     optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=False)
     for name, state in optimizer["state"].items():  # keyed by parameter name, whole moments
         assert tuple(state["exp_avg"].shape) == tuple(saved[name].shape), name
     assert (tmp_path / "straight" / "run" / "samples" / "step_2.png").is_file()
     assert (checkpoint / "export").is_dir()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_deepspeed_run_checkpoints_its_partitions_and_resumes_exactly(tmp_path, tiny_sd3, stage):
+    """DeepSpeed ZeRO-2 / ZeRO-3 (``configs/accelerate/deepspeed_zero{2,3}.yaml``) on 2 processes, gradient
+    accumulation 2: the checkpoint holds the whole trainable tensors (ZeRO-3: gathered from the partitions) and the
+    engine's two optimizer partitions, 1 + resume + 1 updates give exactly the weights of 2 straight updates, and
+    a resume on another process count is refused by name."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
+    ports = [29561 + 10 * (stage - 2) + 2 * k for k in range(4)]
+    checkpoint, _ = straight_and_resumed(tmp_path, tiny_sd3, "--deepspeed", tuple(ports[:3]), stage=stage)
+    partitions = sorted(p.name for p in (checkpoint / "deepspeed").glob("zero_pp_rank_*_optim_states.pt"))
+    assert partitions == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert not (checkpoint / "optimizer.pt").exists()
+    assert json.loads((checkpoint / "state.json").read_text())["deepspeed_processes"] == 2
+    assert not list(checkpoint.parent.glob(".step_*")), "a staging folder was left behind"
+    err = torchrun(tmp_path / "resumed", ports[3], "--deepspeed", str(REPO / "configs/tiny/flow_grpo.yaml"),
+                   *resume_overrides(tiny_sd3), "train.steps=3", "resume=auto", processes=1, expect_failure=True,
+                   stage=stage)
+    assert "written by 2 DeepSpeed process(es)" in err and "--num_processes 2" in err, err[-2000:]

@@ -171,7 +171,8 @@ def test_every_shipped_config_validates(path):
         launch = load_config_from_file(path)
         expected = {"one_gpu.yaml": ("NO", 1, 1), "ddp_one_node.yaml": ("MULTI_GPU", 8, 1),
                     "ddp_multi_node.yaml": ("MULTI_GPU", 16, 2), "fsdp2.yaml": ("FSDP", 8, 1),
-                    "fsdp2_offload.yaml": ("FSDP", 8, 1)}[Path(path).name]
+                    "fsdp2_offload.yaml": ("FSDP", 8, 1), "deepspeed_zero2.yaml": ("DEEPSPEED", 8, 1),
+                    "deepspeed_zero3.yaml": ("DEEPSPEED", 8, 1)}[Path(path).name]
         assert (str(launch.distributed_type).split(".")[-1], launch.num_processes, launch.num_machines) == expected
         assert launch.mixed_precision == "no" and not launch.use_cpu  # mmrl's train.mixed_precision decides
         if Path(path).name.startswith("fsdp2"):  # the version mmrl supports, blocks as shard units, whole checkpoints
@@ -182,6 +183,10 @@ def test_every_shipped_config_validates(path):
             other = {k: v for k, v in fsdp.items() if k != "fsdp_offload_params"}
             twin = load_config_from_file(str(Path(path).with_name("fsdp2.yaml"))).fsdp_config
             assert other == {k: v for k, v in twin.items() if k != "fsdp_offload_params"}  # offload is the only change
+        if Path(path).name.startswith("deepspeed"):  # the stage named; mmrl fills accumulation and clipping itself
+            ds = launch.deepspeed_config
+            assert ds["zero_stage"] == int(Path(path).stem[-1]) and ds["zero3_init_flag"] is False
+            assert "gradient_accumulation_steps" not in ds and "gradient_clipping" not in ds
         return
     command = OTHER_COMMANDS.get(Path(path).name, "train")
     if command == "pretrain":

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from mmrl.core.losses import k3_kl
-from mmrl.distributed import fsdp_modules, full_weights
+from mmrl.distributed import full_weights, weights_partitioned
 from mmrl.data.prompts import EmptyBatchError
 
 logger = logging.getLogger(__name__)
@@ -568,11 +568,12 @@ class QwenVLPolicy:
     def _encodes_per_forward(self) -> bool:
         """A trained tower is encoded in the gradient forward itself, each distinct prompt's pixels once however
         many of its completions the batch holds (their gradients meet in the shared features); not under FSDP2,
-        whose root forward is what gathers the tower's sharded weights."""
+        whose root forward is what gathers the tower's sharded weights, nor under ZeRO-3, whose per-forward gathers
+        are collectives (the distinct prompts of a minibatch, so the tower calls, may differ between processes)."""
         if self.freeze_vision or self.use_lora:
             return False
         if self._per_forward is None:
-            self._per_forward = not fsdp_modules(self.train_model)
+            self._per_forward = not weights_partitioned(self.train_model)
         return self._per_forward
 
     def _vision_kwargs(self, vision: list[Vision], encoded: dict[int, tuple] | None = None,
