@@ -153,12 +153,12 @@ def test_a_sharded_run_checkpoints_whole_weights_and_resumes_exactly(tmp_path, t
     assert (checkpoint / "export").is_dir()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [3])  # ZeRO-2's checkpoint is the same code without the gather (and 65 s more)
 def test_a_deepspeed_run_checkpoints_its_partitions_and_resumes_exactly(tmp_path, tiny_sd3, stage):
-    """DeepSpeed ZeRO-2 / ZeRO-3 (``configs/accelerate/deepspeed_zero{2,3}.yaml``) on 2 processes, gradient
-    accumulation 2: the checkpoint holds the whole trainable tensors (ZeRO-3: gathered from the partitions) and the
-    engine's two optimizer partitions, 1 + resume + 1 updates give exactly the weights of 2 straight updates, and
-    a resume on another process count is refused by name."""
+    """DeepSpeed ZeRO-3 (``configs/accelerate/deepspeed_zero3.yaml``) on 2 processes, gradient accumulation 2: the
+    checkpoint holds the whole trainable tensors (gathered from the partitions) and the engine's two optimizer
+    partitions, 1 + resume + 1 updates give exactly the weights of 2 straight updates, and a resume on another
+    process count is refused by name."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
     ports = [29561 + 10 * (stage - 2) + 2 * k for k in range(4)]
     checkpoint, _ = straight_and_resumed(tmp_path, tiny_sd3, "--deepspeed", tuple(ports[:3]), stage=stage)
