@@ -197,6 +197,10 @@ class Trainer:
             raise ConfigError("optim.ema is not supported with FSDP sharding or ZeRO-3: its shadow weights would be "
                               "shards, which checkpoints and evaluation do not gather; turn optim.ema off or train "
                               "with DDP or ZeRO-2")
+        copying = [v.name for v in self.variants if v.copies_weights]
+        if self.zero3 and copying:
+            raise ConfigError(f"variant(s) {', '.join(copying)} keep a copy of the trainable weights to swap in, which "
+                              "ZeRO-3's partitioned weights do not allow: train with ZeRO-2, FSDP2 or DDP")
         self.ema = EMA(policy.named_trainable_parameters(), o.ema_decay, update_interval=o.ema_update_interval,
                        warmup=o.ema_warmup) if o.ema else None
         for variant in self.variants:

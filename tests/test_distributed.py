@@ -97,3 +97,11 @@ def test_helpers_leave_an_unsharded_model_alone():
     with torch.no_grad():
         copy_full_into(weight, torch.full((4, 3), 2.0))
     assert torch.equal(weight, torch.full((4, 3), 2.0))
+
+
+def test_the_variants_that_swap_weight_copies_in_say_so():
+    """ZeRO-3 refuses a variant that keeps and swaps in its own copy of the trainable weights (its weights are
+    partitions outside a forward); GRPO-CARE's EMA reference is the one there is."""
+    from mmrl.algorithms import REGISTRY
+
+    assert sorted(name for name, cls in REGISTRY.items() if cls.copies_weights) == ["grpo_care"]

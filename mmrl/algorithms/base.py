@@ -233,6 +233,9 @@ class Variant:
     #: rows trained per sampled row: a ``rewards`` variant that appends another role's samples to the trained
     #: batch (:class:`Rewards` ``rollout``) sets it, so the optimizer-step count and LR schedule count them
     trained_rows_per_sample: ClassVar[int] = 1
+    #: keeps its own copy of the trainable weights (an EMA reference) and swaps it into the policy: impossible
+    #: where the weights are partitions outside a forward (DeepSpeed ZeRO-3), so the loop refuses it there
+    copies_weights: ClassVar[bool] = False
 
     def __init__(self, options: Any = None):
         self.options = options if options is not None else self.Options()

@@ -61,6 +61,8 @@ class GRPOCare(Variant):
             raise VariantError("variant 'grpo_care' replaces the KL penalty with its consistency bonus: set "
                                "algorithm.beta=0")
 
+    copies_weights = True  # the EMA reference
+
     def setup(self, policy, config) -> None:
         self.reference = EMA(policy.named_trainable_parameters(), self.options.decay)
 
