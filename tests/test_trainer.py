@@ -207,6 +207,7 @@ def test_slurm_example_is_valid_bash_naming_the_multi_node_config():
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
     assert "configs/accelerate/ddp_multi_node.yaml" in text and "--machine_rank \\$SLURM_NODEID" in text
+    assert "--config_file $ACCELERATE_CONFIG" in text  # another engine's file through the environment
 
 
 def test_two_process_gloo_run_keeps_replicas_in_sync(tmp_path, tiny_path):

@@ -8,7 +8,10 @@
 set -euo pipefail
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 MAIN_IP=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-srun bash -c "accelerate launch --config_file configs/accelerate/ddp_multi_node.yaml \
+# ACCELERATE_CONFIG picks another engine's file (fsdp2.yaml, deepspeed_zero2.yaml, deepspeed_zero3.yaml): the
+# flags below override its single-machine counts
+ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-configs/accelerate/ddp_multi_node.yaml}
+srun bash -c "accelerate launch --config_file $ACCELERATE_CONFIG \
   --num_machines $SLURM_NNODES --num_processes $((SLURM_NNODES * GPUS_PER_NODE)) \
   --machine_rank \$SLURM_NODEID --main_process_ip $MAIN_IP --main_process_port 29500 \
   -m mmrl.cli train $*"
