@@ -171,3 +171,30 @@ def test_a_deepspeed_run_checkpoints_its_partitions_and_resumes_exactly(tmp_path
                    *resume_overrides(tiny_sd3), "train.steps=3", "resume=auto", processes=1, expect_failure=True,
                    stage=stage)
     assert "written by 2 DeepSpeed process(es)" in err and "--num_processes 2" in err, err[-2000:]
+
+
+def test_a_nonfinite_loss_under_zero3_contributes_exactly_nothing(tmp_path, tiny_sd3):
+    """ZeRO-3's weights are empty partitions outside a forward, so a skipped (NaN) micro-step's zero contribution
+    goes through that forward's output instead of the weights: every process still runs the same backward, and the
+    update is the one made when that micro-step's loss is a plain 0."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
+    worker = Path(__file__).with_name("nonfinite_worker.py")
+    results = {}
+    for port, mode in ((29581, "nan"), (29583, "zero")):
+        out = tmp_path / mode
+        out.mkdir()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MODE": mode}
+        proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                               str(REPO / "configs" / "accelerate" / "deepspeed_zero3.yaml"), "--num_processes", "2",
+                               "--main_process_port", str(port), str(worker), str(out), str(tiny_sd3)],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        results[mode] = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+    for mode, runs in results.items():
+        assert all(r["zero3"] for r in runs)
+        assert torch.equal(runs[0]["weights"], runs[1]["weights"]) and torch.isfinite(runs[0]["weights"]).all()
+        assert all(r["metrics"]["train/skipped_nonfinite_loss"] == (mode == "nan") for r in runs), mode
+    nan, zero = results["nan"][0], results["zero"][0]
+    assert nan["metrics"]["grad_norm"] > 0
+    assert abs(nan["metrics"]["grad_norm"] - zero["metrics"]["grad_norm"]) <= 1e-6 * zero["metrics"]["grad_norm"]
+    assert float((nan["weights"] - zero["weights"]).norm() / zero["weights"].norm()) < 1e-6
