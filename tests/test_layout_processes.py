@@ -51,8 +51,10 @@ SHARDED = [("flow", "grpo", False), ("flow", "grpo", True), ("vlm", "dapo", Fals
 # FSDP2 with the shards, gradients and optimizer state offloaded to the CPU (configs/accelerate/fsdp2_offload.yaml)
 OFFLOADED = [("flow", "grpo", True), ("vlm", "dapo", True)]
 # DeepSpeed cases (family, aggregation, full fine-tuning, ZeRO stage): flow LoRA with the steps chunked (several
-# backwards per optimizer step), VLM full fine-tuning with the vision tower
-DEEPSPEED = [("flow", "grpo", False, 2), ("vlm", "dapo", True, 2), ("flow", "grpo", False, 3), ("vlm", "dapo", True, 3)]
+# backwards per optimizer step), VLM full fine-tuning with the vision tower (ZeRO-2: encoded outside the engine's
+# forward; ZeRO-3: through it). ZeRO-2 flow LoRA is the ZeRO-3 case's boundary logic on whole weights (3.4e-6 by
+# hand), left out for the CI budget
+DEEPSPEED = [("vlm", "dapo", True, 2), ("flow", "grpo", False, 3), ("vlm", "dapo", True, 3)]
 ACCELERATE_CONFIGS = Path(__file__).parents[1] / "configs" / "accelerate"
 BASE_PORT = 29611  # + the index in TWO_PROCESS_RUNS: every torchrun launch of the module has its own port
 
