@@ -1,5 +1,5 @@
 """What the benchmark scripts share: their JSON line written to ``--out`` and printed, and a live tensor-memory
-tracker (:class:`LiveBytes`)."""
+tracker (:class:`LiveBytes`, :func:`peak_bytes`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import platform
 import weakref
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -61,3 +62,11 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(value, torch.Tensor):
                 self.track(value)
         return out
+
+
+def peak_bytes(fn, *args, **kwargs) -> tuple[Any, int]:
+    """``fn(*args, **kwargs)`` under :class:`LiveBytes`: its result and the peak bytes of the tensors it created
+    (in this thread)."""
+    with LiveBytes() as tracker:
+        result = fn(*args, **kwargs)
+    return result, tracker.peak

@@ -60,7 +60,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from common import LiveBytes, finish, versions  # noqa: E402  (benchmarks/ is the script folder: on sys.path)
+from common import finish, peak_bytes, versions  # noqa: E402  (benchmarks/ is the script folder: on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "configs" / "tiny" / "flow_grpo.yaml"
@@ -304,16 +304,11 @@ def run_setting(args, guidance: float, tmp: Path) -> dict:
     # one more update of each in-process side, untimed, under the tensor tracker: the peak of what it creates; and
     # the floor's replay of that update's calls (one forward, with its backward where trained, per call)
     counter.log = []
-    with LiveBytes() as tracker:
-        trainer.step()
-    peak = {"mmrl": tracker.peak / (args.prompts * args.group)}
-    calls = list(counter.log)
-    with LiveBytes() as tracker:
-        replay_floor(trainer.policy.transformer, calls)
-    peak["floor"] = tracker.peak / (args.prompts * args.group)
-    with LiveBytes() as tracker:
-        images = plain.update(trainer.prompts.next_batch(args.prompts), generator)
-    peak["plain"] = tracker.peak / images
+    per_update = args.prompts * args.group
+    peak = {"mmrl": peak_bytes(trainer.step)[1] / per_update}
+    peak["floor"] = peak_bytes(replay_floor, trainer.policy.transformer, list(counter.log))[1] / per_update
+    images, plain_peak = peak_bytes(plain.update, trainer.prompts.next_batch(args.prompts), generator)
+    peak["plain"] = plain_peak / images
     official = None
     if args.official_missing is None:
         official_runs.append(run_official(args, guidance, tmp, args.warmup + args.steps))

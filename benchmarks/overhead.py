@@ -34,7 +34,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from common import LiveBytes, finish, versions  # noqa: E402  (benchmarks/ is the script folder: on sys.path)
+from common import finish, peak_bytes, versions  # noqa: E402  (benchmarks/ is the script folder: on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 VLM_RECIPE = ROOT / "configs" / "tiny" / "vlm_grounding.yaml"
@@ -159,13 +159,9 @@ def run_vlm(args, tmp: Path) -> dict:
     # one more update, untimed, under the tensor tracker, and the floor's replay of its calls: the peak bytes each
     # creates (common.LiveBytes), per sample
     recorder.reset()
-    with LiveBytes() as tracker:
-        trainer.step()
-    samples = args.prompts * args.group
-    peak = {"mmrl": tracker.peak / samples / 2**20}
-    with LiveBytes() as tracker:
-        recorder.replay()
-    peak["floor"] = tracker.peak / samples / 2**20
+    mib_per_sample = 2**20 * args.prompts * args.group
+    peak = {"mmrl": peak_bytes(trainer.step)[1] / mib_per_sample}
+    peak["floor"] = peak_bytes(recorder.replay)[1] / mib_per_sample
     params = sum(p.numel() for p in trainer.policy.base_model.parameters())
     return {"mmrl_s": statistics.median(times), "floor_s": statistics.median(floors),
             "mmrl_over_floor": statistics.median(ratios), "ratios": ratios, "parameters": params,

@@ -215,11 +215,9 @@ def time_pair(fn_a, fn_b, images, prompts, repeats: int, device: torch.device):
 def peak_mib_per_image(fn, images, prompts) -> float:
     """One more call of ``fn`` under :class:`common.LiveBytes`: the peak of the tensors it creates (in this
     thread), per image."""
-    from common import LiveBytes
+    from common import peak_bytes
 
-    with LiveBytes() as tracker:
-        fn(images, prompts)
-    return tracker.peak / 2**20 / len(images)
+    return peak_bytes(fn, images, prompts)[1] / 2**20 / len(images)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,7 @@ from mmrl.core.advantages import PerPromptStatTracker, combine_rewards
 from mmrl.core.losses import policy_loss
 from mmrl.distributed import (broadcast_from_main, check_engine, configure_deepspeed, deepspeed_engine,
                               deepspeed_stage, full_model_state, full_optimizer_state, full_tensor, is_dtensor,
-                              load_full_optimizer_state)
+                              is_zero3, load_full_optimizer_state)
 from mmrl.ema import EMA
 from mmrl.health import RunHealth
 from mmrl.data.prompts import EmptyBatchError, PromptSource
@@ -192,7 +192,7 @@ class Trainer:
         #: FSDP2: the trainable parameters are DTensor shards (:mod:`mmrl.distributed`)
         self.sharded = any(is_dtensor(p) for p in policy.trainable_parameters())
         #: ZeRO-3: every weight is partitioned, gathered by the engine's hooks per forward
-        self.zero3 = deepspeed_stage(accelerator) == 3
+        self.zero3 = is_zero3(self.engine)
         if (self.sharded or self.zero3) and o.ema:
             raise ConfigError("optim.ema is not supported with FSDP sharding or ZeRO-3: its shadow weights would be "
                               "shards, which checkpoints and evaluation do not gather; turn optim.ema off or train "
