@@ -49,7 +49,7 @@ def test_the_shipped_base_loads_by_name_and_beats_a_random_model_on_held_out_pro
 
 
 @pytest.mark.parametrize("recipe, extra", [
-    ("flow_grpo.yaml", []),
+    ("flow_grpo.yaml", ["sampling.window_size=2"]),
     ("dense_grpo.yaml", ["sampling.window_size=2"]),
     ("tp_grpo.yaml", ["sampling.window_size=2"]),
 ])
