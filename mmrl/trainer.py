@@ -451,11 +451,13 @@ class Trainer:
         return list(keys) if keys is not None else list(rollout.prompts)
 
     @torch.no_grad()
-    def _old_logps(self, rollout, perm: torch.Tensor, step_chunks: list[torch.Tensor], **kwargs) -> torch.Tensor:
+    def _old_logps(self, rollout, perm: torch.Tensor, step_chunks: list[torch.Tensor], *, skip: int = 0,
+                   **kwargs) -> torch.Tensor:
         """Log-probs of the sampling policy, computed in exactly the minibatch layout of the first inner epoch
-        (``kwargs`` to the policy's ``logprobs``: ``masked_vision=True`` for the grey-canvas pass)."""
+        (``kwargs`` to the policy's ``logprobs``: ``masked_vision=True`` for the grey-canvas pass). The first
+        ``skip`` samples of ``perm`` are left at 0: the training loop fills them from its live forwards."""
         old = torch.zeros(rollout.mask.shape)
-        for i in range(0, len(perm), self.config.train.batch_size):
+        for i in range(skip, len(perm), self.config.train.batch_size):
             idx = perm[i:i + self.config.train.batch_size]
             for steps in step_chunks:
                 with self.accelerator.autocast():
@@ -536,8 +538,14 @@ class Trainer:
         # log-probs are the current ones, detached (TRL's shortcut), and need no extra pass
         single_step = t.inner_epochs == 1 and -(-n // t.batch_size) <= t.gradient_accumulation_steps
         on_policy = rollout.old_logps is None and single_step
+        # several optimizer steps: the minibatches of the FIRST one still see the sampling policy, so where the
+        # training forward equals the no-grad one (no dropout) their old log-probs are the live ones, detached, and
+        # the separate pass covers only the rest (bit-identical: the same forwards in the same layout)
+        live_samples = 0
         if rollout.old_logps is None and not on_policy:
-            rollout.old_logps = self._old_logps(rollout, perms[0], step_chunks)
+            if getattr(policy, "deterministic_training_forward", False) and not self._needs("old_logps"):
+                live_samples = min(n, t.batch_size * t.gradient_accumulation_steps)
+            rollout.old_logps = self._old_logps(rollout, perms[0], step_chunks, skip=live_samples)
         if self._needs("old_logps") and rollout.old_logps is None:  # a variant reads the sampling policy's log-probs
             rollout.old_logps = self._old_logps(rollout, perms[0], step_chunks)
             on_policy = False
@@ -571,10 +579,11 @@ class Trainer:
             sums[key] = sums.get(key, 0.0) + value * weight
             weights[key] = weights.get(key, 0.0) + weight
 
-        for perm in perms:
+        for epoch, perm in enumerate(perms):
             minibatches = [perm[i:i + t.batch_size] for i in range(0, n, t.batch_size)]
             for first in range(0, len(minibatches), t.gradient_accumulation_steps):
                 group = minibatches[first:first + t.gradient_accumulation_steps]
+                live = on_policy or (live_samples > 0 and epoch == 0 and first == 0)  # old log-probs = live ones
                 local_items = torch.stack([rollout.mask[idx].sum() for idx in group]).sum()
                 num_items = local_items.to(acc.device)
                 if acc.num_processes > 1:
@@ -588,7 +597,7 @@ class Trainer:
                     counts = mask.sum(-1)
                     sequence_log_ratio = None
                     if sequence_chunks:
-                        sequence_log_ratio = torch.zeros(len(idx)) if on_policy else \
+                        sequence_log_ratio = torch.zeros(len(idx)) if live else \
                             self._sequence_log_ratio(rollout, idx, step_chunks, counts)
                     for k, steps in enumerate(step_chunks):
                         sync = g == len(group) - 1 and k == len(step_chunks) - 1
@@ -600,7 +609,12 @@ class Trainer:
                             device = out.logps.device
                             adv = advantages[idx]
                             adv = adv[:, steps] if adv.dim() == 2 else adv
-                            old = out.logps.detach() if on_policy else rollout.old_logps[idx][:, steps]
+                            if live:
+                                old = out.logps.detach()
+                                if not on_policy:  # kept for the later inner epochs
+                                    rollout.old_logps[idx[:, None], steps[None, :]] = old.float().cpu()
+                            else:
+                                old = rollout.old_logps[idx][:, steps]
                             result = policy_loss(
                                 out.logps, old.to(device), adv.to(device), mask[:, steps].to(device),
                                 clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.aggregation,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from layout import assert_same_update, one_update, vary_completion_lengths
 from fixtures import TINY_RECIPE
@@ -95,3 +96,36 @@ def test_vlm_token_chunk_and_accumulation_are_memory_knobs(tmp_path, vlm_cache, 
     assert_same_update(vlm_update(tmp_path / "c", *common, "train.batch_size=8", "train.timestep_chunk=5"), whole)
     assert_same_update(vlm_update(tmp_path / "g", *common, "train.batch_size=4", "train.gradient_accumulation_steps=2",
                                   "train.timestep_chunk=3"), whole)
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_vlm_first_optimizer_step_reads_old_logprobs_from_its_live_forward(tmp_path, vlm_cache, monkeypatch,
+                                                                           ratio_level):
+    """Two inner epochs in minibatches of 2: the first optimizer step's samples still see the sampling policy, so
+    (no dropout) their old log-probs are their live ones, detached, and the no-grad pass skips them; the update is
+    bit for bit the one with the full pass (the policy made to report a stochastic training forward)."""
+    from mmrl.pipelines.vlm.qwen import QwenVLPolicy
+
+    rows = []
+    original = QwenVLPolicy.logprobs
+
+    def counting(self, rollout, index, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            rows.append(len(index))
+        return original(self, rollout, index, *args, **kwargs)
+
+    monkeypatch.setattr(QwenVLPolicy, "logprobs", counting)
+    common = [f"algorithm.ratio_level={ratio_level}", "train.batch_size=2", "train.gradient_accumulation_steps=1",
+              "train.timestep_chunk=5"]
+    live = vlm_update(tmp_path / "live", *common)
+    chunks = 3  # 12 new tokens in chunks of 5
+    skipped_pass = sum(rows)
+    monkeypatch.setattr(QwenVLPolicy, "deterministic_training_forward", property(lambda self: False))
+    rows.clear()
+    full = vlm_update(tmp_path / "full", *common)
+    # the first minibatch's old log-probs (and, per sequence, its whole-trajectory ratio): no separate forwards
+    assert sum(rows) - skipped_pass == 2 * chunks * (2 if ratio_level == "sequence" else 1)
+    assert len(live[1]) == len(full[1]) >= 4
+    for a, b in zip(live[1], full[1]):
+        assert torch.equal(a, b)
+    assert torch.equal(live[2], full[2]) and live[0]["loss"] == full[0]["loss"]

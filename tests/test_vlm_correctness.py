@@ -183,6 +183,35 @@ def test_lora_dropout_with_checkpointing_gives_the_gradient_of_its_own_forward(m
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
 
 
+def test_rope_positions_computed_once_per_rollout_equal_the_models_own(model_path, monkeypatch):
+    """The rope positions of the whole rollout, computed once and sliced per minibatch, give bit-identical
+    log-probs to forwards where the model computes them itself, for any subset of a mixed image / text / video
+    rollout; the model's ``compute_3d_position_ids`` runs once per rollout however many forwards read it."""
+    policy = make_policy(model_path)
+    move_adapters(policy)
+    rollout = policy.rollout(ITEMS, 2, generator=torch.Generator().manual_seed(4))
+    core = policy.base_model.model
+    calls = []
+    original = core.compute_3d_position_ids
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(core, "compute_3d_position_ids", counting)
+    subsets = [torch.arange(len(rollout)), torch.tensor([5, 0, 3]), torch.tensor([4]), torch.tensor([1, 2])]
+    with torch.no_grad():
+        cached = [policy.logprobs(rollout, idx).logps for idx in subsets]
+    assert len(calls) == 1 and rollout.extras["rope_positions"].shape[1] == len(rollout)
+    monkeypatch.setattr(QwenVLPolicy, "_rope_positions", lambda self, r: None)  # the model computes its own
+    with torch.no_grad():
+        own = [policy.logprobs(rollout, idx).logps for idx in subsets]
+    assert len(calls) == 1 + len(subsets)
+    for a, b in zip(cached, own):
+        assert torch.equal(a, b)
+    assert torch.equal(cached[1], cached[0][subsets[1]])
+
+
 # ---------------------------------------------------------------------------------------- 4. LoRA dropout
 
 

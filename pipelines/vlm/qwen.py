@@ -28,7 +28,8 @@ Layout of a rollout: prompts are left-padded (``prompt_ids [P, Lp]``), completio
 (``completion_ids [N, T]``, ``mask`` 1 up to and including the end-of-turn token). A training forward
 concatenates the two, so left and right padding and mixed image / video / text-only batches all go
 through the same code; 3-D rope positions come from the model's own ``get_rope_index`` with the
-attention mask and ``mm_token_type_ids``.
+attention mask and ``mm_token_type_ids``, computed once per rollout for all its samples and sliced for each
+forward (a row's positions depend only on its own tokens and grids).
 
 References: TRL ``GRPOTrainer`` (log-prob conventions), VLM-R1 (Shen et al. 2025, arXiv 2504.07615),
 Video-R1 (Feng et al. 2025, arXiv 2503.21776), Time-R1 (Wang et al. 2025, arXiv 2503.13377).
@@ -535,7 +536,7 @@ class QwenVLPolicy:
         """Encode every prompt's images / frames once without gradients and keep the features on each ``Vision``:
         for a frozen tower they serve the whole update; for a trained one, only the rollout (sampling is gradient
         free, so ``generate`` reads each prompt's features instead of encoding one copy per returned sequence)."""
-        self.model.eval()
+        set_mode(self.model, train=False)
         for v in vision:  # one prompt per tower call, so a prompt's features never depend on the batch it came in
             (encoded,) = self._encode(self.base_model, [v], detach=True)
             v.image_features, v.image_deepstack, v.video_features, v.video_deepstack = encoded
@@ -565,6 +566,15 @@ class QwenVLPolicy:
                 start = stop
         return encoded
 
+    @property
+    def deterministic_training_forward(self) -> bool:
+        """Whether the gradient-carrying forward (train mode) gives the same log-probs as a no-grad one (eval mode):
+        no dropout with ``p > 0`` anywhere (LoRA dropout, a checkpoint's hidden or attention dropout). The trainer
+        then takes the old log-probs of an update's first optimizer step from its live forwards, detached."""
+        active = any(float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0 or
+                     (isinstance(m, torch.nn.Dropout) and m.p > 0) for m in self.model.modules())
+        return not active
+
     def _encodes_per_forward(self) -> bool:
         """A trained tower is encoded in the gradient forward itself, each distinct prompt's pixels once however
         many of its completions the batch holds (their gradients meet in the shared features); not under FSDP2,
@@ -588,25 +598,35 @@ class QwenVLPolicy:
                 (v.image_features, v.image_deepstack, v.video_features, v.video_deepstack)
 
         use_features = encoded is not None or cached
-        kwargs: dict[str, Any] = {}
+        kwargs = self._grid_kwargs(vision)
         img = [v for v in vision if v.image_grid_thw is not None]
         vid = [v for v in vision if v.video_grid_thw is not None]
         if img:
-            kwargs["image_grid_thw"] = torch.cat([v.image_grid_thw for v in img]).to(self.device)
             if use_features:
                 kwargs.setdefault("mm_encoder_outputs", {})["image"] = _encoder_output(
                     [f for v in img for f in features(v)[0]], [d for v in img for d in features(v)[1]])
             else:
                 kwargs["pixel_values"] = torch.cat([v.pixel_values for v in img]).to(self.device)
         if vid:
-            kwargs["video_grid_thw"] = torch.cat([v.video_grid_thw for v in vid]).to(self.device)
-            if vid[0].second_per_grid_ts is not None:
-                kwargs["second_per_grid_ts"] = torch.cat([v.second_per_grid_ts for v in vid]).to(self.device)
             if use_features:
                 kwargs.setdefault("mm_encoder_outputs", {})["video"] = _encoder_output(
                     [f for v in vid for f in features(v)[2]], [d for v in vid for d in features(v)[3]])
             else:
                 kwargs["pixel_values_videos"] = torch.cat([v.pixel_values_videos for v in vid]).to(self.device)
+        return kwargs
+
+    def _grid_kwargs(self, vision: list[Vision]) -> dict[str, Tensor]:
+        """The vision grids of a batch whose rows use these per-row vision inputs (``image_grid_thw``,
+        ``video_grid_thw``, ``second_per_grid_ts``): what the placeholders and the rope positions are built from."""
+        kwargs: dict[str, Any] = {}
+        img = [v for v in vision if v.image_grid_thw is not None]
+        vid = [v for v in vision if v.video_grid_thw is not None]
+        if img:
+            kwargs["image_grid_thw"] = torch.cat([v.image_grid_thw for v in img]).to(self.device)
+        if vid:
+            kwargs["video_grid_thw"] = torch.cat([v.video_grid_thw for v in vid]).to(self.device)
+            if vid[0].second_per_grid_ts is not None:
+                kwargs["second_per_grid_ts"] = torch.cat([v.second_per_grid_ts for v in vid]).to(self.device)
         return kwargs
 
     # -------------------------------------------------------------------------------------- rollout
@@ -660,7 +680,7 @@ class QwenVLPolicy:
         if mm_types is not None:
             gen_kwargs["mm_token_type_ids"] = mm_types.to(self.device)
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-        self.model.eval()
+        set_mode(self.model, train=False)
         # generate() fills every field the passed config leaves unset from model.generation_config (transformers
         # 5.x GenerationMixin._prepare_generation_config, no opt-out): for this call the model's config is ours,
         # so nothing the checkpoint ships (repetition_penalty, min_p, ...) reaches the sampling distribution
@@ -717,11 +737,14 @@ class QwenVLPolicy:
                 dim=1).to(self.device)
 
         own = None if rollout.completion_attention is None else (rollout.mask[index] > 0).to(self.device)
+        positions = self._rope_positions(rollout)
+        if positions is not None:  # the model's own 3-D rope positions, computed once per rollout
+            kwargs["position_ids"] = positions[:, index.to(positions.device)]
 
         def token_logps(model, train: bool) -> Tensor:
             # the mode is set at the start of each forward and left as it is: a gradient-carrying forward stays in
             # train mode through its backward, where gradient checkpointing recomputes it (dropout included)
-            model.train(train)
+            set_mode(model, train)
             encoded = None
             if self._encodes_per_forward():
                 hf_model = self.base_model if model is self.model or model is self.train_model else model
@@ -762,6 +785,33 @@ class QwenVLPolicy:
             logps = logps[:, steps]
             kl = kl[:, steps] if kl is not None else None
         return LogProbOutput(logps=logps, kl=kl)
+
+    @torch.no_grad()
+    def _rope_positions(self, rollout: VLMRollout) -> Tensor | None:
+        """The rope position ids ``[3, N, Lp + T]`` of every sample's prompt + completion, from the model's own
+        ``compute_3d_position_ids`` (``get_rope_index``) on the whole rollout once and cached in ``rollout.extras``;
+        ``None`` where the model computes none (text only). A row's positions depend only on its own tokens and
+        vision grids, so slicing the rollout's rows gives exactly what the model computes for any minibatch of
+        them, and each log-prob forward (every minibatch of every inner epoch, old, reference and masked passes)
+        skips the per-row Python loop of ``get_rope_index``."""
+        if "rope_positions" in rollout.extras:
+            return rollout.extras["rope_positions"]
+        compute = getattr(getattr(self.base_model, "model", None), "compute_3d_position_ids", None)
+        positions = None
+        if compute is not None:
+            rows = rollout.prompt_index
+            kwargs = {"input_ids": torch.cat([rollout.prompt_ids[rows], rollout.completion_ids], dim=1).to(self.device),
+                      "attention_mask": torch.cat([rollout.prompt_mask[rows], rollout.attention.long()],
+                                                  dim=1).to(self.device),
+                      **self._grid_kwargs([rollout.vision[r] for r in rows.tolist()])}
+            if rollout.mm_token_type_ids is not None:
+                kwargs["mm_token_type_ids"] = torch.cat(
+                    [rollout.mm_token_type_ids[rows],
+                     rollout.completion_types.to(rollout.mm_token_type_ids.dtype)], dim=1).to(self.device)
+            kwargs = {"image_grid_thw": None, "video_grid_thw": None, **kwargs}  # Qwen2.5-VL's have no default
+            positions = compute(inputs_embeds=None, cache=None, **kwargs)
+        rollout.extras["rope_positions"] = positions
+        return positions
 
     def concat_rollouts(self, parts: list[VLMRollout]) -> VLMRollout:
         return VLMRollout.concat(parts, self.pad_id)
@@ -835,6 +885,13 @@ def _per_item_deepstack(out, n: int, *, detach: bool = True) -> list[list[Tensor
     if not layers:
         return []
     return [[layer[i].detach() if detach else layer[i] for layer in layers] for i in range(n)]
+
+
+def set_mode(model: torch.nn.Module, train: bool) -> None:
+    """``model.train(train)`` where some module is in the other mode: ``nn.Module.train`` sets the flag on every
+    module (about a millisecond a call on a small model, several calls an update), checking it is a tenth of that."""
+    if any(module.training != train for module in model.modules()):
+        model.train(train)
 
 
 def _has_features(v: Vision) -> bool:
