@@ -4,10 +4,12 @@
 # (configs/accelerate/deepspeed_zero2.yaml, one process) where DeepSpeed installs. Under 8 minutes on one
 # H100/H200-class GPU.
 #   bash benchmarks/gpu_check.sh [gpu_check.py options]      # e.g. --only flow, --steps 3
-# Runs unchanged on a fresh machine: installs mmrl with the README's command first (offline-safe afterwards).
+# Runs unchanged on a fresh machine: installs mmrl with the README's command first (offline-safe afterwards); where
+# pip cannot reach an index but mmrl and its dependencies are already importable, it goes on with those.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-pip install -e ".[deepspeed]" -q || pip install -e . -q || exit 1
+# offline (a machine with no package index, its packages installed beforehand): carry on with what is installed
+pip install -e ".[deepspeed]" -q || pip install -e . -q || python -c "import mmrl.build" || exit 1
 export HF_HUB_OFFLINE=1
 python benchmarks/gpu_check.py "$@"
 status=$?

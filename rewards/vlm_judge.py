@@ -66,6 +66,8 @@ def load_judge_vlm(model: str | os.PathLike, *, dtype: torch.dtype | None = None
     :class:`MissingWeightsError` saying which and where to put them."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from mmrl.pipelines.flow.loading import transformers_load_kwargs
+
     source = os.fspath(model)
     if source.startswith("tiny:"):
         from mmrl.pipelines.vlm.tiny import ensure_tiny_vlm
@@ -73,7 +75,8 @@ def load_judge_vlm(model: str | os.PathLike, *, dtype: torch.dtype | None = None
         source = str(ensure_tiny_vlm(source.split(":", 1)[1]))
     _check_available(source, _VLM_FILES, "VLM judge", "model")
     try:
-        vlm = AutoModelForImageTextToText.from_pretrained(source, dtype=dtype or torch.float32)
+        vlm = AutoModelForImageTextToText.from_pretrained(source, dtype=dtype or torch.float32,
+                                                          **transformers_load_kwargs())
         pixel_kwargs = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
         processor = AutoProcessor.from_pretrained(source, **pixel_kwargs)
     except OSError as exc:

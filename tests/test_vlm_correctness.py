@@ -261,3 +261,21 @@ def test_full_finetune_reference_keeps_the_model_dtype(model_path):
         loaded, _ = load_vlm(model_path, dtype="bfloat16")
         want = loaded.state_dict()
         assert all(torch.equal(v, want[k]) for k, v in ref.state_dict().items())
+
+
+def test_offline_loads_without_hub_kernels(monkeypatch):
+    """Offline, transformers' default hub kernels (fetched from the Hub, a failure on a GPU when not cached) are
+    off unless the user set USE_HUB_KERNELS; online, or with the switch set, transformers decides."""
+    from mmrl.pipelines.flow.loading import transformers_load_kwargs
+    from mmrl.pipelines.vlm.tiny import ensure_tiny_vlm
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    assert transformers_load_kwargs() == {"use_kernels": False}
+    model, _ = load_vlm(str(ensure_tiny_vlm("qwen2_5_vl")), dtype="float32")
+    assert model.use_kernels is False
+    monkeypatch.setenv("USE_HUB_KERNELS", "1")
+    assert transformers_load_kwargs() == {}
+    monkeypatch.delenv("USE_HUB_KERNELS")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert transformers_load_kwargs() == {}

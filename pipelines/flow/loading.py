@@ -50,6 +50,18 @@ def load_pipeline(pipeline_cls, pretrained: str, *, dtype: torch.dtype, revision
         raise ModelLoadError(f"could not load {pipeline_cls.__name__} from {pretrained!r}: {exc}.{hint}") from exc
 
 
+def transformers_load_kwargs() -> dict:
+    """Extra ``from_pretrained`` kwargs for a transformers model: offline (``HF_HUB_OFFLINE=1``) and unless the user
+    set ``USE_HUB_KERNELS`` (transformers' own switch), ``use_kernels=False``. With the ``kernels`` package installed
+    (a transformers 5.2x requirement) transformers swaps layers for kernels fetched from the Hub by default; offline a
+    kernel missing from the local cache fails at the model's first train / eval switch on a GPU ("Version 4 of
+    'kernels-community/liger-kernels' is not available in the local cache and Hugging Face Hub is in offline mode",
+    seen on an H200 with a Qwen2.5-VL), so offline runs use the model's own layers."""
+    if os.environ.get("HF_HUB_OFFLINE") == "1" and "USE_HUB_KERNELS" not in os.environ:
+        return {"use_kernels": False}
+    return {}
+
+
 def _is_hub_id(source: str) -> bool:
     parts = source.split("/")
     return len(parts) == 2 and all(parts) and not Path(source).exists()

@@ -253,13 +253,13 @@ def load_vlm(pretrained: str, *, dtype: str = "bfloat16", revision: str | None =
     """``(model, processor)`` from a hub id, a local folder or ``tiny:...``, with one clear error when it fails."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from mmrl.pipelines.flow.loading import ModelLoadError
+    from mmrl.pipelines.flow.loading import ModelLoadError, transformers_load_kwargs
 
     source = resolve_vlm_pretrained(pretrained)
     if (Path(source).exists() or source.startswith((".", "/", "~"))) and not (Path(source) / "config.json").is_file():
         raise ModelLoadError(f"model.pretrained={pretrained!r}: {source} has no config.json; use a folder written by "
                              f"save_pretrained (model and processor) or a hub id")
-    kwargs = {"dtype": DTYPES[dtype], "revision": revision}
+    kwargs = {"dtype": DTYPES[dtype], "revision": revision, **transformers_load_kwargs()}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     try:
