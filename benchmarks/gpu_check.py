@@ -165,6 +165,16 @@ def time_updates(config, warmup: int, steps: int, cuda: bool) -> dict:
 
     trainer = build_trainer(config)
     stage = deepspeed_stage(trainer.accelerator)
+    decode_steps: list[int] = []  # a VLM rollout decodes as many steps as its longest completion
+    if hasattr(trainer.policy, "encode_prompts"):
+        sample = trainer.policy.rollout
+
+        def counted_rollout(*a, **kw):
+            out = sample(*a, **kw)
+            decode_steps.append(int(out.mask.sum(-1).max()))
+            return out
+
+        trainer.policy.rollout = counted_rollout
     for _ in range(warmup):
         trainer.step()
     if cuda:
@@ -185,6 +195,11 @@ def time_updates(config, warmup: int, steps: int, cuda: bool) -> dict:
     if hasattr(trainer.policy, "encode_prompts"):  # a VLM: the prompt length the memory estimate needs
         inputs, _, _ = trainer.policy.encode_prompts(trainer.prompts.items[:1])
         extra["prompt_tokens"] = int(inputs["input_ids"].shape[1])
+        # the timed rollouts' decoding: steps (longest completion) and milliseconds per step (prefill included)
+        timed = decode_steps[-steps:]
+        extra["decode_steps"] = sorted(timed)[len(timed) // 2]
+        per_step = sorted(r / max(d, 1) for r, d in zip(rollout, timed))
+        extra["ms_per_decode_step"] = round(1000 * per_step[len(per_step) // 2], 1)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     return {"samples_per_update": samples, "seconds_per_update": round(per_update, 3),
             "rollout_s": round(sorted(rollout)[len(rollout) // 2], 3),

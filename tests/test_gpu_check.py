@@ -72,6 +72,7 @@ def test_the_gpu_check_runs_end_to_end_on_cpu_with_the_tiny_models(tmp_path):
         assert line["seconds_per_update"] > 0 and line["samples_per_update"] == 2
         assert line["engine"] == "plain"
         assert line["trainable_parameters"] > 0 and line["peak_gpu_gib"] is None  # no GPU here
+    assert 1 <= lines[1]["decode_steps"] <= 4 and lines[1]["ms_per_decode_step"] > 0  # at most 4 new tokens
 
 
 def test_the_gpu_check_runs_on_deepspeed_under_its_accelerate_config(tmp_path):
