@@ -108,13 +108,16 @@ def _reloaded_flow(config, policy, directory: Path):
 
 
 def _reloaded_vlm(config, policy, directory: Path):
+    from mmrl.pipelines.flow.loading import transformers_load_kwargs
+
     base_cls = type(policy.base_model)
+    kwargs = {"dtype": policy.base_model.dtype, **transformers_load_kwargs()}  # as the policy was loaded
     if policy.use_lora:
         from peft import PeftModel
 
-        base = base_cls.from_pretrained(policy_pretrained(config), dtype=policy.base_model.dtype)
+        base = base_cls.from_pretrained(policy_pretrained(config), **kwargs)
         return PeftModel.from_pretrained(base, str(directory)).to(policy.device)
-    return base_cls.from_pretrained(str(directory), dtype=policy.base_model.dtype).to(policy.device)
+    return base_cls.from_pretrained(str(directory), **kwargs).to(policy.device)
 
 
 def policy_pretrained(config) -> str:
