@@ -540,13 +540,16 @@ class JudgedReward:
     asks, texts, tensors), may yield again (a second stage), and ``return``s ``{name: score, extra: value}`` (or a
     float). It raises :class:`Unparseable` / :class:`Unjudgeable` like a text reward's ``_score_one``. All
     samples' requests of one stage go to the judge together (``batch_size`` per forward). ``record`` (a list) is
-    the sample's ``last_info["judge"]`` entry; a plan may append parse notes to it.
+    the sample's ``last_info["judge"]`` entry; a plan may append parse notes to it. A reward with
+    ``reports_spans = True`` returns ``(result, spans)``: the character spans of the response its score is about
+    (as :class:`~mmrl.rewards._text.TextReward`), gathered in ``last_info["spans"]``.
     """
 
     name: str = ""
     needs_prompts: bool = False
     scores_images: bool = False  # judges completions (text), not generated images
     extra_keys: tuple[str, ...] = ()
+    reports_spans: bool = False
 
     def __init__(self, *, model, processor, device, dtype, batch_size, system_prompt, min_pixels, max_pixels,
                  yes_words, no_words, media_root, embedding: str = "last_hidden"):
@@ -564,12 +567,16 @@ class JudgedReward:
     def _plan(self, text: str, prompt: str | None, meta: Mapping, record: list) -> Plan:
         raise NotImplementedError
 
-    def _step(self, i: int, plan: Plan, answers, live: dict, rows: list, nan: dict, unparseable: dict) -> None:
+    def _step(self, i: int, plan: Plan, answers, live: dict, rows: list, nan: dict, unparseable: dict,
+              spans: list) -> None:
         while True:
             try:
                 requests = plan.send(answers)
             except StopIteration as stop:
                 value = stop.value
+                if self.reports_spans:
+                    value, reported = value
+                    spans[i] = None if reported is None else [(int(a), int(b)) for a, b in reported]
                 rows[i] = {k: float(v) for k, v in value.items()} if isinstance(value, Mapping) \
                     else {self.name: float(value)}
                 return
@@ -596,6 +603,7 @@ class JudgedReward:
         nan: dict[int, str] = {}
         unparseable: dict[int, str] = {}
         records: dict[int, list] = {i: [] for i in range(n)}
+        spans: list = [None] * n
         live: dict[int, tuple[Plan, list]] = {}
         self.media = MediaReader(self.media_root)  # the cache lives for one call
         forwards = self.judge.forwards
@@ -608,7 +616,7 @@ class JudgedReward:
             else:
                 prompt = prompts[i] if prompts is not None else None
                 prompt = prompt if isinstance(prompt, str) else None
-                self._step(i, self._plan(text, prompt, meta, records[i]), None, live, rows, nan, unparseable)
+                self._step(i, self._plan(text, prompt, meta, records[i]), None, live, rows, nan, unparseable, spans)
         while live:
             order = sorted(live)
             flat = [(i, r) for i in order for r in live[i][1]]
@@ -630,13 +638,15 @@ class JudgedReward:
                     nan[i] = failure
                     plan.close()
                     continue
-                self._step(i, plan, given, live, rows, nan, unparseable)
+                self._step(i, plan, given, live, rows, nan, unparseable, spans)
         for i in nan:
-            rows[i] = {}
+            rows[i], spans[i] = {}, None
 
         out, info = collect_rows(self.name, self.extra_keys, rows, nan, unparseable)
         info["judge"] = {i: r for i, r in records.items() if r}
         info["judge_forwards"] = self.judge.forwards - forwards
+        if self.reports_spans:
+            info["spans"] = spans
         self.last_info = info
         return out
 

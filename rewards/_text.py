@@ -160,9 +160,16 @@ class TextReward:
     returning ``{name: score, extra_key: value, ...}`` (a bare float is the main score), raising
     :class:`Unparseable` for output it cannot read and :class:`Unjudgeable` for missing ground truth.
     Any other exception in ``_score_one`` marks that one sample NaN with the error as reason.
+
+    A reward that says which characters of a response its score is about (span-scoped credit,
+    :mod:`mmrl.pipelines.vlm.spans`) sets ``reports_spans = True`` and returns ``(result, spans)`` from
+    ``_score_one``, ``spans`` a list of ``(start, end)`` character spans of ``text`` or ``None``; they go to
+    ``last_info["spans"]``, one entry per sample (``None`` for the samples it scored no spans for, unparseable,
+    NaN or not).
     """
 
     name: str = ""
+    reports_spans: bool = False
     needs_prompts: bool = False
     scores_images: bool = False  # judges completions (text), never images
     extra_keys: tuple[str, ...] = ()  # always present in the output (NaN where not scored), for stable logs
@@ -178,6 +185,7 @@ class TextReward:
         rows: list[dict[str, float]] = []
         nan_reasons: dict[int, str] = {}
         unparseable: dict[int, str] = {}
+        spans: list[list[tuple[int, int]] | None] = [None] * len(completions)
         for i, text in enumerate(completions):
             prompt = prompts[i] if prompts is not None else None
             meta = metadata[i]
@@ -203,11 +211,16 @@ class TextReward:
                 nan_reasons[i] = f"scorer failed: {type(exc).__name__}: {exc}"
                 rows.append({})
                 continue
+            if self.reports_spans:
+                result, reported = result
+                spans[i] = None if reported is None else [(int(a), int(b)) for a, b in reported]
             if not isinstance(result, Mapping):
                 result = {self.name: result}
             rows.append({k: float(v) for k, v in result.items()})
 
         out, self.last_info = collect_rows(self.name, self.extra_keys, rows, nan_reasons, unparseable)
+        if self.reports_spans:
+            self.last_info["spans"] = spans
         return out
 
     def __repr__(self) -> str:

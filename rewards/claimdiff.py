@@ -30,6 +30,12 @@ are split into sentences (atomic claims, at most ``max_claims`` each); ``H = sum
 of the image))`` and ``M = sum_{r in reference} P(r is true of the image) * (1 - P(the caption states r))``
 (``verify_template``, ``cover_template``), severity 1; the same ``score``.
 
+Spans (for token-level credit, e.g. ``algorithm.variants: [{name: perceval, claims: <this component>}]``): the
+reward reports, per response, the characters of the claims it found hallucinated, a hallucinated difference or a
+caption sentence the image refutes more than it confirms (``p_d < 0.5``), located in the response by a
+case-insensitive search of the claim's text (a judge that paraphrases a claim leaves it unlocated: no span;
+``last_info["judge"]`` records located / unlocated). mmrl's rule: the paper scores differences, not spans.
+
 Extra keys (scored apart, as the paper's point is): ``hallucinated`` (H), ``missing`` (M) and
 ``num_differences`` (differences listed, or claims checked in split mode). Metadata: the image and the
 reference caption (``reference_key``, default ``solution``). The caption judged is the ``<answer>`` block, or the
@@ -49,7 +55,7 @@ from ._judge import Ask, Generate, JudgedReward, check_part, check_template, fil
 from ._text import Unjudgeable, Unparseable, require
 from .vlm_judge import DEFAULT_JUDGE, NO_WORDS, YES_WORDS
 
-__all__ = ["ClaimDiff", "Difference", "parse_differences", "split_claims", "claimdiff_score",
+__all__ = ["ClaimDiff", "Difference", "parse_differences", "split_claims", "claimdiff_score", "claim_spans",
            "DEFAULT_DIFF_TEMPLATE", "DEFAULT_VERIFY_TEMPLATE", "DEFAULT_COVER_TEMPLATE", "SEVERITY_WEIGHTS"]
 
 DEFAULT_DIFF_TEMPLATE = (
@@ -128,6 +134,22 @@ def split_claims(text: str, max_claims: int) -> list[str]:
     return claims[:max_claims]
 
 
+def claim_spans(text: str, caption: str, claims: Sequence[str]) -> tuple[list[tuple[int, int]], int]:
+    """Character spans of ``text`` where each claim is written in ``caption`` (itself the first occurrence of the
+    caption in ``text``), found case-insensitively without its final punctuation; ``(spans, unlocated count)``."""
+    base = max(text.find(caption), 0)
+    lowered = caption.lower()
+    spans, missing = [], 0
+    for claim in claims:
+        needle = claim.strip().rstrip(".!?;").strip().lower()
+        at = lowered.find(needle) if needle else -1
+        if at < 0:
+            missing += 1
+        else:
+            spans.append((base + at, base + at + len(needle)))
+    return sorted(set(spans)), missing
+
+
 def claimdiff_score(hallucinated: float, missing: float, hallucination_weight: float = 1.0,
                     missing_weight: float = 1.0) -> float:
     return 1.0 / (1.0 + hallucination_weight * hallucinated + missing_weight * missing)
@@ -138,6 +160,7 @@ class ClaimDiff(JudgedReward):
     """ClaimDiff-RL: verified atomic claim differences against a reference caption; see the module docstring."""
 
     extra_keys = ("hallucinated", "missing", "num_differences")
+    reports_spans = True  # the hallucinated claims' characters (module docstring)
 
     def __init__(
         self,
@@ -227,7 +250,7 @@ class ClaimDiff(JudgedReward):
         caption = response_part(text, self.part)
         fields = dict(caption=caption, reference=reference, question=prompt or "")
         if self.differences == "split":
-            return (yield from self._split(images, caption, reference, fields, meta, record))
+            return (yield from self._split(text, images, caption, reference, fields, meta, record))
         (listing,) = yield [Generate(images + [fill(self.diff_template, meta, **fields)], label="differences",
                                      max_new_tokens=self.max_new_tokens)]
         diffs = parse_differences(listing)
@@ -242,9 +265,16 @@ class ClaimDiff(JudgedReward):
             p_true = [0.0 if d.kind == "hallucinated" else 1.0 for d in diffs]
         h = sum(self.weight(d.severity) * (1.0 - p) for d, p in zip(diffs, p_true) if d.kind == "hallucinated")
         m = sum(self.weight(d.severity) * p for d, p in zip(diffs, p_true) if d.kind == "missing")
-        return self._result(h, m, len(diffs))
+        wrong = [d.claim for d, p in zip(diffs, p_true) if d.kind == "hallucinated" and p < 0.5]
+        return self._result(h, m, len(diffs)), self._spans(text, caption, wrong, record)
 
-    def _split(self, images, caption, reference, fields, meta, record):
+    @staticmethod
+    def _spans(text: str, caption: str, wrong: list[str], record: list) -> list[tuple[int, int]]:
+        spans, unlocated = claim_spans(text, caption, wrong)
+        record.append({"kind": "hallucinated_spans", "located": len(wrong) - unlocated, "unlocated": unlocated})
+        return spans
+
+    def _split(self, text, images, caption, reference, fields, meta, record):
         own = split_claims(caption, self.max_claims)
         ref = split_claims(reference, self.max_claims)
         if not own:
@@ -262,4 +292,5 @@ class ClaimDiff(JudgedReward):
         p_own, p_ref, p_cov = p[:len(own)], p[len(own):len(own) + len(ref)], p[len(own) + len(ref):]
         h = sum(1.0 - x for x in p_own)
         m = sum(t * (1.0 - c) for t, c in zip(p_ref, p_cov))
-        return self._result(h, m, len(own) + len(ref))
+        wrong = [c for c, x in zip(own, p_own) if x < 0.5]
+        return self._result(h, m, len(own) + len(ref)), self._spans(text, caption, wrong, record)

@@ -37,6 +37,8 @@ Registered rewards and their keyword arguments (all also take ``require_tags=Tru
 name                   kwargs                                                  extra keys
 =====================  ======================================================  ================================
 ``iou``                (none)                                                  ``acc@0.5`` (IoU > 0.5, strict)
+``box_coordinate``     ``coordinate`` (x1 / y1 / x2 / y2), ``tolerance=0.25``,    (none); reports the spans of the
+                       ``reasoning=True``                                      coordinate's characters
 ``box_f1``             ``iou_threshold=0.5, spam_penalty=False``               ``precision``, ``recall``
 ``box_matched_iou``    ``iou_threshold=0.5, iou_weight=0.5, spam_penalty=True``  ``mean_iou``, ``completeness``
 ``box_weighted_pr``    ``iou_threshold=0.5, precision_weight=0.5,              ``precision``, ``recall``
@@ -82,6 +84,8 @@ __all__ = [
     "recall_at",
     "mean_iou",
     "BoxIoU",
+    "BoxCoordinate",
+    "coordinate_spans",
     "BoxF1",
     "BoxMatchedIoU",
     "BoxWeightedPR",
@@ -452,6 +456,12 @@ class _BoxReward(TextReward):
     unparseable_extras: dict[str, float] = {}
 
     def _boxes(self, text: str, meta: Mapping) -> tuple[list[list[float]], list[list[float]]]:
+        _, pred, gt = self._read(text, meta)
+        return pred, gt
+
+    def _read(self, text: str, meta: Mapping) -> tuple[list[list[float]], list[list[float]], list[list[float]]]:
+        """``(raw, pred, gt)``: the boxes as written (the answer's own coordinates), the same in original pixels,
+        and the ground truth."""
         gt = _gt_boxes(meta, self.name)
         fmt = meta.get("coord_format") or self.coord_format
         if fmt is None:
@@ -470,7 +480,7 @@ class _BoxReward(TextReward):
         except Unparseable as exc:
             raise Unparseable(exc.reason, self.unparseable_extras) from None
         pred = [rescale_box(b, fmt, meta.get("image_size"), meta.get("input_size")) for b in raw]
-        return pred, gt
+        return raw, pred, gt
 
 
 def takes_coord_format(name: str) -> bool:
@@ -554,6 +564,80 @@ class BoxIoU(_BoxReward):
         iou = max(box_iou(pred[0], g) for g in gt)
         score = iou if self.hit_threshold is None else float(iou > self.hit_threshold)
         return {self.name: score, "acc@0.5": float(iou > 0.5), "raw_iou": iou}
+
+
+COORDINATES = ("x1", "y1", "x2", "y2")
+_NUMBER = re.compile(_NUM)
+_THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+_ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def coordinate_spans(text: str, box: Sequence[float], coordinate: int, reasoning: bool = True) -> list[tuple[int, int]]:
+    """Character spans of ``text`` that write coordinate ``coordinate`` (0-3: x1, y1, x2, y2) of ``box``, the first box
+    of its answer as written: the number in the answer (the first four consecutive numbers of the ``<answer>`` block,
+    or of the whole text without one, equal to ``box``), and with ``reasoning`` every number of the ``<think>`` block
+    with the same value (where a response works the coordinate out before writing it). ``[]`` when the box is not
+    found."""
+    match = _ANSWER_BLOCK.search(text)
+    start, answer = (match.start(1), match.group(1)) if match else (0, text)
+    numbers = list(_NUMBER.finditer(answer))
+    values = [float(m.group()) for m in numbers]
+    target = [float(v) for v in box]
+    spans: list[tuple[int, int]] = []
+    for j in range(len(values) - 3):
+        if values[j:j + 4] == target:
+            m = numbers[j + coordinate]
+            spans.append((start + m.start(), start + m.end()))
+            break
+    if reasoning and spans:
+        for think in _THINK.finditer(text):
+            spans.extend((think.start(1) + m.start(), think.start(1) + m.end())
+                         for m in _NUMBER.finditer(think.group(1)) if float(m.group()) == target[coordinate])
+    return sorted(spans)
+
+
+@register_reward("box_coordinate")
+class BoxCoordinate(_BoxReward):
+    """One coordinate of the first predicted box, scored on its own, with the characters that write it.
+
+    ``coordinate`` is ``x1``, ``y1``, ``x2`` or ``y2``. Score ``max(0, 1 - |p - g| / (tolerance * side))`` in
+    original pixels, ``g`` that coordinate of the ground-truth box the prediction overlaps most (the one ``iou``
+    scores), ``side`` the image's width (x) or height (y) from ``image_size``. The reported spans
+    (:func:`coordinate_spans`) are the answer's number for that coordinate and, with ``reasoning``, the same value
+    written in the ``<think>`` block.
+
+    Four of these under ``cspo`` (``algorithm.variants: [cspo]``, the coordinates' default scope ``reward``) give
+    each coordinate's digits the group advantage of that coordinate's error alone, instead of one box IoU on every
+    token: CSPO's component-specific credit (Yang et al. 2026) applied to a box's four numbers, which is mmrl's own
+    use of it (CSPO's components are a table's structure and content). No box: unparseable (0, no spans).
+    """
+
+    reports_spans = True
+
+    def __init__(self, coordinate: str, tolerance: float = 0.25, reasoning: bool = True, require_tags: bool = True,
+                 coord_format: str | None = None) -> None:
+        super().__init__(require_tags, coord_format)
+        if coordinate not in COORDINATES:
+            raise ValueError(f"coordinate must be one of {COORDINATES}, got {coordinate!r}")
+        if not float(tolerance) > 0:
+            raise ValueError(f"tolerance must be > 0 (a fraction of the image side), got {tolerance!r}")
+        self.index = COORDINATES.index(coordinate)
+        self.tolerance = float(tolerance)
+        self.reasoning = bool(reasoning)
+
+    def _score_one(self, text, prompt, meta):
+        raw, pred, gt = self._read(text, meta)
+        if not gt:
+            raise Unjudgeable("metadata 'boxes' is empty (box_coordinate needs a ground-truth box)")
+        if not pred:
+            raise Unparseable("the answer has no box")
+        if meta.get("image_size") is None:
+            raise Unjudgeable("metadata has no 'image_size' (box_coordinate measures errors in image sides)")
+        side = _size(meta["image_size"], "image_size")[self.index % 2]
+        target = max(gt, key=lambda g: box_iou(pred[0], g))
+        error = abs(pred[0][self.index] - target[self.index])
+        score = max(0.0, 1.0 - error / (self.tolerance * side))
+        return {self.name: score}, coordinate_spans(text, raw[0], self.index, self.reasoning)
 
 
 @register_reward("box_f1")

@@ -570,3 +570,55 @@ def test_build_reward_fn_without_a_known_model_type_sets_no_default(tmp_path):
     out = reward([answer("[500, 250, 750, 500]")], None, [{"boxes": [GT], **SIZES}])
     assert math.isnan(out["iou"].item())
     assert "coord_format" in reward.last_info["components"]["iou"]["nan_samples"][0]
+
+
+# ------------------------------------------------------------------------------------------ box_coordinate
+
+
+def test_box_coordinate_scores_each_coordinate_and_reports_its_characters():
+    # qwen2: 0-1000 units of a 200 x 100 image; predicted [100, 200, 500, 800] -> pixels [20, 20, 100, 80]
+    text = "<think>from x 100 to 500, y 200 to 800</think><answer>[100, 200, 500, 800]</answer>"
+    meta = {"boxes": [[30, 20, 100, 60]], "image_size": [200, 100], "coord_format": "qwen2"}
+    # errors in pixels 10, 0, 0, 20; tolerance 0.25 of the side: 50 px for x, 25 px for y
+    expected = {"x1": 1 - 10 / 50, "y1": 1.0, "x2": 1.0, "y2": 1 - 20 / 25}
+    for coordinate, value in expected.items():
+        reward = build_reward("box_coordinate", coordinate=coordinate)
+        scores = reward([text], None, [meta])
+        assert scores["box_coordinate"].item() == pytest.approx(value, abs=1e-6)
+        written = {"x1": "100", "y1": "200", "x2": "500", "y2": "800"}[coordinate]
+        spans = reward.last_info["spans"][0]
+        assert [text[a:b] for a, b in spans] == [written, written]  # its number in <think>, then in <answer>
+        assert spans[1][0] > text.index("<answer>") and spans[0][1] <= text.index("</think>")
+    alone = build_reward("box_coordinate", coordinate="x2", reasoning=False)
+    alone([text], None, [meta])
+    assert alone.last_info["spans"] == [[(text.index("500, 800]"), text.index("500, 800]") + 3)]]
+
+
+def test_box_coordinate_picks_the_overlapped_box_clamps_and_counts_failures():
+    reward = build_reward("box_coordinate", coordinate="x1", tolerance=0.1, coord_format="absolute")
+    meta = {"boxes": [[0, 0, 10, 10], [50, 50, 70, 70]], "image_size": [100, 100]}
+    texts = [answer("[52, 50, 70, 70]"),   # the second box: error 2 of 10 px
+             answer("[90, 50, 99, 70]"),   # overlaps neither more than the other: the first listed, error 90 -> 0
+             answer("no box here"),        # unparseable: 0, no spans
+             "[52, 50, 70, 70]"]           # no <answer> block (require_tags): unparseable
+    scores = reward(texts, None, [meta] * 4)
+    assert same(scores["box_coordinate"], [0.8, 0.0, 0.0, 0.0])
+    assert reward.last_info["num_unparseable"] == 2
+    assert reward.last_info["spans"][2:] == [None, None] and reward.last_info["spans"][0] is not None
+    nan = reward([answer("[1, 2, 3, 4]")], None, [{"boxes": [[0, 0, 5, 5]]}])  # no image_size: NaN, with its reason
+    assert math.isnan(nan["box_coordinate"].item()) and "image_size" in reward.last_info["nan_samples"][0]
+    with pytest.raises(ValueError, match="coordinate must be one of"):
+        build_reward("box_coordinate", coordinate="w")
+    with pytest.raises(ValueError, match="tolerance must be > 0"):
+        build_reward("box_coordinate", coordinate="x1", tolerance=0)
+
+
+def test_box_coordinate_spans_follow_the_box_not_other_numbers():
+    from mmrl.rewards.grounding import coordinate_spans
+
+    text = '<answer>{"label": "shape 2", "bbox_2d": [7, 8.5, 12, 20]}</answer>'
+    (span,) = coordinate_spans(text, [7, 8.5, 12, 20], 1)
+    assert text[slice(*span)] == "8.5"
+    assert coordinate_spans(text, [1, 2, 3, 4], 0) == []  # not written: no spans (the variant's fallback applies)
+    # Qwen2-VL's native pair form, and no tags at all
+    assert [text2[a:b] for text2 in ["(1,2),(30,40)"] for a, b in coordinate_spans(text2, [1, 2, 30, 40], 3)] == ["40"]

@@ -270,6 +270,9 @@ def test_claimdiff_rule_judge_mode(tiny, media, monkeypatch):
     record = reward.last_info["judge"][0]
     assert record[0] == {"kind": "generate", "label": "differences", "text": LISTING}
     assert record[1]["kind"] == "differences" and len(record[1]["items"]) == 3
+    # the one hallucination the image refutes (p 0.2 < 0.5), located in the response case-insensitively
+    assert reward.last_info["spans"] == [[(8, 18)]]  # "Three dogs" of "<answer>Three dogs.</answer>"
+    assert record[-1] == {"kind": "hallucinated_spans", "located": 1, "unlocated": 0}
     weighted = build("claimdiff", tiny, media, differences="judge", hallucination_weight=2.0, missing_weight=0.5)
     fix_judge(monkeypatch, weighted, {"three dogs": 0.2, "a red ball": 0.8, "the sky is blue": 0.5}, texts=LISTING)
     assert weighted(["Three dogs."], None, [meta])["claimdiff"].item() == pytest.approx(1 / (1 + 1.6 + 0.7))
@@ -296,6 +299,9 @@ def test_claimdiff_rule_split_mode(tiny, media, monkeypatch):
     assert out["missing"].item() == pytest.approx(0.645)
     assert out["claimdiff"].item() == pytest.approx(1 / 2.345)
     assert out["num_differences"].item() == 4
+    text = "A cat sits. Two dogs run."
+    (span,) = reward.last_info["spans"][0]  # the sentence the image refutes (0.4 < 0.5), not the true one (0.9)
+    assert text[span[0]:span[1]] == "Two dogs run"
 
 
 def test_medix_rule(tiny, media, monkeypatch):

@@ -189,3 +189,28 @@ def test_span_variant_config_errors():
     with pytest.raises(Exception, match="list it before the transform variants"):
         load_config(path, ["algorithm.variants=[tw_grpo, cspo]"])
     assert {"blockwise", "cspo", "rs_grpo", "perceval"} <= set(REGISTRY)
+
+
+def test_box_coordinate_spans_become_the_tokens_of_that_coordinate(tokenizer):
+    """A composed run reward with the four box_coordinate components: each component's reported characters map onto
+    exactly the sampled tokens that write its number (in <think> and <answer>), and CSPO puts its advantage there."""
+    from mmrl.rewards.compose import build_rewards
+
+    spec = {c: {"reward": "box_coordinate", "weight": 0.5, "kwargs": {"coordinate": c, "coord_format": "qwen2"}}
+            for c in ("x1", "y1", "x2", "y2")}
+    reward = build_rewards(spec)
+    texts = ["<think>x 105 to 348, y 9 to 312</think><answer>[105, 9, 348, 312]</answer>",
+             "<think>no idea</think><answer>[40, 90, 380, 400]</answer>"]
+    meta = [{"boxes": [[5, 1, 39, 35]], "image_size": [112, 112]}] * 2
+    scores = reward(texts, None, meta)
+    assert scores["x1"].tolist() == pytest.approx([1 - abs(11.76 - 5) / 28, 1 - abs(4.48 - 5) / 28], abs=1e-4)
+    ids = [tokenizer.encode(t) for t in texts]
+    width = max(map(len, ids))
+    rows = torch.tensor([i + [tokenizer.pad_token_id or 0] * (width - len(i)) for i in ids])
+    mask = torch.tensor([[1.0] * len(i) + [0.0] * (width - len(i)) for i in ids])
+    for key, written in {"x1": ("105", "40"), "y2": ("312", "400")}.items():
+        spans = reward.last_info["components"][key]["spans"]
+        token_mask = spans_to_token_mask(tokenizer, rows, mask, texts, spans)
+        for i, number in enumerate(written):
+            picked = tokenizer.decode(rows[i][token_mask[i].bool()])
+            assert picked == number * (2 if i == 0 else 1)  # sample 0 also writes it in its <think>
