@@ -29,6 +29,8 @@ name                       kwargs                                      extra key
 ``numeric_fuzzy``          ``require_tags=True, rule="fgrpr",          ``relative_error``
                            tau=0.5``
 ``math_accuracy``          ``require_tags=True, timeout_seconds=5``    (none)
+``chart_accuracy``         ``require_tags=True,                        (none)
+                           max_relative_change=0.05``
 =========================  ==========================================  ================================
 """
 from __future__ import annotations
@@ -67,6 +69,8 @@ __all__ = [
     "NumericAccuracy",
     "NumericFuzzy",
     "MathAccuracy",
+    "ChartAccuracy",
+    "relaxed_correctness",
 ]
 
 
@@ -319,6 +323,47 @@ class NumericAccuracy(TextReward):
         pred = parse_number(answer_or_text(text, self.require_tags))
         err = abs(pred - gt)
         return {self.name: float(err <= max(self.rel_tol * abs(gt), self.abs_tol)), "abs_error": err}
+
+
+def relaxed_correctness(target: str, prediction: str, max_relative_change: float = 0.05) -> bool:
+    """ChartQA's relaxed accuracy for one reference (Masry et al. 2022; the rule of its evaluation code, as
+    pix2struct's ``metrics.relaxed_correctness``): when the prediction reads as a number (a trailing ``%`` divides
+    by 100) and the reference as a non-zero number, correct within ``max_relative_change`` of the reference;
+    otherwise a case-insensitive exact match. Both are stripped of surrounding whitespace (mmrl's)."""
+
+    def to_float(value: str) -> float | None:
+        try:
+            return float(value[:-1]) / 100.0 if value.endswith("%") else float(value)
+        except ValueError:
+            return None
+
+    target, prediction = str(target).strip(), str(prediction).strip()
+    pred, ref = to_float(prediction), to_float(target)
+    if pred is not None and ref:
+        return abs(pred - ref) / abs(ref) <= max_relative_change
+    return prediction.lower() == target.lower()
+
+
+@register_reward("chart_accuracy")
+class ChartAccuracy(TextReward):
+    """Chart question answering: ChartQA's relaxed accuracy (:func:`relaxed_correctness`), 1 or 0, the best over the
+    references when ``solution`` is a list. Mixed-R1 trains chart-aware data with a "chart reward" whose rule its
+    abstract does not give; this is the chart benchmarks' own rule (ChartQA, and PlotQA's 5 % tolerance)."""
+
+    def __init__(self, require_tags: bool = True, max_relative_change: float = 0.05) -> None:
+        super().__init__()
+        if not max_relative_change >= 0:
+            raise ValueError(f"max_relative_change must be >= 0, got {max_relative_change}")
+        self.require_tags = bool(require_tags)
+        self.max_relative_change = float(max_relative_change)
+
+    def _score_one(self, text, prompt, meta):
+        solution = _solution_text(meta, self.name)
+        targets = [solution] if isinstance(solution, (str, int, float)) else list(solution or [])
+        if not targets or any(isinstance(t, bool) or not isinstance(t, (str, int, float)) for t in targets):
+            raise Unjudgeable(f"metadata 'solution' must be an answer or a list of answers, got {solution!r}")
+        answer = answer_or_text(text, self.require_tags)
+        return float(any(relaxed_correctness(str(t), answer, self.max_relative_change) for t in targets))
 
 
 @register_reward("numeric_fuzzy")

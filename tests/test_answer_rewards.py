@@ -328,3 +328,35 @@ def test_composed_text_path_passes_completions_to_plain_callables():
     out = ComposedReward({"plain": (plain, 2.0)})(["ab", "abcd"], ["p", "q"], None)
     assert seen["args"] == (["ab", "abcd"], ["p", "q"], None)
     assert same(out["total"], [4.0, 8.0])
+
+
+# ------------------------------------------------------------------------------------------ chart_accuracy
+
+
+def test_relaxed_correctness_is_chartqas_rule():
+    from mmrl.rewards.answer import relaxed_correctness
+
+    assert relaxed_correctness("100", "104.9") and relaxed_correctness("100", "95")      # within 5 %
+    assert not relaxed_correctness("100", "105.1") and not relaxed_correctness("100", "94.9")
+    assert relaxed_correctness("0.12", "12%")          # a prediction's % divides by 100
+    assert not relaxed_correctness("12", "12%")        # ... so 12% is 0.12, not 12
+    assert relaxed_correctness("12%", "0.121")         # the reference's % too
+    assert not relaxed_correctness("0", "0.0")         # a zero reference falls back to the exact string
+    assert relaxed_correctness("0", " 0 ")
+    assert relaxed_correctness("Yes", "yes") and not relaxed_correctness("Yes", "yes.")
+    assert relaxed_correctness("2019", "2019.0") and relaxed_correctness("1990", "2019")  # the rule's known leniency
+    assert not relaxed_correctness("1990", "2100")
+
+
+def test_chart_accuracy_reward():
+    reward = build_reward("chart_accuracy")
+    texts = ["<think>t</think><answer>41.5</answer>", "<answer>Canada</answer>", "<answer>7</answer>", "no tags",
+             "<answer>3</answer>"]
+    meta = [{"solution": "42"}, {"solution": ["USA", "canada"]}, {"solution": "7.5"}, {"solution": "1"}, {}]
+    scores = reward(texts, None, meta)["chart_accuracy"]
+    assert scores[:4].tolist() == [1.0, 1.0, 0.0, 0.0] and math.isnan(scores[4].item())
+    assert reward.last_info["num_unparseable"] == 1
+    loose = build_reward("chart_accuracy", max_relative_change=0.1)
+    assert loose(["<answer>7</answer>"], None, [{"solution": 7.5}])["chart_accuracy"].tolist() == [1.0]
+    with pytest.raises(ValueError, match="max_relative_change"):
+        build_reward("chart_accuracy", max_relative_change=-1)
