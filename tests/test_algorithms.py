@@ -181,6 +181,7 @@ VLM_OPTIONS = {
     "prco": {"accuracy": "test_variant_correct"},
     "taco": {"accuracy": "test_variant_correct"},
     "grpo_care": {"accuracy": "test_variant_correct"},
+    "grip_multi_heuristic": {"outcome": "test_variant_correct"},
 }
 #: other overrides a variant's smoke run needs: MC-GRPO's G+1 (odd) samples per group
 BOTH_WEIGHTED = ["rewards={test_variant_length: 1.0, test_variant_correct: 1.0}"]

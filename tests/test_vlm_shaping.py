@@ -341,3 +341,35 @@ def test_bmas_hidden_states_load_and_arguments(tiny_text_model, tmp_path):
         build_reward("bmas", model=model)
     with pytest.raises(ValueError, match="no argument 'feild'"):
         build_reward("bmas", model=model, tokenizer=tokenizer, feild="answer")
+
+
+# ---------------------------------------------------------------------------------------- grip_multi_heuristic
+
+
+def test_grip_multi_heuristic_rewards_valid_paths_by_their_distance_to_the_other_valid_ones():
+    import mmrl.algorithms.grip  # noqa: F401
+    from mmrl.algorithms.grip import multi_heuristic_rewards, reasoning_words
+
+    assert reasoning_words("<think>Red, red BOX.</think><answer>1</answer>") == {"red", "box"}
+    assert reasoning_words("no tags here") == {"no", "tags", "here"}
+    texts = ["<think>a b</think><answer>1</answer>",     # words {a, b}
+             "<think>a c</think><answer>1</answer>",     # {a, c}
+             "<think>d e</think><answer>1</answer>",     # {d, e}
+             "<think>a b</think><answer>0</answer>",     # invalid
+             "<think>x</think><answer>1</answer>",       # group 1: the only valid one
+             "<think>y</think><answer>0</answer>"]
+    valid = [True, True, True, False, True, False]
+    reward, stats = multi_heuristic_rewards(texts, valid, [0, 0, 0, 0, 1, 1])
+    # Jaccard distances: (ab, ac) = 1 - 1/3 = 2/3, (ab, de) = 1, (ac, de) = 1
+    assert reward.tolist() == pytest.approx([(2 / 3 + 1) / 2, (2 / 3 + 1) / 2, 1.0, 0.0, 0.0, 0.0])
+    assert stats["valid_share"] == pytest.approx(4 / 6) and stats["mean_distance"] == pytest.approx((5 / 6 * 2 + 1) / 3)
+
+    variant = parse_spec({"name": "grip_multi_heuristic", "outcome": "acc", "weight": 0.25}, 0)
+    ctx = reward_ctx(completions=texts, group_ids=[0, 0, 0, 0, 1, 1],
+                     scores={"acc": torch.tensor([1.0, 0.5, 0.9, 0.2, 1.0, NAN])}, weights={"acc": 1.0})
+    out = variant.rewards(ctx)
+    assert out.weights == {"acc": 1.0, "grip_diversity": 0.25}
+    assert torch.allclose(out.scores["grip_diversity"], reward)  # 0.5 >= threshold 0.5 is valid; NaN is not
+    assert ctx.stats["grip/valid_share"] == pytest.approx(4 / 6)
+    with pytest.raises(Exception, match="outcome"):
+        parse_spec({"name": "grip_multi_heuristic"}, 0)
