@@ -373,3 +373,47 @@ def test_grip_multi_heuristic_rewards_valid_paths_by_their_distance_to_the_other
     assert ctx.stats["grip/valid_share"] == pytest.approx(4 / 6)
     with pytest.raises(Exception, match="outcome"):
         parse_spec({"name": "grip_multi_heuristic"}, 0)
+
+
+# ------------------------------------------------------------------------------------------------ dip_looking
+
+
+def test_dip_looking_rewards_inspecting_the_objects_the_group_disagrees_on():
+    import mmrl.algorithms.dip_looking  # noqa: F401
+    from mmrl.algorithms.dip_looking import coverage_of, looking_rewards
+
+    assert coverage_of([0, 0, 10, 10], [5, 5, 15, 15]) == pytest.approx(0.25)
+    assert coverage_of([0, 0, 20, 20], [5, 5, 15, 15]) == 1.0 and coverage_of([0, 0, 1, 1], [2, 2, 2, 2]) == 0.0
+    # group 0, objects A, B, C over 4 judged responses: found A 4/4 (v 0), B 2/4 (v 1/4), C 1/4 (v 3/16)
+    found = [[True, True, False], [True, True, True], [True, False, False], [True, False, False], None,
+             [True], [True]]
+    looked = [[True, True, True], [False, False, True], [False, False, False], [True, True, False], [True, True, True],
+              [True], [False]]
+    reward, stats = looking_rewards(found, looked, [0, 0, 0, 0, 0, 1, 1])
+    total = 1 / 4 + 3 / 16
+    expected = [(1 / 4 + 3 / 16) / total, (3 / 16) / total, 0.0, (1 / 4) / total]
+    assert reward[:4].tolist() == pytest.approx(expected) and math.isnan(reward[4].item())
+    assert reward[5:].tolist() == [0.0, 0.0]  # group 1: every answer found its object, nothing uncertain
+    assert stats["uncertain_objects"] == pytest.approx((2 + 0) / 2)
+    assert stats["looked_share"] == pytest.approx((1 + 0.5 + 0 + 0.5) / 4)
+
+
+def test_dip_looking_variant_reads_answer_and_observed_boxes():
+    meta = {"boxes": [[0, 0, 10, 10], [50, 50, 60, 60]], "coord_format": "absolute"}
+    texts = ["<think>t</think><observe>[45, 45, 70, 70]</observe><answer>[[0, 0, 10, 10], [50, 50, 60, 60]]</answer>",
+             "<think>t</think><observe>[0, 0, 12, 12]</observe><answer>[0, 0, 10, 10]</answer>",
+             "<think>t</think><answer>[1, 1, 10, 10]</answer>",                      # no observing step
+             "<observe>[40, 40, 70, 70]</observe><answer>none</answer>"]              # found nothing
+    variant = parse_spec({"name": "dip_looking", "weight": 0.3}, 0)
+    ctx = reward_ctx(completions=texts, group_ids=[0, 0, 0, 0], metadata=[meta] * 4,
+                     scores={"iou": torch.zeros(4)}, weights={"iou": 1.0})
+    out = variant.rewards(ctx)
+    # object 1 found by 3 of 4 (v 3/16), object 2 by 1 of 4 (v 3/16): equal weights; looked: r0 obj 2, r1 obj 1, r3 obj 2
+    assert out.scores["dip_looking"].tolist() == pytest.approx([0.5, 0.5, 0.0, 0.5])
+    assert out.weights == {"iou": 1.0, "dip_looking": 0.3}
+    bad = reward_ctx(completions=texts[:1], group_ids=[0], metadata=[{"boxes": [[0, 0, 10, 10]]}], scores={},
+                     weights={})  # no coord_format anywhere (and no policy model type): NaN, not a guess
+    bad.config = SimpleNamespace(model=SimpleNamespace(family="sd3", pretrained=None))
+    assert math.isnan(variant.rewards(bad).scores["dip_looking"].item())
+    with pytest.raises(Exception, match="coverage"):
+        parse_spec({"name": "dip_looking", "coverage": 0}, 0)

@@ -1,4 +1,4 @@
-"""GRiP's multi-heuristic reward: correct responses earn a bonus for reasoning unlike their group's other correct ones."""
+"""GRiP's multi-heuristic reward: valid responses earn a bonus for reasoning unlike their group's other valid ones."""
 
 from __future__ import annotations
 
