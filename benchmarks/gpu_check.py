@@ -207,7 +207,9 @@ def time_updates(config, warmup: int, steps: int, cuda: bool) -> dict:
             "samples_per_s": round(samples / per_update, 3),
             "peak_gpu_gib": None if peak is None else round(peak, 2),
             "peak_gpu_gib_per_sample": None if peak is None else round(peak / samples, 3),
-            "trainable_parameters": sum(p.numel() for p in trainer.policy.trainable_parameters()),
+            # ZeRO-3 partitions the weights: a parameter's own numel() is then 0 and ds_numel its full size
+            "trainable_parameters": sum(getattr(p, "ds_numel", p.numel())
+                                        for p in trainer.policy.trainable_parameters()),
             "engine": "plain" if stage is None else f"deepspeed_zero{stage}", **extra}
 
 
@@ -238,7 +240,7 @@ def check_flow(args, work: Path, device: str, dtype: torch.dtype, cuda: bool) ->
             **estimated("sd35m_flow_grpo_pickscore", overrides, None, args.smoke)}
 
 
-def check_vlm(args, work: Path, device: str, dtype: torch.dtype, cuda: bool) -> dict:
+def check_vlm(args, work: Path, device: str, dtype: torch.dtype, cuda: bool, cache: str = "dynamic") -> dict:
     from mmrl.config import load_config
 
     t0 = time.perf_counter()
@@ -248,14 +250,14 @@ def check_vlm(args, work: Path, device: str, dtype: torch.dtype, cuda: bool) -> 
                  "model.attn_implementation=sdpa", "data.dataset=shapeworld:train:64:grounding",
                  f"data.prompts_per_step={args.vlm_prompts}", f"data.group_size={args.vlm_group}",
                  f"train.batch_size={args.vlm_group}", "train.gradient_accumulation_steps=1",
-                 f"generation.max_new_tokens={args.vlm_new_tokens}"]
+                 f"generation.max_new_tokens={args.vlm_new_tokens}", f"generation.cache_implementation={cache}"]
     if args.smoke:
         overrides += ["model.dtype=float32", "train.mixed_precision=\"no\""]
     config = load_config(str(ROOT / "configs/gpu/qwen25vl3b_rec_grpo.yaml"), overrides)
     figures = time_updates(config, args.warmup, args.steps, cuda)
     prompt_tokens = figures["prompt_tokens"]
     return {"check": "vlm_qwen25vl_3b_size", "parameters": sizes, "build_s": round(built, 1),
-            "max_new_tokens": config.generation.max_new_tokens, "image_px": 112, **figures,
+            "max_new_tokens": config.generation.max_new_tokens, "image_px": 112, "kv_cache": cache, **figures,
             **estimated("qwen25vl3b_rec_grpo", overrides, prompt_tokens, args.smoke)}
 
 
@@ -289,6 +291,9 @@ def main() -> None:
     ap.add_argument("--vlm-prompts", type=int, default=2)
     ap.add_argument("--vlm-group", type=int, default=8)
     ap.add_argument("--vlm-new-tokens", type=int, default=256)
+    ap.add_argument("--vlm-cache", nargs="+", choices=["dynamic", "static"], default=["dynamic"],
+                    help="the VLM check once per KV cache (generation.cache_implementation); 'static' is compiled by "
+                         "transformers on a GPU, its compilation falls in the warm-up update")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -300,14 +305,16 @@ def main() -> None:
               "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)})
     failed = False
     with tempfile.TemporaryDirectory(prefix="mmrl-gpu-check-") as tmp:
-        for name, check in (("flow", check_flow), ("vlm", check_vlm)):
+        checks = [("flow", "flow", check_flow)]
+        checks += [("vlm", f"vlm_{cache}", lambda *a, c=cache: check_vlm(*a, cache=c)) for cache in args.vlm_cache]
+        for name, folder, check in checks:
             if args.only not in (None, name):
                 continue
             try:
-                emit(check(args, Path(tmp) / name, device, dtype, cuda))
-            except Exception as exc:  # one failing check still lets the other report
+                emit(check(args, Path(tmp) / folder, device, dtype, cuda))
+            except Exception as exc:  # one failing check still lets the others report
                 failed = True
-                emit({"check": name, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+                emit({"check": folder, "error": f"{type(exc).__name__}: {exc}"[:2000]})
             if cuda:
                 torch.cuda.empty_cache()
     sys.exit(1 if failed else 0)

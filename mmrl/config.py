@@ -126,6 +126,10 @@ class GenerationConfig:
     top_p: float = opt(1.0, "Nucleus sampling.")
     top_k: int = opt(0, "Top-k sampling; 0 disables.")
     max_new_tokens: int = opt(256, "Completion budget; generation stops at the end-of-turn token.")
+    cache_implementation: str = opt("dynamic", "The KV cache HF generate decodes with: 'dynamic' (DynamicCache) or "
+                                    "'static' (StaticCache, preallocated: on a GPU transformers then compiles the "
+                                    "decoding forward). The sampled tokens are the same; only the speed differs.",
+                                    choices=("dynamic", "static"))
     max_prompt_length: int = opt(4096, "Longest prompt in tokens, vision tokens included. A longer prompt is an "
                                  "error (or a counted skip with data.skip_bad_samples): never truncated through "
                                  "its vision tokens.")

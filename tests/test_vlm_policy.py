@@ -225,3 +225,18 @@ def test_long_prompt_is_an_error_or_a_counted_skip(model_path):
 def test_completion_mask_stops_after_first_eos():
     ids = torch.tensor([[5, 6, 9, 7, 9], [5, 6, 7, 8, 4], [9, 1, 1, 1, 1]])
     assert _completion_mask(ids, [9]).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+
+
+def test_static_cache_samples_the_same_tokens(model_path):
+    """generation.cache_implementation: static decodes with HF's StaticCache (compiled on a GPU); on the same seed the
+    sampled and the greedy completions are the dynamic cache's, for image, multi-image, text-only and video rows."""
+    dynamic = make_policy(model_path, max_new_tokens=8)
+    static = make_policy(model_path, max_new_tokens=8, cache_implementation="static")
+    assert static.sampling_config().cache_implementation == "static"
+    assert dynamic.sampling_config().cache_implementation is None  # HF's default: a DynamicCache
+    for greedy in (False, True):
+        a = dynamic.rollout(ITEMS, 2, generator=torch.Generator().manual_seed(3), greedy=greedy)
+        b = static.rollout(ITEMS, 2, generator=torch.Generator().manual_seed(3), greedy=greedy)
+        assert torch.equal(a.completion_ids, b.completion_ids) and a.completions == b.completions
+    with pytest.raises(ValueError, match="cache_implementation"):
+        make_policy(model_path, cache_implementation="paged")

@@ -296,7 +296,7 @@ class QwenVLPolicy:
 
     def __init__(self, model, processor, *, lora: dict | None = None, freeze_vision: bool = True,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 256,
-                 max_prompt_length: int = 4096, system_prompt: str | None = None,
+                 max_prompt_length: int = 4096, cache_implementation: str = "dynamic", system_prompt: str | None = None,
                  question_template: str = "{question}", media=None, gradient_checkpointing: bool = False,
                  skip_bad_samples: bool = False, device: torch.device | str = "cpu", tools: dict | None = None,
                  max_tool_calls: int = 2, tool_response_template: str = "\n<observation>{image}</observation>\n"):
@@ -306,6 +306,9 @@ class QwenVLPolicy:
         self.top_p = top_p
         self.top_k = top_k
         self.max_new_tokens = max_new_tokens
+        if cache_implementation not in ("dynamic", "static"):
+            raise ValueError(f"cache_implementation must be 'dynamic' or 'static', got {cache_implementation!r}")
+        self.cache_implementation = cache_implementation
         self.max_prompt_length = max_prompt_length
         self.system_prompt = system_prompt
         self.question_template = question_template
@@ -702,6 +705,8 @@ class QwenVLPolicy:
 
         common = dict(max_new_tokens=self.max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
                       suppress_tokens=self.suppressed_ids or None)
+        if self.cache_implementation == "static":
+            common["cache_implementation"] = "static"
         if greedy:
             return GenerationConfig(do_sample=False, num_return_sequences=1, **common)
         return GenerationConfig(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
