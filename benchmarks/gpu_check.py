@@ -232,6 +232,7 @@ def check_flow(args, work: Path, device: str, dtype: torch.dtype, cuda: bool) ->
     if args.smoke:
         overrides += ["model.dtype=float32", "train.mixed_precision=\"no\"", "model.resolution=32",
                       "sampling.max_sequence_length=16", "sampling.num_steps=4"]
+    overrides += args.set
     config = load_config(str(ROOT / "configs/gpu/sd35m_flow_grpo_pickscore.yaml"), overrides)
     figures = time_updates(config, args.warmup, args.steps, cuda)
     return {"check": "flow_sd35m_size", "parameters": sizes, "build_s": round(built, 1),
@@ -253,6 +254,7 @@ def check_vlm(args, work: Path, device: str, dtype: torch.dtype, cuda: bool, cac
                  f"generation.max_new_tokens={args.vlm_new_tokens}", f"generation.cache_implementation={cache}"]
     if args.smoke:
         overrides += ["model.dtype=float32", "train.mixed_precision=\"no\""]
+    overrides += args.set
     config = load_config(str(ROOT / "configs/gpu/qwen25vl3b_rec_grpo.yaml"), overrides)
     figures = time_updates(config, args.warmup, args.steps, cuda)
     prompt_tokens = figures["prompt_tokens"]
@@ -276,7 +278,8 @@ def estimated(recipe: str, overrides: list[str], prompt_tokens: int | None, smok
 
 
 #: the overrides that change what the memory estimate holds (paths, logging and step counts do not)
-MEMORY_KEYS = {"data.prompts_per_step", "data.group_size", "train.batch_size", "train.gradient_accumulation_steps",
+MEMORY_KEYS = {"model.use_lora", "model.lora_rank", "model.freeze_vision", "model.gradient_checkpointing",
+               "data.prompts_per_step", "data.group_size", "train.batch_size", "train.gradient_accumulation_steps",
                "train.sample_batch_size", "rewards", "optim.ema", "generation.max_new_tokens", "model.dtype"}
 
 
@@ -291,6 +294,8 @@ def main() -> None:
     ap.add_argument("--vlm-prompts", type=int, default=2)
     ap.add_argument("--vlm-group", type=int, default=8)
     ap.add_argument("--vlm-new-tokens", type=int, default=256)
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="config overrides applied to the checks after their own (e.g. model.use_lora=true)")
     ap.add_argument("--vlm-cache", nargs="+", choices=["dynamic", "static"], default=["dynamic"],
                     help="the VLM check once per KV cache (generation.cache_implementation); 'static' is compiled by "
                          "transformers on a GPU, its compilation falls in the warm-up update")

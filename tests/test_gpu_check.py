@@ -63,12 +63,15 @@ def test_the_gpu_check_runs_end_to_end_on_cpu_with_the_tiny_models(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MMRL_CACHE": str(tmp_path / "cache")}
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--warmup", "0",
                              "--steps", "1", "--vlm-new-tokens", "4", "--vlm-group", "2", "--flow-group", "2",
-                             "--flow-prompts", "1", "--vlm-prompts", "1", "--vlm-cache", "dynamic", "static"],
+                             "--flow-prompts", "1", "--vlm-prompts", "1", "--vlm-cache", "dynamic", "static",
+                             "--set", "model.use_lora=true", "model.lora_rank=4"],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert [line["check"] for line in lines] == ["flow_sd35m_size"] + ["vlm_qwen25vl_3b_size"] * 2, lines
     assert [line["kv_cache"] for line in lines[1:]] == ["dynamic", "static"]
+    for line in lines[1:]:  # --set reached the VLM checks: LoRA rank 4 trains a small share of the model
+        assert 0 < line["trainable_parameters"] < 0.05 * line["parameters"]["model"]
     for line in lines:
         assert line["seconds_per_update"] > 0 and line["samples_per_update"] == 2
         assert line["engine"] == "plain"
