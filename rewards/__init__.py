@@ -31,7 +31,8 @@ An unparseable answer scores 0 and is counted (``last_info["num_unparseable"]``)
 metadata lacks what the reward needs is NaN. :class:`ComposedReward` and :func:`build_rewards` take
 either kind of batch. Registered: ``think_answer_format``, ``choice_accuracy``,
 ``multi_choice_accuracy`` (TW-GRPO), ``numeric_accuracy``, ``numeric_fuzzy`` (FGRPR),
-``math_accuracy`` (math-verify) in :mod:`~mmrl.rewards.answer`; ``iou``, ``box_f1``,
+``math_accuracy`` (math-verify), ``chart_accuracy`` (ChartQA's relaxed accuracy) in :mod:`~mmrl.rewards.answer`;
+``iou``, ``box_coordinate`` (one coordinate, reporting its characters as spans), ``box_f1``,
 ``box_matched_iou``, ``box_weighted_pr`` (DIP-R1), ``box_set_f1`` (Falcon-Perception),
 ``box_salience_iou`` (GRiP), ``temporal_iou``, ``temporal_dual`` (Temporal-R1) in
 :mod:`~mmrl.rewards.grounding`; ``task_routed`` (Mixed-R1) in :mod:`~mmrl.rewards.routing`; ``bmas``
