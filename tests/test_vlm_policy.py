@@ -238,5 +238,11 @@ def test_static_cache_samples_the_same_tokens(model_path):
         a = dynamic.rollout(ITEMS, 2, generator=torch.Generator().manual_seed(3), greedy=greedy)
         b = static.rollout(ITEMS, 2, generator=torch.Generator().manual_seed(3), greedy=greedy)
         assert torch.equal(a.completion_ids, b.completion_ids) and a.completions == b.completions
+    # the cache is sized to the power of two above prompt + new tokens (at least 256): few shapes to compile
+    prompt = static.encode_prompts(ITEMS)[0]["input_ids"].shape[1]
+    model = static.base_model
+    assert model._previous_max_cache_length == max(256, 1 << (prompt + 8 - 1).bit_length())
+    from mmrl.pipelines.vlm.qwen import static_cache_length
+    assert [static_cache_length(n) for n in (1, 256, 257, 1000, 1025)] == [256, 256, 512, 1024, 2048]
     with pytest.raises(ValueError, match="cache_implementation"):
         make_policy(model_path, cache_implementation="paged")

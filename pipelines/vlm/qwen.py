@@ -273,6 +273,14 @@ def load_vlm(pretrained: str, *, dtype: str = "bfloat16", revision: str | None =
     return model, processor
 
 
+def static_cache_length(tokens: int, smallest: int = 256) -> int:
+    """The static KV cache's length for ``tokens`` (prompt + new tokens): the next power of two, at least ``smallest``.
+    transformers recompiles the decoding forward for each new cache shape and keeps the largest length so far, and
+    torch.compile gives up compiling a function after a few shapes (``torch._dynamo.config.recompile_limit``, 8), so
+    a data set of varying prompt lengths meets a handful of lengths instead of one per new longest prompt."""
+    return max(int(smallest), 1 << max(int(tokens) - 1, 0).bit_length())
+
+
 class QwenVLPolicy:
     """A Qwen-VL model as a policy over generated tokens.
 
@@ -687,6 +695,8 @@ class QwenVLPolicy:
         # generate() fills every field the passed config leaves unset from model.generation_config (transformers
         # 5.x GenerationMixin._prepare_generation_config, no opt-out): for this call the model's config is ours,
         # so nothing the checkpoint ships (repetition_penalty, min_p, ...) reaches the sampling distribution
+        if getattr(config, "cache_implementation", None) == "static":
+            config.max_cache_len = static_cache_length(input_ids.shape[1] + config.max_new_tokens)
         hf_model = self.base_model
         shipped = hf_model.generation_config
         hf_model.generation_config = config
