@@ -62,7 +62,7 @@ import torch
 from PIL import Image
 
 from ._base import resolve_device, resolve_dtype
-from ._text import Unjudgeable, Unparseable, answer_or_text, check_text_batch, collect_rows
+from ._text import THINK_BLOCK, Unjudgeable, Unparseable, answer_or_text, as_spans, check_text_batch, collect_rows
 from .vlm_judge import NO_WORDS, YES_WORDS, VLMJudge, _QwenVLScorer, load_judge_vlm
 
 __all__ = [
@@ -429,7 +429,6 @@ def _read_frames(path: Path, num_frames: int, max_pixels: int | None, key: str):
 # Responses, annotations, templates
 # --------------------------------------------------------------------------------------------
 
-_THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 
 
 def response_part(text: str, part: str) -> str:
@@ -451,7 +450,7 @@ def response_part(text: str, part: str) -> str:
             return response_part(text, "all")
         if text.count("<think>") != 1 or text.count("</think>") != 1:
             raise Unparseable("no single <think>...</think> block")
-        match = _THINK.search(text)
+        match = THINK_BLOCK.search(text)
         if match is None:
             raise Unparseable("no single <think>...</think> block")
         if not match.group(1).strip():
@@ -576,7 +575,7 @@ class JudgedReward:
                 value = stop.value
                 if self.reports_spans:
                     value, reported = value
-                    spans[i] = None if reported is None else [(int(a), int(b)) for a, b in reported]
+                    spans[i] = as_spans(reported)
                 rows[i] = {k: float(v) for k, v in value.items()} if isinstance(value, Mapping) \
                     else {self.name: float(value)}
                 return

@@ -135,6 +135,11 @@ def check_text_batch(completions: Any, prompts: Any, metadata: Any) -> tuple[lis
 # --------------------------------------------------------------------------------------------
 
 
+def as_spans(reported) -> list[tuple[int, int]] | None:
+    """A reward's reported character spans of one response as ``[(start, end), ...]`` (``None``: none reported)."""
+    return None if reported is None else [(int(a), int(b)) for a, b in reported]
+
+
 def collect_rows(name: str, extra_keys: Sequence[str], rows: list[dict[str, float]], nan_reasons: dict[int, str],
                  unparseable: dict[int, str]) -> tuple[dict[str, torch.Tensor], dict]:
     """Per-sample score rows -> ``{key: [N]}`` tensors (``name`` first, a row's missing or non-finite value NaN) and
@@ -213,7 +218,7 @@ class TextReward:
                 continue
             if self.reports_spans:
                 result, reported = result
-                spans[i] = None if reported is None else [(int(a), int(b)) for a, b in reported]
+                spans[i] = as_spans(reported)
             if not isinstance(result, Mapping):
                 result = {self.name: result}
             rows.append({k: float(v) for k, v in result.items()})
@@ -233,7 +238,10 @@ class TextReward:
 
 _TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 _FORMAT = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+#: the contents of a response's ``<answer>`` / ``<think>`` blocks (every reader of the response format uses these)
+ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+THINK_BLOCK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+_ANSWER = ANSWER_BLOCK
 
 
 def think_answer_format(text: str) -> float:

@@ -59,7 +59,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from ._base import register_reward
-from ._text import TextReward, Unjudgeable, Unparseable, answer_or_text, require
+from ._text import ANSWER_BLOCK, THINK_BLOCK, TextReward, Unjudgeable, Unparseable, answer_or_text, require
 from .answer import _PREFIX, _WHOLE_LETTER, _choices, _solution_text, parse_choice
 
 __all__ = [
@@ -568,8 +568,6 @@ class BoxIoU(_BoxReward):
 
 COORDINATES = ("x1", "y1", "x2", "y2")
 _NUMBER = re.compile(_NUM)
-_THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
-_ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def coordinate_spans(text: str, box: Sequence[float], coordinate: int, reasoning: bool = True) -> list[tuple[int, int]]:
@@ -578,7 +576,7 @@ def coordinate_spans(text: str, box: Sequence[float], coordinate: int, reasoning
     or of the whole text without one, equal to ``box``), and with ``reasoning`` every number of the ``<think>`` block
     with the same value (where a response works the coordinate out before writing it). ``[]`` when the box is not
     found."""
-    match = _ANSWER_BLOCK.search(text)
+    match = ANSWER_BLOCK.search(text)
     start, answer = (match.start(1), match.group(1)) if match else (0, text)
     numbers = list(_NUMBER.finditer(answer))
     values = [float(m.group()) for m in numbers]
@@ -590,7 +588,7 @@ def coordinate_spans(text: str, box: Sequence[float], coordinate: int, reasoning
             spans.append((start + m.start(), start + m.end()))
             break
     if reasoning and spans:
-        for think in _THINK.finditer(text):
+        for think in THINK_BLOCK.finditer(text):
             spans.extend((think.start(1) + m.start(), think.start(1) + m.end())
                          for m in _NUMBER.finditer(think.group(1)) if float(m.group()) == target[coordinate])
     return sorted(spans)

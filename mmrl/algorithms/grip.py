@@ -14,7 +14,6 @@ from mmrl.core.advantages import group_index
 
 DIVERSITY = "grip_diversity"
 _WORD = re.compile(r"\w+")
-_THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 
 
 @dataclass
@@ -36,7 +35,9 @@ class GRiPOptions:
 
 def reasoning_words(text: str) -> frozenset[str]:
     """The lower-cased words of a response's reasoning: its ``<think>`` blocks, or the whole text without one."""
-    blocks = _THINK.findall(text) if isinstance(text, str) else []
+    from mmrl.rewards._text import THINK_BLOCK
+
+    blocks = THINK_BLOCK.findall(text) if isinstance(text, str) else []
     source = " ".join(blocks) if blocks else (text if isinstance(text, str) else "")
     return frozenset(w.lower() for w in _WORD.findall(source))
 

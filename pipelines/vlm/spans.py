@@ -20,17 +20,18 @@ nothing and are in no span. Padding (``mask == 0``) is never in a span.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from mmrl.rewards._text import ANSWER_BLOCK, THINK_BLOCK
+
 Span = tuple[int, int]
 
 #: named regions of a ``<think>...</think><answer>...</answer>`` response, for variants that scope a reward by region
 REGIONS = ("all", "answer", "think", "outside_answer")
-_TAGS = {"answer": re.compile(r"<answer>(.*?)</answer>", re.S), "think": re.compile(r"<think>(.*?)</think>", re.S)}
+_TAGS = {"answer": ANSWER_BLOCK, "think": THINK_BLOCK}
 
 
 def region_spans(text: str, region: str) -> list[Span]:
