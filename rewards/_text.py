@@ -140,6 +140,38 @@ def as_spans(reported) -> list[tuple[int, int]] | None:
     return None if reported is None else [(int(a), int(b)) for a, b in reported]
 
 
+def combined_spans(per_component: Sequence[Sequence | None], n: int) -> list[list[tuple[int, int]] | None] | None:
+    """The spans of a weighted sum of rewards, per sample, from each summed component's reported spans.
+
+    ``per_component`` holds one entry per component in the sum: its per-sample spans (``None`` for a sample it reported
+    none for) or ``None`` when the component reports no spans at all. A component without spans for a sample is about
+    the whole response, so the sum is too: that sample's entry is ``None``; otherwise it is the union of the
+    components' spans, sorted, overlapping and touching spans merged. Returns ``None`` when no component reports spans.
+    """
+    if not per_component or all(part is None for part in per_component):
+        return None
+    out: list[list[tuple[int, int]] | None] = []
+    for i in range(n):
+        pieces: list[tuple[int, int]] | None = []
+        for part in per_component:
+            reported = None if part is None else part[i]
+            if reported is None:
+                pieces = None
+                break
+            pieces.extend(as_spans(reported))
+        if pieces is None:
+            out.append(None)
+            continue
+        merged: list[tuple[int, int]] = []
+        for start, end in sorted(pieces):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        out.append(merged)
+    return out
+
+
 def collect_rows(name: str, extra_keys: Sequence[str], rows: list[dict[str, float]], nan_reasons: dict[int, str],
                  unparseable: dict[int, str]) -> tuple[dict[str, torch.Tensor], dict]:
     """Per-sample score rows -> ``{key: [N]}`` tensors (``name`` first, a row's missing or non-finite value NaN) and

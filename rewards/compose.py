@@ -22,7 +22,7 @@ from typing import Mapping
 import torch
 
 from ._base import Reward, RewardFn, _info, build_reward, nearest, prepare_batch
-from ._text import check_text_batch, is_text_batch
+from ._text import check_text_batch, combined_spans, is_text_batch
 
 __all__ = ["ComposedReward", "build_rewards", "parse_reward_spec"]
 
@@ -110,6 +110,9 @@ class ComposedReward:
                     reasons.setdefault(i, f"{key}: {why}")
         out["total"] = total
         self.last_info = {"total": _info(n, reasons), "components": comp_info}
+        spans = combined_spans([comp_info[key].get("spans") for key, (_, w) in self.components.items() if w != 0.0], n)
+        if spans is not None:  # the total's spans (a served composition reports them to its client)
+            self.last_info["spans"] = spans
         return out
 
     def __repr__(self) -> str:

@@ -35,7 +35,10 @@ body over the size limit, 503 when the queue is full, 500 when the reward itself
 A uint8 array is read as ``x / 255``, a float32 one as is (values in [0, 1]), exactly like a local
 reward call. The answer is ``{"scores": {key: [float | null, ...]}, "nan_samples": {"i": reason},
 "merged_requests": k, "merged_samples": n}``: every output key of the composed reward (``total``,
-each component, each component's extras), NaN sent as ``null``.
+each component, each component's extras), NaN sent as ``null``; when a text reward reports character spans (span-scoped
+credit), also ``"spans": {key: [[[start, end], ...] | null, ...]}`` for ``total`` (the weighted sum's spans) and each
+reporting component, which the client keeps in ``last_info["spans"]`` (its main score's) and
+``last_info["component_spans"]``, so ``cspo`` / ``span_scoped`` scope a served reward as a local one.
 
 The client, :class:`RemoteReward` (registered as ``remote``), sends a tensor batch as a raw array
 (default uint8: ``round(x * 255)``, the quantisation PickScore, HPS and the JPEG rewards apply
@@ -73,6 +76,7 @@ from typing import Any, Mapping
 import torch
 
 from ._base import ImageBatch, Reward, register_reward
+from ._text import as_spans
 
 __all__ = [
     "RemoteReward",
@@ -301,6 +305,16 @@ def _nan_samples(info: Mapping) -> dict:
     return dict(total.get("nan_samples", {})) if isinstance(total, Mapping) else {}
 
 
+def _reported_spans(info: Mapping) -> dict[str, list]:
+    """``{key: per-sample spans}`` from a ComposedReward's ``last_info``: ``total`` (the weighted sum's spans,
+    :func:`~mmrl.rewards._text.combined_spans`) and each component that reports spans; empty when none does."""
+    out = {key: comp["spans"] for key, comp in (info.get("components") or {}).items()
+           if isinstance(comp, Mapping) and comp.get("spans") is not None}
+    if info.get("spans") is not None:
+        out["total"] = info["spans"]
+    return out
+
+
 class ScoringQueue:
     """Merges requests that arrive within ``max_wait_ms`` of the first, up to ``max_batch`` samples,
     and scores them in one call of ``reward`` on a single worker thread (the only thread that
@@ -309,7 +323,7 @@ class ScoringQueue:
     Requests are merged only with compatible ones: tensors of one image size, PIL lists, text.
     If a merged call raises, each request is scored alone, so the error lands on the request that
     caused it. ``submit(request)`` returns the request's Future, resolved to
-    ``(scores, nan_samples, merged_requests, merged_samples)``.
+    ``(scores, nan_samples, spans, merged_requests, merged_samples)`` (``spans``: :func:`_reported_spans`).
     """
 
     def __init__(self, reward, *, max_batch: int = 64, max_wait_ms: float = 5.0, max_queue: int = 1024):
@@ -394,7 +408,7 @@ class ScoringQueue:
                 if chunk:
                     self._score(chunk)
 
-    def _call(self, requests: list[ScoreRequest]) -> tuple[dict[str, torch.Tensor], dict]:
+    def _call(self, requests: list[ScoreRequest]) -> tuple[dict[str, torch.Tensor], dict, dict]:
         kind = requests[0].kind
         if kind == "tensor":
             images = torch.cat([r.items for r in requests]) if len(requests) > 1 else requests[0].items
@@ -409,14 +423,15 @@ class ScoringQueue:
         else:
             metadata = [m for r in requests for m in (r.metadata if r.metadata is not None else [{}] * r.n)]
         scores = self.reward(images, prompts, metadata)
-        return scores, _nan_samples(getattr(self.reward, "last_info", {}) or {})
+        info = getattr(self.reward, "last_info", {}) or {}
+        return scores, _nan_samples(info), _reported_spans(info)
 
     def _score(self, requests: list[ScoreRequest]) -> None:
         requests = [r for r in requests if r.future.set_running_or_notify_cancel()]
         if not requests:
             return
         try:
-            scores, reasons = self._call(requests)
+            scores, reasons, spans = self._call(requests)
         except Exception as exc:
             if len(requests) > 1:  # find the culprit: score each on its own
                 for r in requests:
@@ -435,7 +450,8 @@ class ScoringQueue:
             part = {k: _finite_or_none(v.detach().to("cpu", torch.float32).reshape(-1)[start : start + r.n])
                     for k, v in scores.items()}
             nan = {str(i - start): why for i, why in reasons.items() if start <= int(i) < start + r.n}
-            r.future.set_result((part, nan, len(requests), total))
+            part_spans = {k: v[start : start + r.n] for k, v in spans.items()}
+            r.future.set_result((part, nan, part_spans, len(requests), total))
             start += r.n
 
     def _score_alone(self, request: ScoreRequest) -> None:
@@ -511,15 +527,17 @@ def create_app(reward, *, max_batch: int = 64, max_wait_ms: float = 5.0, max_que
         try:
             item = await run_in_threadpool(decode_request, body, headers.get("content-type", ""), headers,
                                            needs_prompts=needs_prompts)
-            scores, nan, merged, merged_samples = await asyncio.wrap_future(scoring.submit(item))
+            scores, nan, spans, merged, merged_samples = await asyncio.wrap_future(scoring.submit(item))
         except BadRequest as exc:
             return error(str(exc), exc.status)
         except RewardServerError as exc:
             return error(str(exc), 503)
         except Exception as exc:  # the reward itself failed
             return error(f"scoring failed: {type(exc).__name__}: {exc}", 500)
-        return JSONResponse({"scores": scores, "nan_samples": nan, "merged_requests": merged,
-                             "merged_samples": merged_samples})
+        answer = {"scores": scores, "nan_samples": nan, "merged_requests": merged, "merged_samples": merged_samples}
+        if spans:
+            answer["spans"] = spans
+        return JSONResponse(answer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -811,7 +829,7 @@ class RemoteReward(Reward):
             "X-Json-Length": str(len(head)),
         }
 
-    def _post_score(self, body: bytes, headers: dict, n: int) -> tuple[dict[str, torch.Tensor], dict]:
+    def _post_score(self, body: bytes, headers: dict, n: int) -> tuple[dict[str, torch.Tensor], dict, dict]:
         answer = self._request("/score", body, headers)
         scores = answer.get("scores")
         if not isinstance(scores, dict) or "total" not in scores:
@@ -821,7 +839,14 @@ class RemoteReward(Reward):
             if not isinstance(values, list) or len(values) != n:
                 raise RewardServerError(f"reward server {self.url} returned {key!r} with a wrong length")
             out[key] = torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float32)
-        return out, {int(i): why for i, why in (answer.get("nan_samples") or {}).items()}
+        spans = answer.get("spans") or {}
+        if not isinstance(spans, dict) or any(not isinstance(v, list) or len(v) != n for v in spans.values()):
+            raise RewardServerError(f"reward server {self.url} returned spans that are not one list per sample")
+        try:
+            spans = {key: [as_spans(s) for s in per_sample] for key, per_sample in spans.items()}
+        except (TypeError, ValueError):
+            raise RewardServerError(f"reward server {self.url} returned malformed spans: {str(spans)[:200]}") from None
+        return out, {int(i): why for i, why in (answer.get("nan_samples") or {}).items()}, spans
 
     @staticmethod
     def _side(prompts, metadata) -> dict:
@@ -843,11 +868,15 @@ class RemoteReward(Reward):
 
     def _score_text(self, completions: list, prompts, metadata) -> dict[str, torch.Tensor]:
         body = _dumps(dict(self._side(prompts, metadata), completions=completions))
-        scores, reasons = self._post_score(body, {"Content-Type": "application/json"}, len(completions))
+        scores, reasons, spans = self._post_score(body, {"Content-Type": "application/json"}, len(completions))
         out = {self.name: scores.pop("total"), **scores}
         from ._base import _info
 
         self.last_info = _info(len(completions), reasons)
+        if "total" in spans:
+            self.last_info["spans"] = spans.pop("total")
+        if spans:
+            self.last_info["component_spans"] = spans
         return out
 
     def _score(self, batch: ImageBatch, reasons: dict[int, str]) -> dict[str, torch.Tensor]:
@@ -861,7 +890,7 @@ class RemoteReward(Reward):
         else:
             body = _dumps(dict(side, images=[encode_png(img) for img in batch.pil()]))
             headers = {"Content-Type": "application/json"}
-        scores, server_reasons = self._post_score(body, headers, len(valid))
+        scores, server_reasons, _ = self._post_score(body, headers, len(valid))
         for pos, why in server_reasons.items():
             if 0 <= pos < len(valid):
                 reasons[valid[pos]] = f"server: {why}"

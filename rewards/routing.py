@@ -25,7 +25,10 @@ Output: every component under its key (NaN for samples whose route does not incl
 as ``"<key>/<extra>"``, and ``"total"``: the sum of each sample's own route's weighted components. A
 sample whose route has a NaN component, or whose task has no route (and no ``default``), gets a NaN
 total with the reason in ``last_info["total"]``. Each component is called once per call, on the
-samples that use it. ``weights == {"total": 1.0}``: the trainer normalises the routed total.
+samples that use it. Spans (span-scoped credit): a component's reported spans come back per sample of the call in
+``last_info["components"][key]["spans"]``, and ``last_info["spans"]`` holds the total's: per sample the union of its
+route's (non-zero weight) components' spans, ``None`` where one of them reported none (it is about the whole response),
+so ``cspo`` / ``span_scoped`` can scope a routed reward. ``weights == {"total": 1.0}``: the trainer normalises the routed total.
 Registered as ``task_routed`` with kwargs ``routes`` and ``default``.
 """
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ._base import _info, build_reward, register_reward
+from ._text import combined_spans
 from .compose import parse_reward_spec
 
 __all__ = ["TaskRoutedReward"]
@@ -178,6 +182,11 @@ class TaskRoutedReward:
                 for field in _REMAP:
                     if isinstance(info.get(field), Mapping):
                         info[field] = {idx[j]: why for j, why in info[field].items()}
+                if info.get("spans") is not None:  # per routed sample -> per sample of the call (None elsewhere)
+                    spans: list = [None] * n
+                    for j, reported in zip(idx, info["spans"]):
+                        spans[j] = reported
+                    info["spans"] = spans
             out[key] = main
             for k, values in extras.items():
                 out[f"{key}/{k}"] = values
@@ -204,6 +213,15 @@ class TaskRoutedReward:
             "tasks": dict(Counter(t if t is not None else "(none)" for t in tasks)),
             "num_unrouted": sum(1 for r in routes if r is None),
         }
+        if any(info.get("spans") is not None for info in comp_info.values()):
+            # each sample's total is the sum over its own route: its spans combine that route's components'
+            spans = [None] * n
+            for i, route in enumerate(routes):
+                if route is not None:
+                    reported = [comp_info[k].get("spans") for k, w in route.items() if w != 0.0]
+                    merged = combined_spans([None if s is None else s[i:i + 1] for s in reported], 1)
+                    spans[i] = merged[0] if merged else None
+            self.last_info["spans"] = spans
         return out
 
     def __repr__(self) -> str:

@@ -214,3 +214,103 @@ def test_box_coordinate_spans_become_the_tokens_of_that_coordinate(tokenizer):
         for i, number in enumerate(written):
             picked = tokenizer.decode(rows[i][token_mask[i].bool()])
             assert picked == number * (2 if i == 0 else 1)  # sample 0 also writes it in its <think>
+
+
+# --------------------------------------------------------------------------------- spans of sums, routes and servers
+
+BOX_TEXTS = ["<think>x 105 to 348</think><answer>[105, 9, 348, 312]</answer>",  # x1 in think and answer
+             "<answer>[40, 90, 380, 400]</answer>"]
+BOX_META = [{"boxes": [[5, 1, 39, 35]], "image_size": [112, 112], "coord_format": "qwen2"}] * 2
+
+
+def box_spec(*coordinates, weight=1.0):
+    return {c: {"reward": "box_coordinate", "weight": weight, "kwargs": {"coordinate": c}} for c in coordinates}
+
+
+def written(text, spans):
+    return [text[a:b] for a, b in spans]
+
+
+def test_combined_spans_unions_merges_and_lets_a_spanless_component_take_the_whole_response():
+    from mmrl.rewards._text import combined_spans
+
+    a = [[(5, 8), (0, 2)], [(1, 3)], None]
+    b = [[(7, 10)], [(3, 4)], [(0, 1)]]
+    # sorted; (5, 8) and (7, 10) overlap, (1, 3) and (3, 4) touch: merged
+    assert combined_spans([a, b], 3) == [[(0, 2), (5, 10)], [(1, 4)], None]
+    assert combined_spans([b, None], 3) == [None, None, None]   # a component reporting no spans: the whole response
+    assert combined_spans([None, None], 3) is None and combined_spans([], 3) is None
+    assert combined_spans([[[]], [[(2, 3)]]], 1) == [[(2, 3)]]   # an empty report (nothing written) adds nothing
+
+
+def test_composed_total_reports_the_union_of_its_weighted_components_spans():
+    from mmrl.rewards.compose import build_rewards
+
+    reward = build_rewards({**box_spec("x1", "x2"), "fmt": {"reward": "think_answer_format", "weight": 0.0}})
+    reward(BOX_TEXTS, None, BOX_META)
+    assert [written(t, s) for t, s in zip(BOX_TEXTS, reward.last_info["spans"])] == [
+        ["105", "348", "105", "348"], ["40", "380"]]
+    counted = build_rewards({**box_spec("x1"), "fmt": {"reward": "think_answer_format", "weight": 0.5}})
+    counted(BOX_TEXTS, None, BOX_META)
+    assert counted.last_info["spans"] == [None, None]  # the format reward is about the whole response
+    plain = build_rewards({"fmt": {"reward": "think_answer_format", "weight": 1.0}})
+    plain(BOX_TEXTS, None, BOX_META)
+    assert "spans" not in plain.last_info
+
+
+def test_routed_reward_reports_each_samples_spans_at_its_own_index():
+    from mmrl.rewards.routing import TaskRoutedReward
+
+    routed = TaskRoutedReward(routes={
+        "grounding": {**box_spec("x1"), "fmt": {"reward": "think_answer_format", "weight": 0.0}},
+        "counting": {"numeric_fuzzy": 1.0},
+    })
+    texts = ["<answer>3</answer>", BOX_TEXTS[1], BOX_TEXTS[0]]
+    meta = [{"task": "counting", "solution": "3"}, {"task": "grounding", **BOX_META[1]},
+            {"task": "grounding", **BOX_META[0]}]
+    out = routed(texts, ["q"] * 3, meta)
+    assert out["total"][0] > 0  # the counting sample is scored by its own route
+    x1 = routed.last_info["components"]["x1"]["spans"]
+    assert x1[0] is None and written(texts[1], x1[1]) == ["40"] and written(texts[2], x1[2]) == ["105", "105"]
+    spans = routed.last_info["spans"]
+    assert spans[0] is None  # the counting route reports none: its advantage stays on every token
+    assert written(texts[1], spans[1]) == ["40"] and written(texts[2], spans[2]) == ["105", "105"]
+
+
+def test_a_served_reward_sends_its_spans_to_the_client():
+    from mmrl.rewards.compose import build_rewards
+    from mmrl.rewards.remote import RemoteReward, RewardServer, RewardServerError
+
+    local = build_rewards(box_spec("x1", "y2"))
+    expected = local(BOX_TEXTS, None, BOX_META)
+    with RewardServer(local, "127.0.0.1", 0) as srv:
+        client = RemoteReward(srv.url, timeout=10)
+        out = client(BOX_TEXTS, ["q"] * 2, BOX_META)
+    torch.testing.assert_close(out["remote"], expected["total"])
+    assert client.last_info["spans"] == local.last_info["spans"]
+    assert client.last_info["component_spans"] == {k: local.last_info["components"][k]["spans"] for k in ("x1", "y2")}
+    assert written(BOX_TEXTS[1], client.last_info["spans"][1]) == ["40", "400"]
+    # a server whose spans do not come one per sample is a clear error, never a mis-scoped advantage
+    client._request = lambda *args: {"scores": {"total": [1.0, 0.5]}, "spans": {"total": [[[0, 1]]]}}
+    with pytest.raises(RewardServerError, match="one list per sample"):
+        client(BOX_TEXTS, ["q"] * 2, BOX_META)
+    client._request = lambda *args: {"scores": {"total": [1.0, 0.5]}, "spans": {"total": [[[0]], None]}}
+    with pytest.raises(RewardServerError, match="malformed spans"):
+        client(BOX_TEXTS, ["q"] * 2, BOX_META)
+
+
+def test_the_trainer_takes_a_routed_rewards_spans_for_its_component():
+    from types import SimpleNamespace
+
+    from mmrl.rewards.compose import build_rewards
+    from mmrl.trainer import Trainer
+
+    reward = build_rewards({"routed": {"reward": "task_routed", "kwargs": {"routes": {"grounding": box_spec("x1")}}}})
+    fake = SimpleNamespace(config=SimpleNamespace(train=SimpleNamespace(reward_batch_size=1)), reward_fn=reward,
+                           reward_counts={})
+    fake._count_reward_info = lambda info: None
+    spans: dict = {}
+    metas = [{"task": "grounding", **m} for m in BOX_META]
+    Trainer._score_outputs(fake, BOX_TEXTS, ["q"] * 2, metas, spans=spans)  # one sample per reward call
+    assert list(spans) == ["routed"]
+    assert [written(t, s) for t, s in zip(BOX_TEXTS, spans["routed"])] == [["105", "105"], ["40"]]
