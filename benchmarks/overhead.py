@@ -75,11 +75,12 @@ def mid_size_vlm(directory: Path, hidden: int = 512, layers: int = 8, vision_hid
 
 class Recorder:
     """The calls the trainer makes to the VLM during one update: ``generate`` (its kwargs and how many tokens it
-    produced) and every top-level forward outside it (its tensors and whether grad was on)."""
+    produced) and every top-level forward outside it (its tensors and whether grad was on), with the rows a
+    prompt-shared log-prob forward (``model.share_prompt_prefix``) selects from its prompts' KV cache."""
 
     def __init__(self, policy):
         self.generates: list[tuple[dict, int]] = []
-        self.forwards: list[tuple[bool, dict]] = []
+        self.forwards: list[tuple] = []  # (grad, kwargs) or ("select", the rows taken from a prompt cache)
         self._paused = False
         self.model = policy.model  # the PEFT model (LoRA) or the model: what the policy calls
         original = self.model.generate
@@ -96,11 +97,29 @@ class Recorder:
         self.model.generate = generate
         self._generate = original
         policy.base_model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        from transformers.cache_utils import DynamicCache
+
+        select = DynamicCache.batch_select_indices
+
+        def recorded_select(cache, indices):
+            if not self._paused:
+                self.forwards.append(("select", indices.detach().clone()))
+            return select(cache, indices)
+
+        DynamicCache.batch_select_indices = recorded_select
 
     def _hook(self, _module, args, kwargs):
         if not self._paused:
             self.forwards.append((torch.is_grad_enabled(),
                                   {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}))
+
+    def passes(self) -> dict[str, int]:
+        """Log-prob passes with and without grad (a prompt-shared pass, prompt forward + completion forward, counts
+        once) and how many of them ran their distinct prompts once (``shared_prompt_forwards``)."""
+        prompt = [g != "select" and kw.get("use_cache") is True and "cache" not in kw for g, kw in self.forwards]
+        passes = [g for (g, _), p in zip(self.forwards, prompt) if g != "select" and not p]
+        return {"grad": sum(g is True for g in passes), "no_grad": sum(g is False for g in passes),
+                "shared_prompt_forwards": sum(prompt)}
 
     def reset(self) -> None:
         self.generates, self.forwards = [], []
@@ -119,11 +138,22 @@ class Recorder:
             config.min_new_tokens = config.max_new_tokens = produced
             with torch.no_grad():
                 self._generate(**kwargs, generation_config=config)
+        cache, pending = None, []
         for grad, kwargs in forwards:
+            if grad == "select":  # the prompt rows a prompt-shared forward's completions attend to
+                cache.batch_select_indices(kwargs)
+                continue
+            if "cache" in kwargs:
+                kwargs = dict(kwargs, cache=cache)
             with torch.set_grad_enabled(grad):
-                logits = self.model(**kwargs).logits
+                out = self.model(**kwargs)
+                pending.append(out.logits.float().logsumexp(-1).mean())
+                if kwargs.get("use_cache") and "cache" not in kwargs:  # a shared prompt: its completions follow
+                    cache = out.cache
+                    continue
                 if grad:
-                    logits.float().logsumexp(-1).mean().backward()
+                    sum(pending).backward()
+            cache, pending = None, []
         elapsed = time.perf_counter() - start
         self._paused = False
         self.model.zero_grad(set_to_none=True)
@@ -167,8 +197,7 @@ def run_vlm(args, tmp: Path) -> dict:
             "mmrl_over_floor": statistics.median(ratios), "ratios": ratios, "parameters": params,
             "peak_step_mib_per_sample": peak,
             "generate_calls": len(recorder.generates), "new_tokens": [n for _, n in recorder.generates],
-            "forwards": {"grad": sum(g for g, _ in recorder.forwards),
-                         "no_grad": sum(not g for g, _ in recorder.forwards)}}
+            "forwards": recorder.passes()}
 
 
 def run_flow(args) -> dict:

@@ -147,6 +147,7 @@ def mmrl_config(args, output_dir: str):
         f"train.inner_epochs={args.inner_epochs}", f"train.batch_size={args.batch_size}",
         "train.gradient_accumulation_steps=1", "train.timestep_chunk=0", 'train.mixed_precision="no"',
         "logging.progress_bar=false", "logging.tensorboard=false",
+        *args.set,
     ]
     return load_config(MMRL_CONFIG, overrides)
 
@@ -464,6 +465,8 @@ def run_child(framework: str, args) -> dict:
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     if args.train_vision:
         cmd.append("--train-vision")
+    for override in args.set:
+        cmd += ["--set", override]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error",
@@ -524,6 +527,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="runs per framework, order alternated")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an mmrl config override after the benchmark's own (e.g. model.share_prompt_prefix=false: "
+                        "one full row per sample in mmrl's log-prob forwards); TRL's side is unchanged")
     p.add_argument("--child", choices=("mmrl", "trl"), help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -132,7 +132,7 @@ def build_vlm_policy(config: Config, device: torch.device | str = "cpu"):
         question_template=g.question_template, media=vlm_media(config, processor),
         gradient_checkpointing=m.gradient_checkpointing, skip_bad_samples=config.data.skip_bad_samples,
         device=device, tools=resolve_tools(g.tools), max_tool_calls=g.max_tool_calls,
-        tool_response_template=g.tool_response_template,
+        tool_response_template=g.tool_response_template, share_prompt_prefix=m.share_prompt_prefix,
     )
 
 

@@ -74,6 +74,10 @@ class ModelConfig:
                               "prompt per update and reused by every completion and inner epoch).")
     attn_implementation: str | None = opt(None, "VLM: transformers attention kernel ('sdpa', 'flash_attention_2', "
                                           "'eager'); null = the library default.")
+    share_prompt_prefix: bool = opt(True, "VLM: a log-prob forward runs each distinct prompt of its minibatch once "
+                                    "and the completions on its KV cache (the same log-probs and gradients, the "
+                                    "prompt's tokens computed once per group instead of once per completion); not in "
+                                    "gradient forwards under gradient_checkpointing. False: one full row per sample.")
 
 
 @dataclass
@@ -597,6 +601,8 @@ def validate(config: Config, *, check_files: bool = True) -> None:
          "model.lora_target_modules must be a list of module names (strings)"),
         (not flow or m.resolution >= 16, "model.resolution must be >= 16"),
         (flow or not d.balance_tags, "data.balance_tags applies to flow prompts, not a VLM data set (qwen_vl)"),
+        (not flow or m.share_prompt_prefix, "model.share_prompt_prefix applies to VLM policies (qwen_vl); a flow "
+                                            "policy has no prompt prefix in its forwards"),
         (s.eval_num_steps >= 1, "sampling.eval_num_steps must be >= 1"),
         (s.max_sequence_length >= 1, "sampling.max_sequence_length must be >= 1"),
         (s.time_shift is None or s.time_shift > 0, "sampling.time_shift must be > 0 (or null)"),

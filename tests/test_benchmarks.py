@@ -33,10 +33,17 @@ def test_vlm_grpo_vs_trl_smoke(tmp_path, train_vision):
     mmrl, trl = report["mmrl"], report["trl"]
     assert mmrl["optimizer_steps_per_step"] == trl["optimizer_steps_per_step"] == epochs * n // batch
     assert report["workload_checks"]["prompt_token_ids_identical_samples"] > 0
-    # the same language-model work (generation: prefill + decode, old log-probs, training forwards) less mmrl's
-    # old-log-prob forward of the first optimizer step's minibatch, whose training forward gives them
-    assert mmrl["counts_per_step"]["lm_calls"] == trl["counts_per_step"]["lm_calls"] - 1
-    assert mmrl["counts_per_step"]["lm_grad_calls"] == trl["counts_per_step"]["lm_grad_calls"] == epochs * n // batch
+    # the same language-model calls (generation: prefill + decode, old log-probs, training forwards) less mmrl's
+    # old-log-prob forward of the first optimizer step's minibatch, whose training forward gives them; but each of
+    # mmrl's training forwards is two calls (model.share_prompt_prefix: the minibatch's one distinct prompt, then its
+    # completions on that prompt's KV cache), with fewer token positions than TRL's full rows
+    trained = epochs * n // batch
+    cm, ct = mmrl["counts_per_step"], trl["counts_per_step"]
+    assert ct["lm_grad_calls"] == trained and cm["lm_grad_calls"] == 2 * trained
+    assert cm["lm_calls"] == ct["lm_calls"] - 1 + trained
+    prompt_tokens, completion_tokens = max(mmrl["prompt_lengths"]), 4  # one prompt; padded completion width
+    assert ct["lm_grad_tokens"] == trained * batch * (prompt_tokens + completion_tokens)
+    assert cm["lm_grad_tokens"] == trained * (prompt_tokens + batch * completion_tokens)
     # vision: mmrl encodes each prompt's image once; TRL once per completion in generation, old log-probs and
     # every training forward
     assert trl["counts_per_step"]["vision_images"] == n * (2 + epochs)
@@ -94,8 +101,9 @@ def test_overhead_bench_replays_the_trainers_model_work(tmp_path):
     vlm = line["results"]["vlm"]
     assert vlm["generate_calls"] == 1 and vlm["new_tokens"] == [4]  # 2 prompts x 4 completions in one call
     # tiny recipe: batch 4 of 8 samples, 2 inner epochs: 4 training forwards; reference passes 2, old log-prob
-    # passes 1 (the first minibatch's come from its training forward)
-    assert vlm["forwards"] == {"grad": 4, "no_grad": 3}
+    # passes 1 (the first minibatch's come from its training forward); every minibatch of 4 repeats one of the 2
+    # prompts, so each pass runs its distinct prompts once first (model.share_prompt_prefix) and the floor replays that
+    assert vlm["forwards"] == {"grad": 4, "no_grad": 3, "shared_prompt_forwards": 7}
     assert vlm["floor_s"] > 0 and vlm["mmrl_over_floor"] > 0
     peak = vlm["peak_step_mib_per_sample"]  # an untimed update and its replay under the tensor tracker
     assert set(peak) == {"mmrl", "floor"} and peak["mmrl"] > 0 and peak["floor"] > 0
@@ -126,3 +134,23 @@ def test_rewards_bench_scores_alike_and_reports_memory(tmp_path):
     one_image = 3 * 32 * 32 / 2**20  # MiB of one image as uint8: every side converts at least that
     for row in rows.values():
         assert row["mmrl_peak_mib_per_image"] >= one_image and row["loop_peak_mib_per_image"] >= one_image, row
+
+
+def test_prompt_sharing_bench_compares_the_two_layouts_on_the_same_minibatch(tmp_path):
+    """`mmrl bench prompt-sharing`: the policy's own log-prob passes with each distinct prompt once and with full
+    rows, on the same rollout and minibatches: the same log-probs (to float rounding), fewer token positions through
+    the language model with sharing (2 prompts x 4 completions in a minibatch of 8: 2 prompt rows + 8 completions)."""
+    out = tmp_path / "sharing.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MMRL_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "mmrl.cli", "bench", "prompt-sharing", "--hidden", "128", "--layers",
+                           "2", "--group", "4", "--batch", "8", "--max-new-tokens", "4", "--repeats", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line == json.loads(out.read_text()) and line["bench"] == "prompt-sharing" and line["ok"] is True
+    assert line["max_abs_logp_difference"] < 1e-4
+    prompt, width = line["prompt_tokens"], line["completion_width"]
+    tokens = line["lm_token_positions"]
+    assert tokens["full_rows/grad"] == tokens["full_rows/no_grad"] == 8 * (prompt + width)
+    assert tokens["shared/grad"] == tokens["shared/no_grad"] == 2 * prompt + 8 * width
+    assert line["speedup_grad"] > 0 and set(line["peak_mib_per_sample"]) == {"shared", "full_rows"}

@@ -171,7 +171,10 @@ def test_lora_dropout_with_checkpointing_gives_the_gradient_of_its_own_forward(m
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(5)  # the same LoRA initialisation and adapter weights for both builds
-        policy = make_policy(model_path, lora=dict(LORA, dropout=0.5), gradient_checkpointing=checkpointing)
+        # one full row per sample in both (a checkpointed gradient forward cannot share the prompt's KV cache, and
+        # with dropout the shared prompt would draw other masks)
+        policy = make_policy(model_path, lora=dict(LORA, dropout=0.5), gradient_checkpointing=checkpointing,
+                             share_prompt_prefix=False)
         move_adapters(policy, scale=0.5)
         rollout = policy.rollout(ITEMS, 2, generator=torch.Generator().manual_seed(3))
         idx = torch.arange(len(rollout))
@@ -186,8 +189,9 @@ def test_lora_dropout_with_checkpointing_gives_the_gradient_of_its_own_forward(m
 def test_rope_positions_computed_once_per_rollout_equal_the_models_own(model_path, monkeypatch):
     """The rope positions of the whole rollout, computed once and sliced per minibatch, give bit-identical
     log-probs to forwards where the model computes them itself, for any subset of a mixed image / text / video
-    rollout; the model's ``compute_3d_position_ids`` runs once per rollout however many forwards read it."""
-    policy = make_policy(model_path)
+    rollout; the model's ``compute_3d_position_ids`` runs once per rollout however many forwards read it (one full
+    row per sample: the prompt-sharing forward needs the positions, tested apart)."""
+    policy = make_policy(model_path, share_prompt_prefix=False)
     move_adapters(policy)
     rollout = policy.rollout(ITEMS, 2, generator=torch.Generator().manual_seed(4))
     core = policy.base_model.model
@@ -279,3 +283,67 @@ def test_offline_loads_without_hub_kernels(monkeypatch):
     monkeypatch.delenv("USE_HUB_KERNELS")
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     assert transformers_load_kwargs() == {}
+
+
+# --------------------------------------------------------------------- 7. each distinct prompt once per forward
+
+
+@pytest.mark.parametrize("setting", ["lora", "full", "trained_vision"])
+def test_prompt_shared_forward_gives_the_full_rows_logprobs_and_gradients(model_path, setting):
+    """``share_prompt_prefix``: a minibatch's distinct prompts run once and their completions on the KV cache. Its
+    log-probs equal TRL's one-forward-per-row recipe and its gradients those of full rows (LoRA, full fine-tuning,
+    and a trained vision tower, whose gradient reaches the tower through the shared prompt), and the language model
+    really sees each prompt once."""
+    kwargs = {"lora": dict(LORA)} if setting == "lora" else {"lora": None, "freeze_vision": setting != "trained_vision"}
+    shared = make_policy(model_path, **kwargs)
+    rows = make_policy(model_path, share_prompt_prefix=False, **kwargs)
+    if setting == "lora":
+        move_adapters(shared)
+    rows.model.load_state_dict(shared.model.state_dict())
+    rollout = shared.rollout(ITEMS, 3, generator=torch.Generator().manual_seed(6))
+    idx = torch.tensor([4, 0, 7, 1, 5, 8, 3])  # the three prompts (image, text only, video), repeated, out of order
+    mask = rollout.mask[idx].bool()
+    seen = []
+    language = shared.base_model.model.language_model
+    hook = language.register_forward_pre_hook(
+        lambda module, args, kw: seen.append(tuple(kw["inputs_embeds"].shape[:2])), with_kwargs=True)
+    with torch.no_grad():
+        live = shared.logprobs(rollout, idx).logps
+    hook.remove()
+    prompt_length, width = rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
+    assert seen == [(3, prompt_length), (7, width)]  # not (7, prompt_length + width)
+    with torch.no_grad():
+        torch.testing.assert_close(live[mask], plain_logps(rows, rollout, idx)[mask], atol=2e-5, rtol=2e-5)
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
+    grads = []
+    for policy in (shared, rows):
+        params = policy.trainable_parameters()
+        grads.append(torch.autograd.grad((policy.logprobs(rollout, idx).logps * weights).sum(), params,
+                                         allow_unused=True))
+    if setting == "trained_vision":
+        vision = [g for (name, _), g in zip(shared.named_trainable_parameters().items(), grads[0])
+                  if shared._is_vision(name)]
+        assert any(g is not None and g.abs().sum() > 0 for g in vision)  # the tower learns through the prompt
+    for a, b in zip(*grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=1e-6 + 1e-5 * float(b.abs().max()), rtol=1e-4)
+
+
+def test_prompt_sharing_steps_aside_where_it_cannot_apply(model_path):
+    """One full row per sample when every prompt is distinct (nothing to share) and under gradient checkpointing, in
+    its no-grad passes too (so the first ratio stays exactly 1); ``share_prompt_prefix`` is rejected for flows."""
+    from mmrl.config import ConfigError, load_config
+
+    for policy, index in ((make_policy(model_path), torch.tensor([0, 3, 6])),
+                          (make_policy(model_path, gradient_checkpointing=True), torch.tensor([0, 1, 3]))):
+        rollout = policy.rollout(ITEMS, 3, generator=torch.Generator().manual_seed(7))
+        seen = []
+        hook = policy.base_model.model.language_model.register_forward_pre_hook(
+            lambda module, args, kw: seen.append(tuple(kw["inputs_embeds"].shape[:2])), with_kwargs=True)
+        with torch.no_grad():
+            policy.logprobs(rollout, index)
+        hook.remove()
+        assert seen == [(3, rollout.prompt_ids.shape[1] + rollout.completion_ids.shape[1])]
+    with pytest.raises(ConfigError, match="share_prompt_prefix applies to VLM"):
+        load_config(None, ["model.share_prompt_prefix=false"])

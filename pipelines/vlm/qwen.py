@@ -307,8 +307,10 @@ class QwenVLPolicy:
                  max_prompt_length: int = 4096, cache_implementation: str = "dynamic", system_prompt: str | None = None,
                  question_template: str = "{question}", media=None, gradient_checkpointing: bool = False,
                  skip_bad_samples: bool = False, device: torch.device | str = "cpu", tools: dict | None = None,
-                 max_tool_calls: int = 2, tool_response_template: str = "\n<observation>{image}</observation>\n"):
+                 max_tool_calls: int = 2, tool_response_template: str = "\n<observation>{image}</observation>\n",
+                 share_prompt_prefix: bool = True):
         self.processor = processor
+        self.share_prompt_prefix = share_prompt_prefix
         self.tokenizer = processor.tokenizer
         self.temperature = temperature
         self.top_p = top_p
@@ -739,16 +741,13 @@ class QwenVLPolicy:
         index = torch.as_tensor(index, dtype=torch.long)
         rows = rollout.prompt_index[index]
         width = rollout.completion_ids.shape[1]
-        kwargs = self._sequence_inputs(rollout, index)
-        input_ids = kwargs["input_ids"]
         vision = self.masked_vision(rollout) if masked_vision else \
             self.perturbed_vision(rollout, perturbed_vision) if perturbed_vision > 0 else rollout.vision
         row_vision = [vision[r] for r in rows.tolist()]
+        targets = rollout.completion_ids[index].to(self.device)
 
         own = None if rollout.completion_attention is None else (rollout.mask[index] > 0).to(self.device)
-        positions = self._rope_positions(rollout)
-        if positions is not None:  # the model's own 3-D rope positions, computed once per rollout
-            kwargs["position_ids"] = positions[:, index.to(positions.device)]
+        positions = self._rope_positions(rollout)  # the model's own 3-D rope positions, computed once per rollout
 
         def token_logps(model, train: bool) -> Tensor:
             # the mode is set at the start of each forward and left as it is: a gradient-carrying forward stays in
@@ -760,12 +759,17 @@ class QwenVLPolicy:
                 unique = list({id(v): v for v in row_vision}.values())
                 encoded = dict(zip(map(id, unique), self._encode(hf_model, unique,
                                                                  detach=not torch.is_grad_enabled())))
-            vision_kwargs = self._vision_kwargs(row_vision, encoded)
-            logits = model(**kwargs, **vision_kwargs, logits_to_keep=width + 1, use_cache=False).logits[:, :-1].float()
-            logits = logits / self.temperature
+            if self._shares_prompts(rows, rollout, positions):
+                logits = self._prefix_shared_logits(model, rollout, index, vision, encoded, positions)
+            else:
+                kwargs = self._sequence_inputs(rollout, index)
+                if positions is not None:
+                    kwargs["position_ids"] = positions[:, index.to(positions.device)]
+                vision_kwargs = self._vision_kwargs(row_vision, encoded)
+                logits = model(**kwargs, **vision_kwargs, logits_to_keep=width + 1, use_cache=False).logits[:, :-1]
+            logits = logits.float() / self.temperature
             if self.suppressed_ids:
                 logits[..., self.suppressed_ids] = float("-inf")
-            targets = input_ids[:, -width:]
             picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
             logps = picked - torch.logsumexp(logits, dim=-1)
             if own is not None:  # a tool response's vision placeholders are suppressed ids: -inf, never actions
@@ -794,6 +798,48 @@ class QwenVLPolicy:
             logps = logps[:, steps]
             kl = kl[:, steps] if kl is not None else None
         return LogProbOutput(logps=logps, kl=kl)
+
+    def _shares_prompts(self, rows: Tensor, rollout: VLMRollout, positions: Tensor | None) -> bool:
+        """Whether a log-prob forward over samples with these prompt ``rows`` runs each distinct prompt once
+        (:meth:`_prefix_shared_logits`): ``share_prompt_prefix`` is on, some prompt is repeated, the rope positions
+        are known (the model would derive the completions' from the prompt forward's rows), the completions hold no
+        tool responses (their images would need the vision inputs), and gradient checkpointing is off (it recomputes
+        each layer in backward and cannot keep a KV cache; no-grad passes follow the gradient forward's layout so the
+        first ratio stays exactly 1)."""
+        return (self.share_prompt_prefix and positions is not None and rollout.completion_attention is None
+                and len(set(rows.tolist())) < len(rows)
+                and not getattr(self.base_model, "is_gradient_checkpointing", False))
+
+    def _prefix_shared_logits(self, model, rollout: VLMRollout, index: Tensor, vision: list[Vision],
+                              encoded: dict[int, tuple] | None, positions: Tensor) -> Tensor:
+        """The logits ``[n, T, V]`` that predict the completion tokens of samples ``index``, each distinct prompt
+        run once: one forward of the distinct prompt rows builds their KV cache (the logits of the last prompt token
+        predict each completion's first token), the cache is indexed out to one row per sample, and one forward of
+        the completions attends to it. The same log-probs as one forward of every prompt + completion row (tested)
+        with the prompt's tokens computed once per group instead of once per completion; gradients reach the prompt
+        positions through the cache."""
+        rows = rollout.prompt_index[index]
+        prompts, inverse = torch.unique(rows, return_inverse=True)
+        first = torch.zeros(len(prompts), dtype=torch.long).scatter_reduce(
+            0, inverse, torch.arange(len(rows)), reduce="amin", include_self=False)  # a sample of each prompt
+        prompt_length = rollout.prompt_ids.shape[1]
+        prompt_kwargs = {"input_ids": rollout.prompt_ids[prompts], "attention_mask": rollout.prompt_mask[prompts]}
+        completion_kwargs = {
+            "input_ids": rollout.completion_ids[index],
+            "attention_mask": torch.cat([rollout.prompt_mask[rows], rollout.attention[index].long()], dim=1)}
+        if rollout.mm_token_type_ids is not None:
+            prompt_kwargs["mm_token_type_ids"] = rollout.mm_token_type_ids[prompts]
+            completion_kwargs["mm_token_type_ids"] = rollout.completion_types[index].to(rollout.mm_token_type_ids.dtype)
+        prompt_kwargs = {k: v.to(self.device) for k, v in prompt_kwargs.items()}
+        completion_kwargs = {k: v.to(self.device) for k, v in completion_kwargs.items()}
+        prompt_kwargs["position_ids"] = positions[:, index[first].to(positions.device), :prompt_length]
+        completion_kwargs["position_ids"] = positions[:, index.to(positions.device), prompt_length:]
+        out = model(**prompt_kwargs, **self._vision_kwargs([vision[p] for p in prompts.tolist()], encoded),
+                    logits_to_keep=1, use_cache=True)
+        cache = out.cache
+        cache.batch_select_indices(inverse.to(self.device))
+        completion = model(**completion_kwargs, cache=cache, use_cache=True).logits
+        return torch.cat([out.logits[inverse.to(self.device)], completion[:, :-1]], dim=1)
 
     def _sequence_inputs(self, rollout: VLMRollout, index: Tensor) -> dict[str, Tensor]:
         """``input_ids``, ``attention_mask`` (and ``mm_token_type_ids``) of samples ``index``: each one's prompt row
