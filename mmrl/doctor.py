@@ -7,6 +7,10 @@ new model, sampler or reward: every check is something the loop silently relies 
 * ``replay_matches_rollout``: the log-probs the training pass recomputes, in its layout (minibatches of
   ``train.batch_size``, chunks of ``train.timestep_chunk``), equal those recorded while sampling (flows), or, for a
   VLM whose sampler records none, the whole batch's equal the minibatches' (batch invariance).
+* ``prompt_sharing_matches_full_rows`` (VLMs): the log-prob pass that runs each distinct prompt once and the
+  completions on its KV cache (``model.share_prompt_prefix``) gives the log-probs of one full row per sample, so a
+  model whose cache handling differs is caught before it trains on the wrong values (reported, not run, where the
+  sharing is off).
 * ``first_ratio_is_one``: a gradient-carrying (train-mode) forward gives the same log-probs as the no-grad one, so
   the first ratio of an update is exactly 1 on-policy (it is not with ``model.lora_dropout`` > 0: reported).
 * ``reference_is_base``: before any update the KL to the reference is 0 (the reference, adapters disabled or a frozen
@@ -175,6 +179,21 @@ def run_doctor(config) -> list[Check]:
         checks.append(Check("replay_matches_rollout", gap <= tol,
                             f"max |log p per minibatch of {batch} - log p of the whole batch| = {gap:.3g} "
                             f"(tolerance {tol:g}; the sampler records none)"))
+
+        if policy.share_prompt_prefix and policy._shares_prompts(rollout.prompt_index, rollout,
+                                                                 policy._rope_positions(rollout)):
+            try:
+                policy.share_prompt_prefix = False
+                rows = _replay(policy, rollout, len(mask), 0)
+            finally:
+                policy.share_prompt_prefix = True
+            gap = _masked_max(whole, rows, mask)
+            checks.append(Check("prompt_sharing_matches_full_rows", gap <= tol,
+                                f"max |log p, each prompt once - log p, full rows| = {gap:.3g} (tolerance {tol:g})"))
+        else:
+            why = "model.share_prompt_prefix: false" if not policy.share_prompt_prefix else \
+                "model.gradient_checkpointing, tool responses or no repeated prompt"
+            checks.append(Check("prompt_sharing_matches_full_rows", True, f"not used ({why}): full rows"))
 
     trained = _replay(policy, rollout, batch, chunk, grad=True)
     ratio = _masked_max(torch.exp(trained - replay), torch.ones_like(replay), mask)

@@ -55,6 +55,24 @@ def test_doctor_passes_on_the_vlm_policy(tmp_path, lora):
     config = load_config(Path(TINY_RECIPE).parent / "vlm_grounding.yaml",
                          [f"output_dir={tmp_path}", f"model.use_lora={str(lora).lower()}"])
     checks = run_doctor(config)
-    assert [c.name for c in checks] == [n for n in FLOW_CHECKS if n != "sde_zero_noise_is_ode"]
+    expected = [n for n in FLOW_CHECKS if n != "sde_zero_noise_is_ode"]
+    assert [c.name for c in checks] == expected[:2] + ["prompt_sharing_matches_full_rows"] + expected[2:]
     assert all(c.ok for c in checks), [c for c in checks if not c.ok]
+    assert "each prompt once" in by_name(checks)["prompt_sharing_matches_full_rows"].figure
     assert ("PEFT" if lora else "full model") in by_name(checks)["export_reloads"].figure
+
+
+def test_doctor_catches_a_prompt_sharing_forward_that_differs_from_full_rows(tmp_path, monkeypatch):
+    """A model whose KV-cache handling broke the prompt-shared pass (here: its logits scaled) fails that check, and
+    the check says where sharing is off."""
+    from mmrl.pipelines.vlm.qwen import QwenVLPolicy
+
+    recipe = Path(TINY_RECIPE).parent / "vlm_grounding.yaml"
+    shared = QwenVLPolicy._prefix_shared_logits
+    monkeypatch.setattr(QwenVLPolicy, "_prefix_shared_logits",
+                        lambda self, *a, **k: shared(self, *a, **k) * 1.1)  # another temperature
+    checks = by_name(run_doctor(load_config(recipe, [f"output_dir={tmp_path}"])))
+    assert not checks["prompt_sharing_matches_full_rows"].ok
+    monkeypatch.undo()
+    off = by_name(run_doctor(load_config(recipe, [f"output_dir={tmp_path}", "model.share_prompt_prefix=false"])))
+    assert off["prompt_sharing_matches_full_rows"].ok and "not used" in off["prompt_sharing_matches_full_rows"].figure
