@@ -74,16 +74,21 @@ def mid_size_vlm(directory: Path, hidden: int = 512, layers: int = 8, vision_hid
 
 
 class Recorder:
-    """The calls the trainer makes to the VLM during one update: ``generate`` (its kwargs and how many tokens it
-    produced) and every top-level forward outside it (its tensors and whether grad was on), with the rows a
-    prompt-shared log-prob forward (``model.share_prompt_prefix``) selects from its prompts' KV cache."""
+    """The calls the trainer makes to the VLM during one update: ``generate`` (its kwargs, how many tokens it
+    produced and, with ``model.share_prompt_prefix``, the inputs of the prompts' one prefill that feeds it) and every
+    top-level forward outside it (its tensors and whether grad was on), with the rows a prompt-shared log-prob
+    forward selects from its prompts' KV cache."""
 
     def __init__(self, policy):
-        self.generates: list[tuple[dict, int]] = []
+        import copy
+
+        self.generates: list[tuple[dict, int, tuple | None]] = []  # (kwargs, tokens produced, shared prefill)
         self.forwards: list[tuple] = []  # (grad, kwargs) or ("select", the rows taken from a prompt cache)
         self._paused = False
+        self._prefill_inputs = None
         self.model = policy.model  # the PEFT model (LoRA) or the model: what the policy calls
         original = self.model.generate
+        self._prefill = policy._shared_prefill
 
         def generate(*args, **kwargs):
             self._paused = True
@@ -91,11 +96,22 @@ class Recorder:
                 sequences = original(*args, **kwargs)
             finally:
                 self._paused = False
-            self.generates.append((dict(kwargs), sequences.shape[1] - kwargs["input_ids"].shape[1]))
+            self.generates.append((dict(kwargs), sequences.shape[1] - kwargs["input_ids"].shape[1],
+                                   self._prefill_inputs))
+            self._prefill_inputs = None
             return sequences
+
+        def prefill(gen_kwargs, vision_kwargs, config):  # the prompts' one prefill: part of the generate it feeds
+            self._prefill_inputs = (dict(gen_kwargs), dict(vision_kwargs), copy.deepcopy(config))
+            self._paused = True
+            try:
+                return self._prefill(gen_kwargs, vision_kwargs, config)
+            finally:
+                self._paused = False
 
         self.model.generate = generate
         self._generate = original
+        policy._shared_prefill = prefill
         policy.base_model.register_forward_pre_hook(self._hook, with_kwargs=True)
         from transformers.cache_utils import DynamicCache
 
@@ -132,11 +148,14 @@ class Recorder:
         calls, forwards = list(self.generates), list(self.forwards)
         self._paused = True  # the replay's own forwards are not recorded either
         start = time.perf_counter()
-        for kwargs, produced in calls:
+        for kwargs, produced, prefill in calls:
             kwargs = dict(kwargs)
             config = copy.deepcopy(kwargs.pop("generation_config"))
             config.min_new_tokens = config.max_new_tokens = produced
             with torch.no_grad():
+                if prefill is not None:  # the prompts prefilled once again, a fresh cache for the group's rows
+                    gen_kwargs, vision_kwargs, prefill_config = prefill
+                    kwargs = self._prefill(dict(gen_kwargs), vision_kwargs, copy.deepcopy(prefill_config))
                 self._generate(**kwargs, generation_config=config)
         cache, pending = None, []
         for grad, kwargs in forwards:
@@ -196,7 +215,8 @@ def run_vlm(args, tmp: Path) -> dict:
     return {"mmrl_s": statistics.median(times), "floor_s": statistics.median(floors),
             "mmrl_over_floor": statistics.median(ratios), "ratios": ratios, "parameters": params,
             "peak_step_mib_per_sample": peak,
-            "generate_calls": len(recorder.generates), "new_tokens": [n for _, n in recorder.generates],
+            "generate_calls": len(recorder.generates), "new_tokens": [n for _, n, _ in recorder.generates],
+            "shared_prefills": sum(p is not None for _, _, p in recorder.generates),
             "forwards": recorder.passes()}
 
 

@@ -74,10 +74,11 @@ class ModelConfig:
                               "prompt per update and reused by every completion and inner epoch).")
     attn_implementation: str | None = opt(None, "VLM: transformers attention kernel ('sdpa', 'flash_attention_2', "
                                           "'eager'); null = the library default.")
-    share_prompt_prefix: bool = opt(True, "VLM: a log-prob forward runs each distinct prompt of its minibatch once "
-                                    "and the completions on its KV cache (the same log-probs and gradients, the "
-                                    "prompt's tokens computed once per group instead of once per completion); not in "
-                                    "gradient forwards under gradient_checkpointing. False: one full row per sample.")
+    share_prompt_prefix: bool = opt(True, "VLM: each prompt computed once per group instead of once per completion: "
+                                    "generation prefills it once and repeats its KV cache to the group's rows (dynamic "
+                                    "cache), and a log-prob forward runs each distinct prompt of its minibatch once "
+                                    "with the completions on its KV cache (the same log-probs and gradients; not under "
+                                    "gradient_checkpointing). False: one full row per sample, as TRL.")
 
 
 @dataclass

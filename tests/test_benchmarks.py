@@ -40,7 +40,8 @@ def test_vlm_grpo_vs_trl_smoke(tmp_path, train_vision):
     trained = epochs * n // batch
     cm, ct = mmrl["counts_per_step"], trl["counts_per_step"]
     assert ct["lm_grad_calls"] == trained and cm["lm_grad_calls"] == 2 * trained
-    assert cm["lm_calls"] == ct["lm_calls"] - 1 + trained
+    # and generation prefills the prompt once (one more call, the group's rows then start from its cache)
+    assert cm["lm_calls"] == ct["lm_calls"] - 1 + trained + 1
     prompt_tokens, completion_tokens = max(mmrl["prompt_lengths"]), 4  # one prompt; padded completion width
     assert ct["lm_grad_tokens"] == trained * batch * (prompt_tokens + completion_tokens)
     assert cm["lm_grad_tokens"] == trained * (prompt_tokens + batch * completion_tokens)
@@ -100,6 +101,7 @@ def test_overhead_bench_replays_the_trainers_model_work(tmp_path):
     assert line == json.loads(out.read_text()) and line["bench"] == "overhead" and line["ok"] is True
     vlm = line["results"]["vlm"]
     assert vlm["generate_calls"] == 1 and vlm["new_tokens"] == [4]  # 2 prompts x 4 completions in one call
+    assert vlm["shared_prefills"] == 1  # its 2 prompts prefilled once, the 8 rows started from their cache
     # tiny recipe: batch 4 of 8 samples, 2 inner epochs: 4 training forwards; reference passes 2, old log-prob
     # passes 1 (the first minibatch's come from its training forward); every minibatch of 4 repeats one of the 2
     # prompts, so each pass runs its distinct prompts once first (model.share_prompt_prefix) and the floor replays that

@@ -82,7 +82,8 @@ def script(policy, turns: list[str], *, every_update: bool = False) -> list:
         k = calls[0]
         calls[0] += 1
         n = kwargs["generation_config"].num_return_sequences or 1
-        if every_update and n > 1:
+        # a group's first turn: several sequences per prompt, or rows already expanded onto a shared prefill's cache
+        if every_update and (n > 1 or kwargs.get("cache") is not None):
             k = 0
         if k < len(ids) and (k == 0 or not every_update):
             prompt = kwargs["input_ids"].repeat_interleave(n, 0)

@@ -227,6 +227,25 @@ def test_completion_mask_stops_after_first_eos():
     assert _completion_mask(ids, [9]).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
 
 
+def test_shared_prefill_samples_the_same_tokens_and_prefills_each_prompt_once(model_path):
+    """share_prompt_prefix in generation: each prompt is prefilled once and its KV cache repeated to its group's rows.
+    Same seed, same sampled completions as one prefill per returned sequence (image, two-image, text-only and video
+    rows); the language model sees the prompts once (all but their last token), then the expanded rows. (Greedy
+    rollouts return one sequence per prompt: nothing to share.)"""
+    shared = make_policy(model_path, max_new_tokens=8)
+    rows = make_policy(model_path, max_new_tokens=8, share_prompt_prefix=False)
+    rows.model.load_state_dict(shared.model.state_dict())
+    seen = []
+    hook = shared.base_model.model.language_model.register_forward_pre_hook(
+        lambda module, args, kw: seen.append(tuple(kw["inputs_embeds"].shape[:2])), with_kwargs=True)
+    a = shared.rollout(ITEMS, 3, generator=torch.Generator().manual_seed(5))
+    hook.remove()
+    b = rows.rollout(ITEMS, 3, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a.completion_ids, b.completion_ids) and a.completions == b.completions
+    prompt = a.prompt_ids.shape[1]
+    assert seen[:2] == [(len(ITEMS), prompt - 1), (3 * len(ITEMS), 1)]
+
+
 def test_static_cache_samples_the_same_tokens(model_path):
     """generation.cache_implementation: static decodes with HF's StaticCache (compiled on a GPU); on the same seed the
     sampled and the greedy completions are the dynamic cache's, for image, multi-image, text-only and video rows."""

@@ -687,13 +687,15 @@ class QwenVLPolicy:
         """``model.generate`` on left-padded rows with per-row ``vision``, seeded from ``generator``; the sequences
         (prompt columns included) on the model's device. ``kwargs`` go to ``generate`` (e.g. the tokenizer for stop
         strings)."""
+        vision_kwargs = self._vision_kwargs(vision, cached=self.freeze_vision or all(map(_has_features, vision)))
         gen_kwargs = {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device),
-                      **self._vision_kwargs(vision, cached=self.freeze_vision or all(map(_has_features, vision))),
-                      **kwargs}
+                      **vision_kwargs, **kwargs}
         if mm_types is not None:
             gen_kwargs["mm_token_type_ids"] = mm_types.to(self.device)
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         set_mode(self.model, train=False)
+        if self._shares_prefill(config, input_ids):
+            gen_kwargs = self._shared_prefill(gen_kwargs, vision_kwargs, config)
         # generate() fills every field the passed config leaves unset from model.generation_config (transformers
         # 5.x GenerationMixin._prepare_generation_config, no opt-out): for this call the model's config is ours,
         # so nothing the checkpoint ships (repetition_penalty, min_p, ...) reaches the sampling distribution
@@ -708,6 +710,37 @@ class QwenVLPolicy:
                 return self.model.generate(**gen_kwargs, generation_config=config)
         finally:
             hf_model.generation_config = shipped
+
+    def _shares_prefill(self, config, input_ids: Tensor) -> bool:
+        """Whether ``generate`` prefills each prompt once for its ``num_return_sequences`` samples
+        (:meth:`_shared_prefill`): ``share_prompt_prefix`` is on, more than one sequence per prompt is asked for, the
+        cache is HF's dynamic one (a static cache is allocated by ``generate`` itself) and the prompts have a token to
+        leave to ``generate``."""
+        return (self.share_prompt_prefix and int(getattr(config, "num_return_sequences", 1) or 1) > 1
+                and getattr(config, "cache_implementation", None) in (None, "dynamic") and input_ids.shape[1] > 1)
+
+    @torch.no_grad()
+    def _shared_prefill(self, gen_kwargs: dict, vision_kwargs: dict, config) -> dict:
+        """One prefill forward per distinct prompt instead of one per returned sequence: the prompt rows but their last
+        token run once with the vision inputs, their KV cache is repeated to the ``num_return_sequences`` rows of each
+        prompt (as ``generate`` expands its inputs), and ``generate`` continues from it (transformers' "re-use the
+        cache to continue generation") on the expanded rows, computing the last prompt token and sampling from there.
+        The model's rope offsets of the prompts (``rope_deltas``, which ``generate`` reads once a cache is given) are
+        repeated alike. The same sampling distribution (greedy tokens tested equal); ``config`` is changed to return one
+        sequence per (expanded) row. Returns the kwargs for ``generate``."""
+        group = int(config.num_return_sequences)
+        prefix = {k: gen_kwargs[k][:, :-1] for k in ("input_ids", "attention_mask", "mm_token_type_ids")
+                  if k in gen_kwargs}
+        cache = self.model(**prefix, **vision_kwargs, use_cache=True, logits_to_keep=1).cache
+        cache.batch_repeat_interleave(group)
+        core = getattr(self.base_model, "model", None)
+        if getattr(core, "rope_deltas", None) is not None:
+            core.rope_deltas = core.rope_deltas.repeat_interleave(group, dim=0)
+        config.num_return_sequences = 1
+        out = {k: v.repeat_interleave(group, dim=0) for k, v in gen_kwargs.items()
+               if k in ("input_ids", "attention_mask", "mm_token_type_ids")}
+        extra = {k: v for k, v in gen_kwargs.items() if k not in out and k not in vision_kwargs}
+        return {**out, **extra, "cache": cache}
 
     def sampling_config(self, *, greedy: bool = False, group_size: int = 1):
         """A fresh ``GenerationConfig`` holding only the policy's settings: the processors that sampling applies
