@@ -841,7 +841,7 @@ class QwenVLPolicy:
         first ratio stays exactly 1)."""
         return (self.share_prompt_prefix and positions is not None and rollout.completion_attention is None
                 and len(set(rows.tolist())) < len(rows)
-                and not getattr(self.base_model, "is_gradient_checkpointing", False))
+                and not getattr(self.base_model, "is_activation_checkpointing", False))
 
     def _prefix_shared_logits(self, model, rollout: VLMRollout, index: Tensor, vision: list[Vision],
                               encoded: dict[int, tuple] | None, positions: Tensor) -> Tensor:
