@@ -166,7 +166,8 @@ class Recorder:
                 kwargs = dict(kwargs, cache=cache)
             with torch.set_grad_enabled(grad):
                 out = self.model(**kwargs)
-                pending.append(out.logits.float().logsumexp(-1).mean())
+                if grad:  # a backward through the pass's logits (a prompt-shared pass: both forwards' at once)
+                    pending.append(out.logits.float().logsumexp(-1).mean())
                 if kwargs.get("use_cache") and "cache" not in kwargs:  # a shared prompt: its completions follow
                     cache = out.cache
                     continue

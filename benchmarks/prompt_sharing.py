@@ -94,9 +94,11 @@ def main(argv=None) -> int:
 
         layouts = {"shared": True, "full_rows": False}
         times = {(layout, kind): [] for layout in layouts for kind in ("grad", "no_grad")}
-        peaks, tokens, logps = {}, {}, {}
+        peaks, tokens, logps, distinct = {}, {}, {}, []
         for r in range(args.repeats + 1):  # round 0 warms up
             index = torch.randperm(n, generator=generator)[:args.batch]
+            if r:
+                distinct.append(len(set(rollout.prompt_index[index].tolist())))
             order = list(layouts) if r % 2 == 0 else list(layouts)[::-1]
             for layout in order:
                 policy.share_prompt_prefix = layouts[layout]
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
         "lm_token_positions": {f"{layout}/{kind}": v for (layout, kind), v in tokens.items()},
         "peak_mib_per_sample": {layout: v / 2**20 / args.batch for layout, v in peaks.items()},
         "prompt_tokens": int(rollout.prompt_ids.shape[1]), "completion_width": int(rollout.completion_ids.shape[1]),
-        "distinct_prompts_in_minibatch": "random draw per round",
+        "distinct_prompts_per_round": distinct,  # the prompts each timed round's random minibatch holds
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "parameters": sum(p.numel() for p in policy.base_model.parameters()),
         "versions": versions(),

@@ -151,6 +151,7 @@ def test_prompt_sharing_bench_compares_the_two_layouts_on_the_same_minibatch(tmp
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     assert line == json.loads(out.read_text()) and line["bench"] == "prompt-sharing" and line["ok"] is True
     assert line["max_abs_logp_difference"] < 1e-4
+    assert line["distinct_prompts_per_round"] == [2]  # the minibatch of 8 is the whole rollout: both prompts
     prompt, width = line["prompt_tokens"], line["completion_width"]
     tokens = line["lm_token_positions"]
     assert tokens["full_rows/grad"] == tokens["full_rows/no_grad"] == 8 * (prompt + width)

@@ -726,8 +726,8 @@ class QwenVLPolicy:
         prompt (as ``generate`` expands its inputs), and ``generate`` continues from it (transformers' "re-use the
         cache to continue generation") on the expanded rows, computing the last prompt token and sampling from there.
         The model's rope offsets of the prompts (``rope_deltas``, which ``generate`` reads once a cache is given) are
-        repeated alike. The same sampling distribution (greedy tokens tested equal); ``config`` is changed to return one
-        sequence per (expanded) row. Returns the kwargs for ``generate``."""
+        repeated alike. The same sampling distribution (the same sampled tokens on the same seed, tested); ``config``
+        is changed to return one sequence per (expanded) row. Returns the kwargs for ``generate``."""
         group = int(config.num_return_sequences)
         prefix = {k: gen_kwargs[k][:, :-1] for k in ("input_ids", "attention_mask", "mm_token_type_ids")
                   if k in gen_kwargs}
@@ -856,15 +856,13 @@ class QwenVLPolicy:
         first = torch.zeros(len(prompts), dtype=torch.long).scatter_reduce(
             0, inverse, torch.arange(len(rows)), reduce="amin", include_self=False)  # a sample of each prompt
         prompt_length = rollout.prompt_ids.shape[1]
+        rows_kwargs = self._sequence_inputs(rollout, index)  # the full rows: prompt columns, then completion columns
+        # the completions attend to the whole row (the cached prompt's mask included), their own columns are input
+        completion_kwargs = {k: v if k == "attention_mask" else v[:, prompt_length:] for k, v in rows_kwargs.items()}
         prompt_kwargs = {"input_ids": rollout.prompt_ids[prompts], "attention_mask": rollout.prompt_mask[prompts]}
-        completion_kwargs = {
-            "input_ids": rollout.completion_ids[index],
-            "attention_mask": torch.cat([rollout.prompt_mask[rows], rollout.attention[index].long()], dim=1)}
         if rollout.mm_token_type_ids is not None:
             prompt_kwargs["mm_token_type_ids"] = rollout.mm_token_type_ids[prompts]
-            completion_kwargs["mm_token_type_ids"] = rollout.completion_types[index].to(rollout.mm_token_type_ids.dtype)
         prompt_kwargs = {k: v.to(self.device) for k, v in prompt_kwargs.items()}
-        completion_kwargs = {k: v.to(self.device) for k, v in completion_kwargs.items()}
         prompt_kwargs["position_ids"] = positions[:, index[first].to(positions.device), :prompt_length]
         completion_kwargs["position_ids"] = positions[:, index.to(positions.device), prompt_length:]
         out = model(**prompt_kwargs, **self._vision_kwargs([vision[p] for p in prompts.tolist()], encoded),
