@@ -48,13 +48,13 @@ def format_checks(checks: list[Check]) -> str:
     return "\n".join(f"  {'ok  ' if c.ok else 'FAIL'} {c.name:<{width}}  {c.figure}" for c in checks)
 
 
-def _small(config):
+def _small(config, output_dir: str):
     """The config cut to one small batch: 2 prompts x 2 samples, no outputs, no benchmarks."""
     d = replace(config.data, prompts_per_step=min(2, config.data.prompts_per_step), group_size=2)
     t = replace(config.train, batch_size=min(config.train.batch_size, 2), inner_epochs=1)
     log = replace(config.logging, eval_every=0, save_every=0, wandb_project=None, progress_bar=False)
     return replace(config, data=d, train=t, logging=log, eval=replace(config.eval, every=0), resume=None,
-                   output_dir=tempfile.mkdtemp(prefix="mmrl-doctor-"))
+                   output_dir=output_dir)
 
 
 @contextmanager
@@ -148,10 +148,16 @@ def _swapped_model(policy, model):
 
 
 def run_doctor(config) -> list[Check]:
-    """Build the config's trainer on one small batch and run every check (see the module docstring)."""
+    """Build the config's trainer on one small batch and run every check (see the module docstring).
+
+    The trainer's output folder is a temporary one, removed when the checks end."""
+    with tempfile.TemporaryDirectory(prefix="mmrl-doctor-") as output_dir:
+        return _checks(_small(config, output_dir))
+
+
+def _checks(config) -> list[Check]:
     from mmrl.build import build_trainer
 
-    config = _small(config)
     flow = config.model.family != "qwen_vl"
     tol = TOLERANCE.get(config.model.dtype, 1e-5)
     trainer = build_trainer(config)

@@ -17,8 +17,14 @@ def by_name(checks):
     return {c.name: c for c in checks}
 
 
-def test_doctor_passes_on_the_flow_policy(tmp_path):
+def test_doctor_passes_on_the_flow_policy(tmp_path, monkeypatch):
+    import tempfile
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     checks = run_doctor(load_config(TINY_RECIPE, [f"output_dir={tmp_path}"]))
+    assert [p.name for p in scratch.glob("mmrl-doctor-*")] == [], "the doctor's temporary run folder is left behind"
     assert [c.name for c in checks] == FLOW_CHECKS
     assert all(c.ok for c in checks), [c for c in checks if not c.ok]
     assert "after perturbing the trainable weights" in by_name(checks)["reference_is_base"].figure
