@@ -133,7 +133,31 @@ def build_vlm_policy(config: Config, device: torch.device | str = "cpu"):
         gradient_checkpointing=m.gradient_checkpointing, skip_bad_samples=config.data.skip_bad_samples,
         device=device, tools=resolve_tools(g.tools), max_tool_calls=g.max_tool_calls,
         tool_response_template=g.tool_response_template, share_prompt_prefix=m.share_prompt_prefix,
+        sampler=build_vlm_sampler(config) if g.engine == "vllm" else None,
     )
+
+
+def build_vlm_sampler(config: Config):
+    """generation.engine: vllm -> a vLLM engine over the policy's checkpoint (:mod:`mmrl.pipelines.vlm.vllm_engine`),
+    with the processor's pixel budget when the config sets one; one training process only."""
+    from mmrl.pipelines.vlm.qwen import resolve_vlm_pretrained
+    from mmrl.pipelines.vlm.vllm_engine import VLLMSampler, vllm_missing
+
+    m, g = config.model, config.generation
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("generation.engine: vllm runs one colocated engine in one training process; launch a single "
+                          "process, or use the default engine 'hf' with several")
+    problem = vllm_missing()
+    if problem:
+        raise ConfigError(problem)
+    options = dict(g.vllm)
+    pixels = {k: v for k, v in (("min_pixels", g.min_pixels), ("max_pixels", g.max_pixels)) if v is not None}
+    if pixels:
+        options["mm_processor_kwargs"] = {**pixels, **options.get("mm_processor_kwargs", {})}
+    if m.revision is not None:
+        options.setdefault("revision", m.revision)
+    return VLLMSampler(resolve_vlm_pretrained(m.pretrained), dtype=m.dtype, seed=config.seed,
+                       max_model_len=g.max_prompt_length + g.max_new_tokens, options=options)
 
 
 def build_policy(config: Config, device: torch.device | str = "cpu"):

@@ -135,6 +135,14 @@ class GenerationConfig:
                                     "'static' (StaticCache, preallocated: on a GPU transformers then compiles the "
                                     "decoding forward). The sampled tokens are the same; only the speed differs.",
                                     choices=("dynamic", "static"))
+    engine: str = opt("hf", "What samples the rollouts: 'hf' (the trained model's own generate) or 'vllm' (a vLLM "
+                      "engine colocated in the training process, the policy's weights pushed to it whenever they "
+                      "changed; the training log-probs are still the trained model's, and the sampler / trainer gap is "
+                      "logged as rollout/sampler_logp_gap_mean / _max; image and text prompts, one process; pip "
+                      "install \"mmrl-align[vllm]\").", choices=("hf", "vllm"))
+    vllm: dict = opt({}, "engine 'vllm': more vllm.LLM arguments (gpu_memory_utilization, default 0.3 as TRL's "
+                         "colocate mode; enforce_eager; ...); model, dtype, seed, lengths and the log-prob mode are "
+                         "mmrl's.")
     max_prompt_length: int = opt(4096, "Longest prompt in tokens, vision tokens included. A longer prompt is an "
                                  "error (or a counted skip with data.skip_bad_samples): never truncated through "
                                  "its vision tokens.")
@@ -582,6 +590,31 @@ def _check_environment(config: Config) -> None:
                           f"logging.wandb_project=null")
 
 
+def _check_engine(g: GenerationConfig, *, check_files: bool) -> None:
+    """generation.engine and generation.vllm: what the vLLM engine takes (its module states why)."""
+    if g.engine != "vllm":
+        if g.vllm:
+            raise ConfigError(f"generation.vllm is for generation.engine: vllm (engine is {g.engine!r})")
+        return
+    from mmrl.pipelines.vlm.vllm_engine import RESERVED_OPTIONS, vllm_missing
+
+    if not isinstance(g.vllm, dict):
+        raise ConfigError(f"generation.vllm must be a mapping of vllm.LLM arguments, got {g.vllm!r}")
+    reserved = sorted(set(g.vllm) & set(RESERVED_OPTIONS))
+    if reserved:
+        raise ConfigError(f"generation.vllm: {reserved} are set by mmrl (the policy's checkpoint, dtype, seed, lengths "
+                          f"and log-prob mode)")
+    if g.tools:
+        raise ConfigError("generation.engine: vllm samples single-turn completions; tool calls (generation.tools) "
+                          "need the default engine 'hf'")
+    if g.cache_implementation != "dynamic":
+        raise ConfigError("generation.cache_implementation is HF generate's KV cache; with generation.engine: vllm "
+                          "vLLM manages its own (leave it 'dynamic')")
+    problem = vllm_missing() if check_files else None
+    if problem:
+        raise ConfigError(problem)
+
+
 def validate(config: Config, *, check_files: bool = True) -> None:
     """Range checks that types alone cannot express, and (``check_files``) what this machine must have: the
     named input files (relative paths from the working directory), the ``resume`` checkpoint, wandb when
@@ -732,6 +765,7 @@ def validate(config: Config, *, check_files: bool = True) -> None:
                               f"{exc})") from None
         if "{question}" not in g.question_template:
             raise ConfigError("generation.question_template must contain {question}")
+        _check_engine(g, check_files=check_files)
         if g.tools:
             from mmrl.pipelines.vlm.tools import resolve_tools
 

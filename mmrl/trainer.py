@@ -486,6 +486,18 @@ class Trainer:
             total += diff.sum(-1)
         return total / counts.clamp(min=1.0)
 
+    @staticmethod
+    def _sampler_gap(rollout, idx: torch.Tensor, steps: torch.Tensor, old: torch.Tensor, add) -> float:
+        """|log p of the rollout engine - log p of the trained model| on this minibatch's real tokens (TRL's
+        ``sampling/sampling_logp_difference``): its mean goes to ``add`` weighted by the token count (the update's
+        mean), its maximum is returned."""
+        mask = rollout.mask[idx][:, steps]
+        gap = (rollout.sampler_logps[idx][:, steps] - old.detach().float().cpu()).abs()[mask.bool()]
+        if not gap.numel():
+            return float("-inf")
+        add("rollout/sampler_logp_gap_mean", float(gap.mean()), float(gap.numel()))
+        return float(gap.max())
+
     def _optimizer_step(self, params) -> tuple[bool, float]:
         """Clip, then step. With a GradScaler (fp16) the scaler decides: a step whose gradients hold inf / NaN is
         skipped by the scaler, which lowers its scale (accelerate reports ``step_was_skipped``); without one a
@@ -574,6 +586,7 @@ class Trainer:
         skipped_steps = 0
 
         ratio_min, ratio_max = float("inf"), float("-inf")  # true extremes over the update, not means
+        gap_max = float("-inf")  # the rollout engine's log-probs against the trained model's (generation.engine)
 
         def add(key: str, value: float, weight: float = 1.0) -> None:
             sums[key] = sums.get(key, 0.0) + value * weight
@@ -615,6 +628,8 @@ class Trainer:
                                     rollout.old_logps[idx[:, None], steps[None, :]] = old.float().cpu()
                             else:
                                 old = rollout.old_logps[idx][:, steps]
+                            if epoch == 0 and getattr(rollout, "sampler_logps", None) is not None:
+                                gap_max = max(gap_max, self._sampler_gap(rollout, idx, steps, old, add))
                             result = policy_loss(
                                 out.logps, old.to(device), adv.to(device), mask[:, steps].to(device),
                                 clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.aggregation,
@@ -668,6 +683,8 @@ class Trainer:
             extremes = gather_object([(ratio_min, ratio_max)])
             ratio_min, ratio_max = min(e[0] for e in extremes), max(e[1] for e in extremes)
         metrics = {k: sums[k] / weights[k] if weights[k] > 0 else 0.0 for k in sums}
+        if gap_max > float("-inf"):
+            metrics["rollout/sampler_logp_gap_max"] = gap_max
         if math.isfinite(ratio_min):
             metrics["ratio/min"], metrics["ratio/max"] = ratio_min, ratio_max
         # the loss of an optimizer step is the sum of its micro-step losses (what the gradient is of); with several

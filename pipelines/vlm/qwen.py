@@ -79,6 +79,9 @@ class Vision:
     video_deepstack: list[list[Tensor]] = field(default_factory=list)
     #: the PIL images as the processor received them (what tool calls operate on; kept only with generation.tools)
     images: list = field(default_factory=list)
+    #: the prompt as a vLLM request (generation.engine: vllm): the chat template's token ids before the processor
+    #: expands the vision placeholders, and the images / video (see :mod:`mmrl.pipelines.vlm.vllm_engine`)
+    engine_prompt: dict | None = None
 
     @staticmethod
     def join(parts: list["Vision"]) -> "Vision":
@@ -124,6 +127,9 @@ class VLMRollout:
     tool_calls: list | None = None
     #: [N] the sampled item of each sample where it is not ``prompt_index`` (a tool rollout: a prompt row per sample)
     item_index: Tensor | None = None
+    #: [N, T] the rollout engine's own log-prob of each sampled token (generation.engine: vllm; 0 on padding), for
+    #: the sampler / trainer gap the trainer logs; ``None`` with HF ``generate`` (the sampler is the trained model)
+    sampler_logps: Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -159,6 +165,7 @@ class VLMRollout:
             completion_mm_types=None if self.completion_mm_types is None else self.completion_mm_types[index],
             tool_calls=None if self.tool_calls is None else [self.tool_calls[i] for i in index.tolist()],
             item_index=None if self.item_index is None else self.item_index[index],
+            sampler_logps=None if self.sampler_logps is None else self.sampler_logps[index],
         )
 
     @staticmethod
@@ -199,6 +206,8 @@ class VLMRollout:
             completion_attention=torch.cat([right(p.attention, 0) for p in parts]) if tools else None,
             completion_mm_types=torch.cat([right(p.completion_types, 0) for p in parts]) if tools else None,
             tool_calls=[x for p in parts for x in (p.tool_calls or [[] for _ in range(len(p))])] if tools else None,
+            sampler_logps=None if any(p.sampler_logps is None for p in parts) else
+            torch.cat([right(p.sampler_logps, 0.0) for p in parts]),
         )
 
     @property
@@ -308,8 +317,11 @@ class QwenVLPolicy:
                  question_template: str = "{question}", media=None, gradient_checkpointing: bool = False,
                  skip_bad_samples: bool = False, device: torch.device | str = "cpu", tools: dict | None = None,
                  max_tool_calls: int = 2, tool_response_template: str = "\n<observation>{image}</observation>\n",
-                 share_prompt_prefix: bool = True):
+                 share_prompt_prefix: bool = True, sampler=None):
         self.processor = processor
+        #: the rollout engine when it is not HF ``generate`` (a :class:`~mmrl.pipelines.vlm.vllm_engine.VLLMSampler`)
+        self.sampler = sampler
+        self._pushed_weights: tuple | None = None  # what the sampler last received (see _sync_sampler)
         self.share_prompt_prefix = share_prompt_prefix
         self.tokenizer = processor.tokenizer
         self.temperature = temperature
@@ -514,7 +526,26 @@ class QwenVLPolicy:
         if self.tools:
             for v, item_images in zip(vision, images):
                 v.images = item_images
+        if self.sampler is not None:
+            for v, text, item_images, video in zip(vision, texts, images, videos):
+                v.engine_prompt = self._engine_prompt(text, item_images, video)
         return inputs, vision, kept
+
+    def _engine_prompt(self, text: str, images: list, video) -> dict:
+        """One prompt as a vLLM request: the chat text's token ids (one placeholder per image / video; vLLM expands
+        them with the same processor) and the media as the training processor received them."""
+        request: dict = {"prompt_token_ids": self.tokenizer(text, add_special_tokens=False)["input_ids"]}
+        media: dict = {}
+        if images:
+            media["image"] = images if len(images) > 1 else images[0]
+        if video is not None:  # the frames mmrl sampled, as the training processor got them (no resampling)
+            frames = video.frames.permute(0, 2, 3, 1).contiguous().numpy()  # [T, H, W, 3] uint8
+            media["video"] = (frames, {"fps": video.sample_fps, "duration": len(frames) / video.sample_fps,
+                                       "total_num_frames": len(frames), "frames_indices": list(range(len(frames))),
+                                       "video_backend": "mmrl", "do_sample_frames": False})
+        if media:
+            request["multi_modal_data"] = media
+        return request
 
     def _skip(self, reason: str, message: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
@@ -663,11 +694,16 @@ class QwenVLPolicy:
         prompt_ids = inputs["input_ids"]
         prompt_mask = inputs["attention_mask"]
         mm_types = inputs.get("mm_token_type_ids")
-        sequences = self.generate(prompt_ids, prompt_mask, mm_types, vision,
-                                  self.sampling_config(greedy=greedy, group_size=group_size), generator)
+        sampler_logps = None
+        if self.sampler is not None:
+            completion_ids, sampler_logps = self._sample_on_engine(prompt_ids, prompt_mask, vision, group_size,
+                                                                   generator, greedy)
+        else:
+            sequences = self.generate(prompt_ids, prompt_mask, mm_types, vision,
+                                      self.sampling_config(greedy=greedy, group_size=group_size), generator)
+            completion_ids = sequences[:, prompt_ids.shape[1]:].cpu()
         if greedy:
             group_size = 1
-        completion_ids = sequences[:, prompt_ids.shape[1]:].cpu()
         mask = _completion_mask(completion_ids, self.eos_ids)
         completion_ids = completion_ids.masked_fill(mask == 0, self.pad_id)
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -680,7 +716,53 @@ class QwenVLPolicy:
             completions=texts, prompt_ids=prompt_ids, prompt_mask=prompt_mask, mm_token_type_ids=mm_types,
             completion_ids=completion_ids, mask=mask.float(), prompt_index=prompt_index, vision=vision,
             extras={"num_samples": n, "completion_length": mask.sum(-1).float()},
+            sampler_logps=None if sampler_logps is None else sampler_logps * mask,
         )
+
+    def _sync_sampler(self) -> None:
+        """Push the trained weights to the rollout engine when they changed since the last push: an optimizer step,
+        a loaded checkpoint or swapped-in EMA weights all write the parameters in place, which bumps their version
+        counters (so the first rollout of a run, fresh or resumed, always pushes)."""
+        from mmrl.pipelines.vlm.vllm_engine import merged_weights
+
+        trained = self.named_trainable_parameters()
+        state = tuple((name, id(p), p._version) for name, p in trained.items())
+        if state == self._pushed_weights:
+            return
+        self.sampler.push(list(merged_weights(self.model, trained=trained, use_lora=self.use_lora, dtype=self.dtype)))
+        self._pushed_weights = state
+
+    def _sample_on_engine(self, prompt_ids: Tensor, prompt_mask: Tensor, vision: list[Vision], group_size: int,
+                          generator: torch.Generator, greedy: bool) -> tuple[Tensor, Tensor]:
+        """``group_size`` completions per prompt from the rollout engine (1 when ``greedy``): ``[N, T]`` token ids
+        (right-padded) and the engine's log-prob of each (0 on padding). The prompt the engine expanded must be the
+        training processor's, token for token."""
+        self._sync_sampler()
+        seed = int(torch.randint(0, 2**31 - 1 - len(vision), (1,), generator=generator))
+        results = self.sampler.generate(
+            [v.engine_prompt for v in vision], n=group_size, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, max_tokens=self.max_new_tokens, stop_token_ids=self.eos_ids,
+            suppressed_ids=self.suppressed_ids, seed=seed, greedy=greedy)
+        rows, logps = [], []
+        for p, (engine_prompt, completions, completion_logps) in enumerate(results):
+            ours = prompt_ids[p][prompt_mask[p].bool()].tolist()
+            if engine_prompt != ours:
+                first = next((i for i, (a, b) in enumerate(zip(engine_prompt, ours)) if a != b),
+                             min(len(ours), len(engine_prompt)))
+                raise RuntimeError(
+                    f"the rollout engine expanded prompt {p} to {len(engine_prompt)} tokens where the training "
+                    f"processor has {len(ours)} (first difference at token {first}): the engine and the trainer "
+                    f"would read different sequences; check that vLLM loads the same processor settings "
+                    f"(generation.min_pixels / max_pixels)")
+            rows.extend(completions)
+            logps.extend(completion_logps)
+        width = max(1, max(len(r) for r in rows))
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        values = torch.zeros(len(rows), width)
+        for i, (r, lp) in enumerate(zip(rows, logps)):
+            ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+            values[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        return ids, values
 
     def generate(self, input_ids: Tensor, attention_mask: Tensor, mm_types: Tensor | None, vision: list[Vision],
                  config, generator: torch.Generator, **kwargs) -> Tensor:

@@ -352,9 +352,11 @@ def _save(model, processor, outdir: str | Path) -> Path:
     return outdir
 
 
-def build_tiny_qwen2_5_vl(outdir: str | Path, *, seed: int = 0) -> Path:
+def build_tiny_qwen2_5_vl(outdir: str | Path, *, seed: int = 0, text_overrides: dict | None = None) -> Path:
     """Build a random-weight ``Qwen2_5_VLForConditionalGeneration`` (tiny) and its
     ``Qwen2_5_VLProcessor``; ``save_pretrained`` both into ``outdir`` and return it as a ``Path``.
+    ``text_overrides`` replace text-config fields (vLLM's CPU attention needs a head size of at least 32:
+    ``{"num_attention_heads": 2, "num_key_value_heads": 1, "rope_parameters": {..., "mrope_section": [4, 6, 6]}}``).
 
     Load with ``AutoModelForImageTextToText.from_pretrained(outdir)`` (or the specific class) and
     ``AutoProcessor.from_pretrained(outdir)``.
@@ -377,7 +379,7 @@ def build_tiny_qwen2_5_vl(outdir: str | Path, *, seed: int = 0) -> Path:
         fullatt_block_indexes=[1],
         out_hidden_size=_TEXT_HIDDEN,
     )
-    config = Qwen2_5_VLConfig(text_config=_text_config(tokenizer), vision_config=vision,
+    config = Qwen2_5_VLConfig(text_config={**_text_config(tokenizer), **(text_overrides or {})}, vision_config=vision,
                               tie_word_embeddings=False, **_vision_token_ids(tokenizer))
     with _seeded(seed):
         model = Qwen2_5_VLForConditionalGeneration(config).eval()
