@@ -17,7 +17,7 @@
                                              score a folder of images with mmrl's rewards (mmrl.score)
     mmrl doctor CONFIG [key=value ...]       porting self-check on one small batch (exit 1 when a check fails)
     mmrl bench NAME [options]                a benchmark of benchmarks/ (flow-grpo, vlm-grpo, rewards,
-                                             credit-curves, overhead, prompt-sharing), side by side with its
+                                             credit-curves, overhead, prompt-sharing, vllm-rollout), side by side with its
                                              peer; one JSON line
                                              (memory: the GPU recipes' estimated peak memory and card presets)
     mmrl --version                           also: python -m mmrl ...
@@ -612,7 +612,7 @@ def _cmd_doctor(args) -> int:
 #: ``mmrl bench NAME`` -> the script in the repository's benchmarks/ folder.
 BENCHES = {"flow-grpo": "flow_grpo_bench.py", "vlm-grpo": "vlm_grpo_vs_trl.py", "rewards": "reward_throughput.py",
            "credit-curves": "credit_curves.py", "overhead": "overhead.py", "memory": "memory_estimate.py",
-           "prompt-sharing": "prompt_sharing.py"}
+           "prompt-sharing": "prompt_sharing.py", "vllm-rollout": "vllm_rollout.py"}
 
 
 def benchmarks_dir() -> Path:

@@ -157,3 +157,26 @@ def test_prompt_sharing_bench_compares_the_two_layouts_on_the_same_minibatch(tmp
     assert tokens["full_rows/grad"] == tokens["full_rows/no_grad"] == 8 * (prompt + width)
     assert tokens["shared/grad"] == tokens["shared/no_grad"] == 2 * prompt + 8 * width
     assert line["speedup_grad"] > 0 and set(line["peak_mib_per_sample"]) == {"shared", "full_rows"}
+
+
+def test_vllm_rollout_bench(tmp_path):
+    """`mmrl bench vllm-rollout`: HF generate and the vLLM engine on the same prompts and weights, alternated; without
+    vLLM the line says why and the exit code is 0."""
+    from mmrl.pipelines.vlm.vllm_engine import vllm_missing
+
+    out = tmp_path / "vllm.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MMRL_CACHE": str(tmp_path / "cache"),
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "mmrl.cli", "bench", "vllm-rollout", "--hidden", "128", "--layers",
+                           "2", "--group", "4", "--max-new-tokens", "8", "--repeats", "1", "--out", str(out),
+                           "--set", "generation.vllm={enforce_eager: true, max_num_batched_tokens: 2048}"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line == json.loads(out.read_text()) and line["bench"] == "vllm-rollout" and line["ok"] is True
+    missing = vllm_missing()
+    if missing:
+        assert line["skipped"] == missing
+        return
+    assert line["tokens"]["hf"] and line["tokens"]["vllm"] and line["speedup_rollout"] > 0
+    assert line["sampler_logp_gap"]["max"] < 5e-3 and line["push_s_median"] is not None

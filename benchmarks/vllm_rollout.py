@@ -1,0 +1,141 @@
+#!/usr/bin/env python
+"""VLM rollouts on vLLM against HF ``generate``, side by side (``mmrl bench vllm-rollout``).
+
+The same policy config twice, ``generation.engine: hf`` and ``generation.engine: vllm``, on a random mid-size
+Qwen2.5-VL (``overhead.mid_size_vlm``: 8 decoder layers of 512, head size 64, LoRA r8 as
+``configs/tiny/vlm_grounding.yaml`` trains it) and the same ShapeWorld grounding prompts: ``--repeats`` rounds of one
+rollout of ``--prompts`` x ``--group`` completions (``--max-new-tokens``) on each engine, alternated within a round
+(after a warm-up round), each vLLM round after a push of perturbed LoRA weights to both (so the engine's weight push
+is inside its time, as in training). Reported: the medians per rollout and per generated token, their ratio (HF
+over vLLM), the tokens each generated, the weight push's own time, and the sampler / trainer log-prob gap of the
+vLLM rollouts (the trained model's replay against vLLM's own log-probs). Needs vLLM (see the README's "Rollouts on
+vLLM"): without it the line says so and the exit code is 0 with ``"skipped"``.
+
+Prints one JSON line and writes ``benchmarks/results/vllm_rollout.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+import torch  # noqa: E402
+from common import finish, versions  # noqa: E402  (benchmarks/ is the script folder: on sys.path)
+
+ROOT = Path(__file__).resolve().parent.parent
+VLM_RECIPE = ROOT / "configs" / "tiny" / "vlm_grounding.yaml"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--hidden", type=int, default=512, help="decoder width (a multiple of 64)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an mmrl config override (generation.vllm.* only on the vLLM side)")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_rollout.json")
+    args = ap.parse_args(argv)
+
+    from mmrl.pipelines.vlm.vllm_engine import vllm_missing
+
+    missing = vllm_missing()
+    if missing:
+        return finish({"bench": "vllm-rollout", "ok": True, "skipped": missing}, args.out)
+
+    from overhead import mid_size_vlm
+
+    from mmrl.build import build_source, build_vlm_policy
+    from mmrl.cli import quiet_libraries
+    from mmrl.config import load_config
+
+    quiet_libraries()
+    with tempfile.TemporaryDirectory(prefix="mmrl_vllm_rollout_") as tmp:
+        model = mid_size_vlm(Path(tmp), hidden=args.hidden, layers=args.layers)
+        overrides = [f"output_dir={Path(tmp) / 'run'}", "resume=null", f"seed={args.seed}",
+                     f"model.pretrained={model}", "data.dataset=shapeworld:train:64:grounding",
+                     f"generation.max_new_tokens={args.max_new_tokens}"]
+        engine_only = [o for o in args.set if o.startswith("generation.vllm")]  # vllm.LLM arguments
+        hf_config = load_config(str(VLM_RECIPE), [*overrides, *(o for o in args.set if o not in engine_only)])
+        engines = {"hf": build_vlm_policy(hf_config),
+                   "vllm": build_vlm_policy(load_config(str(VLM_RECIPE), [*overrides, *args.set,
+                                                                          "generation.engine=vllm"]))}
+        items = build_source(hf_config).next_batch(args.prompts)
+        times = {name: [] for name in engines}
+        tokens = {name: [] for name in engines}
+        push_times, gaps = [], []
+        sampler = engines["vllm"].sampler
+        original_push = sampler.push
+
+        def timed_push(weights):
+            start = time.perf_counter()
+            original_push(weights)
+            push_times.append(time.perf_counter() - start)
+
+        sampler.push = timed_push
+        generator = torch.Generator().manual_seed(args.seed)
+        for r in range(args.repeats + 1):  # round 0 warms both up
+            noise = [0.01 * torch.randn(p.shape, generator=generator) for p in engines["hf"].trainable_parameters()]
+            for policy in engines.values():  # the same new weights on both sides: vLLM pushes them in its rollout
+                with torch.no_grad():
+                    for p, n in zip(policy.trainable_parameters(), noise):
+                        p.add_(n)
+            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+            order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+            for name in order:
+                policy = engines[name]
+                start = time.perf_counter()
+                rollout = policy.rollout(items, args.group, generator=torch.Generator().manual_seed(seed))
+                elapsed = time.perf_counter() - start
+                if r:
+                    times[name].append(elapsed)
+                    tokens[name].append(int(rollout.mask.sum()))
+                if name == "vllm" and r:
+                    with torch.no_grad():
+                        replay = policy.logprobs(rollout, torch.arange(len(rollout))).logps.float()
+                    gap = (replay - rollout.sampler_logps).abs()[rollout.mask.bool()]
+                    gaps.append((float(gap.mean()), float(gap.max())))
+
+    median = {name: statistics.median(v) for name, v in times.items()}
+    per_token = {name: statistics.median([t / max(k, 1) for t, k in zip(times[name], tokens[name])])
+                 for name in engines}
+    line = {
+        "bench": "vllm-rollout",
+        "speedup_rollout": median["hf"] / median["vllm"],
+        "speedup_per_token": per_token["hf"] / per_token["vllm"],
+        "median_s": median,
+        "median_s_per_token": per_token,
+        "tokens": tokens,
+        "push_s_median": statistics.median(push_times[1:]) if len(push_times) > 1 else None,
+        "sampler_logp_gap": {"mean_of_means": statistics.mean(g[0] for g in gaps), "max": max(g[1] for g in gaps)},
+        "threads": torch.get_num_threads(),
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "versions": {**versions(), **_vllm_version()},
+        "ok": True,
+    }
+    return finish(line, args.out)
+
+
+def _vllm_version() -> dict:
+    import importlib.metadata as metadata
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return {name: metadata.version(name)}
+        except metadata.PackageNotFoundError:
+            continue
+    return {}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
