@@ -14,6 +14,25 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+ROOT = Path(__file__).resolve().parent.parent
+#: the VLM recipe the mid-size VLM benchmarks train (LoRA r8 on ShapeWorld grounding prompts)
+VLM_RECIPE = ROOT / "configs" / "tiny" / "vlm_grounding.yaml"
+
+
+def mid_vlm_arguments(ap, result_name: str, *, set_help: str = "an mmrl config override") -> None:
+    """The options the benchmarks on ``overhead.mid_size_vlm`` share: the rollout's shape, the model's size, the
+    rounds, the seed, config overrides and the result file ``benchmarks/results/<result_name>``."""
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--hidden", type=int, default=512, help="decoder width (a multiple of 64)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=set_help)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / result_name)
+
+
 def versions() -> dict:
     return {"torch": torch.__version__, "python": platform.python_version()}
 

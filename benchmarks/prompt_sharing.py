@@ -31,25 +31,14 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from common import finish, peak_bytes, versions  # noqa: E402  (benchmarks/ is the script folder: on sys.path)
-
-ROOT = Path(__file__).resolve().parent.parent
-VLM_RECIPE = ROOT / "configs" / "tiny" / "vlm_grounding.yaml"
+from common import VLM_RECIPE, finish, mid_vlm_arguments, peak_bytes, versions  # noqa: E402  (the script folder)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=2)
-    ap.add_argument("--group", type=int, default=8)
+    mid_vlm_arguments(ap, "prompt_sharing.json")
     ap.add_argument("--batch", type=int, default=8, help="samples per minibatch (drawn at random from the rollout)")
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--hidden", type=int, default=512, help="decoder width (a multiple of 64)")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an mmrl config override")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "prompt_sharing.json")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -27,24 +27,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 import torch  # noqa: E402
-from common import finish, versions  # noqa: E402  (benchmarks/ is the script folder: on sys.path)
-
-ROOT = Path(__file__).resolve().parent.parent
-VLM_RECIPE = ROOT / "configs" / "tiny" / "vlm_grounding.yaml"
+from common import VLM_RECIPE, finish, mid_vlm_arguments, versions  # noqa: E402  (the script folder: on sys.path)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=2)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--hidden", type=int, default=512, help="decoder width (a multiple of 64)")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="an mmrl config override (generation.vllm.* only on the vLLM side)")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_rollout.json")
+    mid_vlm_arguments(ap, "vllm_rollout.json", set_help="an mmrl config override (generation.vllm.* only on the "
+                                                        "vLLM side)")
     args = ap.parse_args(argv)
 
     from mmrl.pipelines.vlm.vllm_engine import vllm_missing
