@@ -137,13 +137,20 @@ def text_encoder_config(config_cls, tiny_folder: Path, dims: dict):
     return config
 
 
-def qwen25vl_3b(out: Path, device: str, dtype: torch.dtype, smoke: bool) -> tuple[Path, dict]:
-    """The tiny Qwen2.5-VL's folder (tokenizer, processor, token ids) with a random model of the 3B's sizes."""
+def qwen25vl_3b(out: Path, device: str, dtype: torch.dtype, smoke: bool, engine: str = "hf") -> tuple[Path, dict]:
+    """The tiny Qwen2.5-VL's folder (tokenizer, processor, token ids) with a random model of the 3B's sizes (with
+    ``smoke`` the tiny model itself; for the vLLM engine with 32-wide text heads, the smallest vLLM's CPU attention
+    takes)."""
     from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration
 
-    from mmrl.pipelines.vlm.tiny import ensure_tiny_vlm
+    from mmrl.pipelines.vlm.tiny import build_tiny_qwen2_5_vl, ensure_tiny_vlm
 
     tiny = Path(ensure_tiny_vlm("qwen2_5_vl"))
+    if smoke and engine == "vllm":
+        rope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [4, 6, 6]}
+        build_tiny_qwen2_5_vl(out, text_overrides={"num_attention_heads": 2, "num_key_value_heads": 1,
+                                                   "rope_parameters": rope})
+        return out, {"model": count(Qwen2_5_VLForConditionalGeneration.from_pretrained(out))}
     shutil.copytree(tiny, out)
     if smoke:
         return out, {"model": count(Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny))}
@@ -241,25 +248,30 @@ def check_flow(args, work: Path, device: str, dtype: torch.dtype, cuda: bool) ->
             **estimated("sd35m_flow_grpo_pickscore", overrides, None, args.smoke)}
 
 
-def check_vlm(args, work: Path, device: str, dtype: torch.dtype, cuda: bool, cache: str = "dynamic") -> dict:
+def check_vlm(args, work: Path, device: str, dtype: torch.dtype, cuda: bool, cache: str = "dynamic",
+              engine: str = "hf") -> dict:
     from mmrl.config import load_config
 
     t0 = time.perf_counter()
-    model, sizes = qwen25vl_3b(work / "qwen25vl3b", device, dtype, args.smoke)
+    model, sizes = qwen25vl_3b(work / "qwen25vl3b", device, dtype, args.smoke, engine)
     built = time.perf_counter() - t0
     overrides = [*common_overrides(work / "vlm_run", args.warmup + args.steps), f"model.pretrained={model}",
                  "model.attn_implementation=sdpa", "data.dataset=shapeworld:train:64:grounding",
                  f"data.prompts_per_step={args.vlm_prompts}", f"data.group_size={args.vlm_group}",
                  f"train.batch_size={args.vlm_group}", "train.gradient_accumulation_steps=1",
-                 f"generation.max_new_tokens={args.vlm_new_tokens}", f"generation.cache_implementation={cache}"]
+                 f"generation.max_new_tokens={args.vlm_new_tokens}", f"generation.cache_implementation={cache}",
+                 f"generation.engine={engine}"]
     if args.smoke:
         overrides += ["model.dtype=float32", "train.mixed_precision=\"no\""]
+        if engine == "vllm":
+            overrides += ["generation.vllm={enforce_eager: true, max_num_batched_tokens: 4096}"]
     overrides += args.set
     config = load_config(str(ROOT / "configs/gpu/qwen25vl3b_rec_grpo.yaml"), overrides)
     figures = time_updates(config, args.warmup, args.steps, cuda)
     prompt_tokens = figures["prompt_tokens"]
     return {"check": "vlm_qwen25vl_3b_size", "parameters": sizes, "build_s": round(built, 1),
-            "max_new_tokens": config.generation.max_new_tokens, "image_px": 112, "kv_cache": cache, **figures,
+            "max_new_tokens": config.generation.max_new_tokens, "image_px": 112, "kv_cache": cache,
+            "rollout_engine": engine, **figures,
             **estimated("qwen25vl3b_rec_grpo", overrides, prompt_tokens, args.smoke)}
 
 
@@ -299,7 +311,14 @@ def main() -> None:
     ap.add_argument("--vlm-cache", nargs="+", choices=["dynamic", "static"], default=["dynamic"],
                     help="the VLM check once per KV cache (generation.cache_implementation); 'static' is compiled by "
                          "transformers on a GPU, its compilation falls in the warm-up update")
+    ap.add_argument("--vlm-engine", nargs="+", choices=["hf", "vllm"], default=None,
+                    help="the VLM check once per rollout engine (generation.engine); default: hf, and vllm too where "
+                         "vLLM imports")
     args = ap.parse_args()
+    if args.vlm_engine is None:
+        from mmrl.pipelines.vlm.vllm_engine import vllm_missing
+
+        args.vlm_engine = ["hf"] + ([] if vllm_missing() else ["vllm"])
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
         emit({"check": "gpu", "skipped": "no CUDA device: run with --smoke for the CPU plumbing check"})
@@ -311,7 +330,9 @@ def main() -> None:
     failed = False
     with tempfile.TemporaryDirectory(prefix="mmrl-gpu-check-") as tmp:
         checks = [("flow", "flow", check_flow)]
-        checks += [("vlm", f"vlm_{cache}", lambda *a, c=cache: check_vlm(*a, cache=c)) for cache in args.vlm_cache]
+        checks += [("vlm", f"vlm_{cache}", lambda *a, c=cache: check_vlm(*a, cache=c)) for cache in args.vlm_cache
+                   if "hf" in args.vlm_engine]
+        checks += [("vlm", "vlm_vllm", lambda *a: check_vlm(*a, engine="vllm"))] if "vllm" in args.vlm_engine else []
         for name, folder, check in checks:
             if args.only not in (None, name):
                 continue
