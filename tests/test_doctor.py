@@ -82,3 +82,30 @@ def test_doctor_catches_a_prompt_sharing_forward_that_differs_from_full_rows(tmp
     monkeypatch.undo()
     off = by_name(run_doctor(load_config(recipe, [f"output_dir={tmp_path}", "model.share_prompt_prefix=false"])))
     assert off["prompt_sharing_matches_full_rows"].ok and "not used" in off["prompt_sharing_matches_full_rows"].figure
+
+
+def test_doctor_compares_a_rollout_engine_with_the_trained_model(tmp_path, monkeypatch):
+    """With a rollout engine (generation.engine: vllm) the doctor compares the engine's log-probs of the sampled tokens
+    with the trained model's: here an engine that reports them (the trained model's own) within the tolerance passes,
+    one off by 0.5 nats on one token fails. The real engine is checked in test_vllm_engine.py where vLLM runs."""
+    from mmrl.pipelines.vlm.qwen import QwenVLPolicy
+
+    recipe = Path(TINY_RECIPE).parent / "vlm_grounding.yaml"
+    original = QwenVLPolicy.rollout
+
+    def engine_rollout(offset):
+        def rollout(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            with torch.no_grad():
+                logps = self.logprobs(out, torch.arange(len(out))).logps.float()
+            logps[0, 0] += offset
+            out.sampler_logps = logps * out.mask
+            return out
+        return rollout
+
+    monkeypatch.setattr(QwenVLPolicy, "rollout", engine_rollout(0.0))
+    good = by_name(run_doctor(load_config(recipe, [f"output_dir={tmp_path}"])))["rollout_engine_matches_trainer"]
+    assert good.ok and "log p hf - log p trained model" in good.figure
+    monkeypatch.setattr(QwenVLPolicy, "rollout", engine_rollout(0.5))
+    bad = by_name(run_doctor(load_config(recipe, [f"output_dir={tmp_path}"])))["rollout_engine_matches_trainer"]
+    assert not bad.ok and "= 0.5" in bad.figure

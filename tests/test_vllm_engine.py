@@ -247,3 +247,14 @@ def test_vllm_video_rollout_matches_the_trained_model(vllm_model, tmp_path):
     gap = (replayed(policy, rollout) - rollout.sampler_logps).abs()[rollout.mask.bool()]
     # measured 8e-4 mean, 4.7e-3 max: vLLM's own Qwen2.5-VL vision tower on frame pairs (images: 2e-7 / 1e-6)
     assert float(gap.mean()) < 5e-3 and float(gap.max()) < 2e-2, (float(gap.mean()), float(gap.max()))
+
+
+@needs_vllm
+def test_doctor_checks_the_rollout_engine(vllm_model, tmp_path):
+    from mmrl.doctor import run_doctor
+
+    checks = {c.name: c for c in run_doctor(load_config(VLM_CONFIG, [
+        f"output_dir={tmp_path}", f"model.pretrained={vllm_model}", "generation.engine=vllm",
+        "generation.vllm={enforce_eager: true, max_num_batched_tokens: 1024}", "generation.max_new_tokens=16"]))}
+    assert checks["rollout_engine_matches_trainer"].ok, checks["rollout_engine_matches_trainer"]
+    assert all(c.ok for c in checks.values()), [c for c in checks.values() if not c.ok]
