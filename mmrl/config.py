@@ -138,8 +138,8 @@ class GenerationConfig:
     engine: str = opt("hf", "What samples the rollouts: 'hf' (the trained model's own generate) or 'vllm' (a vLLM "
                       "engine colocated in the training process, the policy's weights pushed to it whenever they "
                       "changed; the training log-probs are still the trained model's, and the sampler / trainer gap is "
-                      "logged as rollout/sampler_logp_gap_mean / _max; image and text prompts, one process; pip "
-                      "install \"mmrl-align[vllm]\").", choices=("hf", "vllm"))
+                      "logged as rollout/sampler_logp_gap_mean / _max; image and video prompts, one process; vLLM is installed apart: README, Rollouts on "
+                      "vLLM).", choices=("hf", "vllm"))
     vllm: dict = opt({}, "engine 'vllm': more vllm.LLM arguments (gpu_memory_utilization, default 0.3 as TRL's "
                          "colocate mode; enforce_eager; ...); model, dtype, seed, lengths and the log-prob mode are "
                          "mmrl's.")

@@ -41,7 +41,7 @@ def test_engine_config_rules(tmp_path, overrides, words):
 
 @pytest.mark.skipif(NO_VLLM is None, reason="vLLM is installed here: the missing-engine error cannot be shown")
 def test_engine_without_vllm_is_a_clear_config_error(tmp_path):
-    with pytest.raises(ConfigError, match=r"mmrl-align\[vllm\]"):
+    with pytest.raises(ConfigError, match=r"needs vLLM .*vllm_cpu_env\.sh"):
         config(tmp_path, "generation.engine=vllm")
 
 

