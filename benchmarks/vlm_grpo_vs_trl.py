@@ -119,11 +119,13 @@ def setup_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def tiny_paths() -> tuple[Path, Path]:
+def tiny_paths(args=None) -> tuple[Path, Path]:
+    """The model folder (``--model-dir`` when given, else ``tiny:qwen2_5_vl``) and the grounding set."""
     from mmrl.data.synthetic import ensure_synthetic
     from mmrl.pipelines.vlm.tiny import ensure_tiny_vlm
 
-    return Path(ensure_tiny_vlm("qwen2_5_vl")), Path(ensure_synthetic("grounding"))
+    model = Path(args.model_dir) if args is not None and args.model_dir else Path(ensure_tiny_vlm("qwen2_5_vl"))
+    return model, Path(ensure_synthetic("grounding"))
 
 
 def mmrl_config(args, output_dir: str):
@@ -131,7 +133,7 @@ def mmrl_config(args, output_dir: str):
 
     overrides = [
         f"output_dir={output_dir}", "resume=null", f"seed={args.seed}",
-        "model.pretrained=tiny:qwen2_5_vl", "model.dtype=float32", "model.use_lora=false", f"model.freeze_vision={'false' if args.train_vision else 'true'}",
+        f"model.pretrained={args.model_dir or 'tiny:qwen2_5_vl'}", "model.dtype=float32", "model.use_lora=false", f"model.freeze_vision={'false' if args.train_vision else 'true'}",
         "model.gradient_checkpointing=false",
         f"generation.temperature={args.temperature}", "generation.top_p=1.0", "generation.top_k=0",
         f"generation.max_new_tokens={args.max_new_tokens}",
@@ -147,6 +149,7 @@ def mmrl_config(args, output_dir: str):
         f"train.inner_epochs={args.inner_epochs}", f"train.batch_size={args.batch_size}",
         "train.gradient_accumulation_steps=1", "train.timestep_chunk=0", 'train.mixed_precision="no"',
         "logging.progress_bar=false", "logging.tensorboard=false",
+        *(["generation.engine=vllm"] if args.vllm else []),
         *args.set,
     ]
     return load_config(MMRL_CONFIG, overrides)
@@ -309,7 +312,7 @@ def run_trl(args) -> dict:
 
     from mmrl.pipelines.vlm.qwen import QwenVLPolicy
 
-    model_dir, _ = tiny_paths()
+    model_dir, _ = tiny_paths(args)
     n = args.prompts * args.group
     steps_per_generation = n // args.batch_size
     global_per_step = steps_per_generation * args.inner_epochs  # optimizer steps (GA=1) between generations
@@ -323,14 +326,18 @@ def run_trl(args) -> dict:
         suppressed = sorted({i for i in (getattr(model.config, k, None) for k in (
             "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")) if i is not None})
         dataset = build_trl_dataset(config, processor)
+        if args.vllm:  # TRL's colocated vLLM (one process); vLLM's sampling takes the suppression as a logit bias
+            engine = dict(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False,
+                          generation_kwargs={"logit_bias": {i: -100.0 for i in suppressed}})
+        else:
+            engine = dict(generation_kwargs={"suppress_tokens": suppressed})
 
         grpo_args = GRPOConfig(
             output_dir=tmp, seed=args.seed, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
             per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=1,
             steps_per_generation=steps_per_generation, num_generations=args.group,
             num_iterations=args.inner_epochs, max_completion_length=args.max_new_tokens,
-            temperature=args.temperature, top_p=1.0, top_k=0,
-            generation_kwargs={"suppress_tokens": suppressed},
+            temperature=args.temperature, top_p=1.0, top_k=0, **engine,
             beta=args.beta, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group",
             multi_objective_aggregation="sum_then_normalize", reward_weights=list(REWARD_WEIGHTS.values()),
             learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
@@ -465,6 +472,10 @@ def run_child(framework: str, args) -> dict:
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     if args.train_vision:
         cmd.append("--train-vision")
+    if args.vllm:
+        cmd.append("--vllm")
+    if args.model_dir:
+        cmd += ["--model-dir", str(args.model_dir)]
     for override in args.set:
         cmd += ["--set", override]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
@@ -530,6 +541,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an mmrl config override after the benchmark's own (e.g. model.share_prompt_prefix=false: "
                         "one full row per sample in mmrl's log-prob forwards); TRL's side is unchanged")
+    p.add_argument("--vllm", action="store_true",
+                   help="both sides sample with vLLM colocated in the training process (mmrl: generation.engine=vllm; "
+                        "TRL: use_vllm, vllm_mode colocate), on a random Qwen2.5-VL of --hidden / --layers (head size "
+                        "64, which vLLM's CPU attention needs); needs vLLM (README, 'Rollouts on vLLM')")
+    p.add_argument("--hidden", type=int, default=None,
+                   help="train a random Qwen2.5-VL of this decoder width (head size 64) instead of tiny:qwen2_5_vl "
+                        "(default with --vllm: 128)")
+    p.add_argument("--layers", type=int, default=4, help="its decoder layers (with --hidden or --vllm)")
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--child", choices=("mmrl", "trl"), help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -548,13 +568,26 @@ def main(argv: list[str] | None = None) -> int:
         import trl  # noqa: F401
     except ImportError:
         raise SystemExit('TRL is not installed: pip install "trl>=1.16,<1.17" (or pip install -e ".[bench]")')
-    model_dir, data = tiny_paths()  # build once, before the timed children
-    runs: dict[str, list[dict]] = {"mmrl": [], "trl": []}
-    for r in range(args.repeats):
-        order = ("mmrl", "trl") if r % 2 == 0 else ("trl", "mmrl")
-        for framework in order:
-            print(f"[repeat {r + 1}/{args.repeats}] {framework} ...", flush=True)
-            runs[framework].append(run_child(framework, args))
+    if args.vllm:
+        from mmrl.pipelines.vlm.vllm_engine import vllm_missing
+
+        missing = vllm_missing()
+        if missing:
+            raise SystemExit(f"--vllm: {missing}")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        args.hidden = args.hidden or 128
+    with tempfile.TemporaryDirectory(prefix="bench_vlm_model_") as model_tmp:
+        if args.hidden:
+            from overhead import mid_size_vlm
+
+            args.model_dir = str(mid_size_vlm(Path(model_tmp), hidden=args.hidden, layers=args.layers))
+        model_dir, data = tiny_paths(args)  # build once, before the timed children
+        runs: dict[str, list[dict]] = {"mmrl": [], "trl": []}
+        for r in range(args.repeats):
+            order = ("mmrl", "trl") if r % 2 == 0 else ("trl", "mmrl")
+            for framework in order:
+                print(f"[repeat {r + 1}/{args.repeats}] {framework} ...", flush=True)
+                runs[framework].append(run_child(framework, args))
 
     def pooled(framework: str) -> dict:
         rs = runs[framework]
@@ -626,7 +659,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                      if k not in ("child", "child_out")} | {
-            "model": "tiny:qwen2_5_vl", "model_dir": str(model_dir), "dataset": "tiny:grounding",
+            "model": f"random Qwen2.5-VL, decoder {args.hidden} x {args.layers}" if args.hidden else "tiny:qwen2_5_vl",
+            "model_dir": str(model_dir), "engine": "vLLM colocated" if args.vllm else "HF generate", "dataset": "tiny:grounding",
             "dataset_jsonl": str(data), "rewards": REWARD_WEIGHTS, "completions_per_step": n,
             "fine_tuning": "every parameter, vision tower included" if args.train_vision
             else "full language model, vision tower frozen", "dtype": "float32", "device": "cpu",

@@ -6,7 +6,8 @@ new model, sampler or reward: every check is something the loop silently relies 
 * ``rewards_finite``: the config's rewards score the sampled batch with finite values.
 * ``replay_matches_rollout``: the log-probs the training pass recomputes, in its layout (minibatches of
   ``train.batch_size``, chunks of ``train.timestep_chunk``), equal those recorded while sampling (flows), or, for a
-  VLM whose sampler records none, the whole batch's equal the minibatches' (batch invariance).
+  VLM, the whole batch's equal the minibatches' (batch invariance; HF ``generate`` records no log-probs, and vLLM's,
+  from another implementation, are compared by ``rollout_engine_matches_trainer``).
 * ``prompt_sharing_matches_full_rows`` (VLMs): the log-prob pass that runs each distinct prompt once and the
   completions on its KV cache (``model.share_prompt_prefix``) gives the log-probs of one full row per sample, so a
   model whose cache handling differs is caught before it trains on the wrong values (reported, not run, where the
@@ -190,7 +191,7 @@ def _checks(config) -> list[Check]:
         gap = _masked_max(replay, whole, mask)
         checks.append(Check("replay_matches_rollout", gap <= tol,
                             f"max |log p per minibatch of {batch} - log p of the whole batch| = {gap:.3g} "
-                            f"(tolerance {tol:g}; the sampler records none)"))
+                            f"(tolerance {tol:g})"))
 
         if policy.share_prompt_prefix and policy._shares_prompts(rollout.prompt_index, rollout,
                                                                  policy._rope_positions(rollout)):

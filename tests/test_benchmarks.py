@@ -180,3 +180,20 @@ def test_vllm_rollout_bench(tmp_path):
         return
     assert line["tokens"]["hf"] and line["tokens"]["vllm"] and line["speedup_rollout"] > 0
     assert line["sampler_logp_gap"]["max"] < 5e-3 and line["push_s_median"] is not None
+
+
+def test_vlm_grpo_vs_trl_on_a_sized_model(tmp_path):
+    """``--hidden``: both sides train the same random Qwen2.5-VL of that width (head size 64, the shape ``--vllm``
+    needs), built once by the parent."""
+    pytest.importorskip("trl")
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(SCRIPT), "--steps", "1", "--prompts", "1", "--group", "2", "--batch-size", "2",
+           "--inner-epochs", "1", "--max-new-tokens", "4", "--hidden", "128", "--layers", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["workload_problems"] == []
+    assert report["settings"]["model"] == "random Qwen2.5-VL, decoder 128 x 1"
+    assert report["settings"]["engine"] == "HF generate"
+    # the tiny model's language model has 156,224 trainable parameters; this one is larger, and the same on both
+    assert report["mmrl"]["trainable_params"] == report["trl"]["trainable_params"] > 156_224
