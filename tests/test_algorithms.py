@@ -180,6 +180,7 @@ VLM_OPTIONS = {
     "vision_sr1": {"accuracy": "test_variant_correct"},
     "prco": {"accuracy": "test_variant_correct"},
     "taco": {"accuracy": "test_variant_correct"},
+    "factorized": {"vision": "[test_variant_correct]"},
     "grpo_care": {"accuracy": "test_variant_correct"},
     "grip_multi_heuristic": {"outcome": "test_variant_correct"},
 }
@@ -188,7 +189,7 @@ BOTH_WEIGHTED = ["rewards={test_variant_length: 1.0, test_variant_correct: 1.0}"
 VLM_OVERRIDES = {"mc_grpo": ["data.group_size=5", "train.batch_size=10"], "papo": BOTH_WEIGHTED, "drpo": BOTH_WEIGHTED,
                  "dvao": BOTH_WEIGHTED, "blockwise": BOTH_WEIGHTED, "cspo": BOTH_WEIGHTED, "rs_grpo": BOTH_WEIGHTED,
                  "grpo_care": ["algorithm.beta=0"], "prco": BOTH_WEIGHTED,
-                 "taco": ["generation.tools=[crop]"]}
+                 "taco": ["generation.tools=[crop]"], "factorized": ["generation.tools=[crop]", *BOTH_WEIGHTED]}
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +241,9 @@ def test_each_vlm_variant_trains_one_update(tmp_path, name, dataset_with_referen
     if name == "prco":  # the Solver's rows were trained after the Observer's: twice the sampled rows
         assert m["samples/trained"] == 2 * 2 * 4 and m["optimizer_steps"] == 2 * 2  # 16 rows: 2 minibatches x 2 epochs
         assert 0 <= m["prco/solver_accuracy"] <= 1
+    if name == "factorized":  # no call written: the vision reward credits no token, the text reward every one
+        assert m["factorized/test_variant_correct_token_share"] == 0
+        assert m["factorized/test_variant_length_token_share"] == 1
     if name == "taco":  # the random model writes no call: the probes have nothing to credit, GRPO's credit stays
         assert m["completions/tool_calls"] == 0 and m["taco/calls"] == 0
     if name == "mc_grpo":  # one pivot per group of G+1 = 5 leaves the loss

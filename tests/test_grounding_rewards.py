@@ -622,3 +622,26 @@ def test_box_coordinate_spans_follow_the_box_not_other_numbers():
     assert coordinate_spans(text, [1, 2, 3, 4], 0) == []  # not written: no spans (the variant's fallback applies)
     # Qwen2-VL's native pair form, and no tags at all
     assert [text2[a:b] for text2 in ["(1,2),(30,40)"] for a, b in coordinate_spans(text2, [1, 2, 30, 40], 3)] == ["40"]
+
+
+def test_crop_recall_scores_the_best_crop_and_reports_the_calls():
+    reward = build_reward("crop_recall")
+    first, second = "<tool>crop(0, 0, 50, 50)</tool>", "<tool>crop(10,10,30,30)</tool>"
+    text = f"<think>look</think>{first}\n<observation></observation>\n{second}<answer>[1, 2, 3, 4]</answer>"
+    meta = {"boxes": [[20, 20, 60, 60]], "coord_format": "absolute"}
+    # crop 1 covers [20, 50]^2 of the 40 x 40 box: 900 / 1600; crop 2 covers [20, 30]^2: 100 / 1600
+    scores = reward([text, "<answer>[20, 20, 60, 60]</answer>", "<tool>crop(0, 0)</tool>"], [None] * 3, [meta] * 3)
+    assert scores["crop_recall"].tolist() == pytest.approx([0.5625, 0.0, 0.0])
+    start = text.index(first)
+    assert reward.last_info["spans"][0] == [(start, start + len(first)),
+                                            (text.index(second), text.index(second) + len(second))]
+    assert reward.last_info["spans"][1] is None and reward.last_info["num_unparseable"] == 2
+
+
+def test_crop_recall_reads_the_crop_in_the_answers_frame():
+    # Qwen2-VL's 0-1000 frame on a 200 x 100 image: crop(0, 0, 500, 1000) is the left half, [0, 100] x [0, 100]
+    meta = {"boxes": [[50, 0, 150, 100]], "coord_format": "qwen2", "image_size": [200, 100]}
+    scores = build_reward("crop_recall")(["<tool>crop(0, 0, 500, 1000)</tool>"], [None], [meta])
+    assert scores["crop_recall"].tolist() == pytest.approx([0.5])
+    missing = build_reward("crop_recall")(["<tool>crop(0, 0, 5, 5)</tool>"], [None], [{"boxes": [[0, 0, 1, 1]]}])
+    assert math.isnan(float(missing["crop_recall"][0]))  # no coord_format: not judged, never read as pixels

@@ -155,6 +155,35 @@ def test_rs_grpo_puts_answer_rewards_on_the_answer_block():
         parse_spec({"name": "rs_grpo", "evidence": ["x"], "answer": ["x"]}, 0)
 
 
+def test_factorized_credits_vision_rewards_on_the_tool_calls_and_text_rewards_elsewhere():
+    # sample 0 wrote a call on tokens 1-2 (<tool> through </tool>), its response (tokens 3-4) is context (mask 0);
+    # sample 1 wrote none; token 5 of sample 1 is padding
+    calls = [[SimpleNamespace(opened=1, end=3)], []]
+    rollout = Rollout(mask=torch.tensor([[1.0, 1, 1, 0, 0, 1], [1, 1, 1, 1, 1, 0]]), completions=["a", "b"], spans={},
+                      tool_calls=calls)
+    variant = parse_spec({"name": "factorized", "vision": ["crop"]}, 0)
+    assert variant.scope_of("crop") == "tool_calls" and variant.scope_of("acc") == "outside_tool_calls"
+    # crop R = [1, 0] -> A = [1, -1]; acc R = [0, 2] -> A = [-1, 1] (biased std, eps 0); weights 1 and 0.5
+    total, adv = _run(variant, {"crop": torch.tensor([1.0, 0.0]), "acc": torch.tensor([0.0, 2.0])},
+                      {"crop": 1.0, "acc": 0.5}, rollout)
+    assert total.tolist() == pytest.approx([0.5, -0.5])  # the joint advantage the loop would put on every token
+    # sample 0: crop's +1 on the call only, acc's 0.5 * -1 on its other sampled tokens; sample 1: no vision segment,
+    # so crop's -1 goes nowhere and acc's +0.5 is on every sampled token
+    assert adv.tolist() == [[-0.5, 1.0, 1.0, 0.0, 0.0, -0.5], [0.5, 0.5, 0.5, 0.5, 0.5, 0.0]]
+
+
+def test_factorized_config_rules():
+    path = "configs/tiny/vlm_grounding.yaml"
+    with pytest.raises(Exception, match="set generation.tools"):
+        load_config(path, ["algorithm.variants=[{name: factorized, vision: [iou]}]"])
+    with pytest.raises(Exception, match="vision: name the reward components"):
+        load_config(path, ["generation.tools=[crop]", "algorithm.variants=[{name: factorized}]"])
+    with pytest.raises(Exception, match="vision rewards \\['nope'\\] are not among"):
+        load_config(path, ["generation.tools=[crop]", "algorithm.variants=[{name: factorized, vision: [nope]}]"])
+    config = load_config(path, ["generation.tools=[crop]", "algorithm.variants=[{name: factorized, vision: [iou]}]"])
+    assert config.algorithm.variants
+
+
 def test_blockwise_outcome_conditioned_baseline_stratifies_the_group():
     # confidence normalised within the group's correct samples (0, 1) and wrong samples (2, 3) separately
     variant = parse_spec({"name": "blockwise", "scopes": {"acc": "answer", "conf": "think"},

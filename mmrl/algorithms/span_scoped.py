@@ -8,9 +8,11 @@ component ``k`` gets its own group-relative advantage ``A_k [N]`` (the loop's ``
 
 with ``M_k [N, T]`` the mask of component ``k``'s scope: the character spans its reward reported for the sample
 (``reward``), a region of the ``<think>/<answer>`` response (``answer``, ``think``, ``outside_answer``) or ``all``,
-mapped onto the sampled tokens with the tokenizer (:mod:`mmrl.pipelines.vlm.spans`). A component whose ``reward``
-scope has no spans for a sample falls back to ``fallback``. With every scope ``all`` this is exactly the loop's
-``normalize_then_sum`` advantage on every token.
+mapped onto the sampled tokens with the tokenizer (:mod:`mmrl.pipelines.vlm.spans`); or, in a tool rollout
+(``generation.tools``), the tokens of the policy's own tool calls, ``<tool>`` through ``</tool>`` (``tool_calls``), or
+every sampled token outside them (``outside_tool_calls``; the tool responses are context, never trained). A component
+whose ``reward`` scope has no spans for a sample falls back to ``fallback``. With every scope ``all`` this is exactly
+the loop's ``normalize_then_sum`` advantage on every token.
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ from mmrl.algorithms.base import AdvantageContext, TransformContext, Variant, Va
 from mmrl.algorithms.dense import spec_name
 from mmrl.core.advantages import group_advantages
 
-SCOPES = ("reward", "all", "answer", "think", "outside_answer")
+SCOPES = ("reward", "all", "answer", "think", "outside_answer", "tool_calls", "outside_tool_calls")
 
 
 @dataclass
 class SpanScopedOptions:
     scopes: dict = option({}, "Reward component -> its scope: 'reward' (the character spans its reward reports), "
                               "'answer' / 'think' (the contents of the response's <answer> / <think> blocks), "
-                              "'outside_answer', or 'all' (every token).")
+                              "'outside_answer', 'tool_calls' (the policy's <tool>...</tool> calls), "
+                              "'outside_tool_calls', or 'all' (every token).")
     default_scope: str = option("all", "Scope of the weighted components not listed in scopes.")
     fallback: str = option("all", "Where a 'reward'-scoped component applies for a sample its reward reported no spans "
                                   "for: 'all' tokens or 'none'.")
@@ -103,6 +106,9 @@ class SpanScoped(Variant):
                 missing = torch.tensor([s is None for s in reported]).unsqueeze(1)
                 mask = torch.where(missing, r.mask.float(), mask)
             return mask
+        if scope in ("tool_calls", "outside_tool_calls"):
+            calls = tool_call_mask(r)
+            return calls if scope == "tool_calls" else r.mask.float() - calls
         return ctx.policy.span_mask(r, [region_spans(text, scope) for text in r.completions])
 
     def transform(self, ctx: TransformContext) -> Tensor:
@@ -114,3 +120,13 @@ class SpanScoped(Variant):
             out = out + weight * self.component_advantages[key][ctx.rows].float().unsqueeze(1) * mask
             ctx.stats[f"{self.name}/{key}_token_share"] = float(mask.sum() / active)
         return out
+
+
+def tool_call_mask(rollout) -> Tensor:
+    """``[N, T]``: 1 on the sampled tokens of each tool call the policy wrote (``<tool>`` through ``</tool>``, the
+    :class:`~mmrl.pipelines.vlm.tools.ToolCall` range ``[opened, end)``), 0 elsewhere (all 0 without tool calls)."""
+    out = torch.zeros(rollout.mask.shape)
+    for i, calls in enumerate(getattr(rollout, "tool_calls", None) or []):
+        for call in calls:
+            out[i, call.opened:call.end] = 1.0
+    return out * rollout.mask.float()
