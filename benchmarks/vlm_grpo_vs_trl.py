@@ -133,7 +133,8 @@ def mmrl_config(args, output_dir: str):
 
     overrides = [
         f"output_dir={output_dir}", "resume=null", f"seed={args.seed}",
-        f"model.pretrained={args.model_dir or 'tiny:qwen2_5_vl'}", "model.dtype=float32", "model.use_lora=false", f"model.freeze_vision={'false' if args.train_vision else 'true'}",
+        f"model.pretrained={args.model_dir or 'tiny:qwen2_5_vl'}", "model.dtype=float32", "model.use_lora=false",
+        f"model.freeze_vision={'false' if args.train_vision else 'true'}",
         "model.gradient_checkpointing=false",
         f"generation.temperature={args.temperature}", "generation.top_p=1.0", "generation.top_k=0",
         f"generation.max_new_tokens={args.max_new_tokens}",
@@ -548,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=None,
                    help="train a random Qwen2.5-VL of this decoder width (head size 64) instead of tiny:qwen2_5_vl "
                         "(default with --vllm: 128)")
-    p.add_argument("--layers", type=int, default=4, help="its decoder layers (with --hidden or --vllm)")
+    p.add_argument("--layers", type=int, default=None, help="its decoder layers (with --hidden or --vllm; default 4)")
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--child", choices=("mmrl", "trl"), help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -558,6 +559,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--prompts x --group ({n}) must be a multiple of --batch-size ({args.batch_size})")
     if args.group < 2:
         p.error("--group must be at least 2 (TRL requires it)")
+    if args.layers is not None and not (args.hidden or args.vllm):
+        p.error("--layers sizes the random model of --hidden / --vllm; give --hidden too")
+    args.layers = args.layers or 4
 
     if args.child:
         result = run_mmrl(args) if args.child == "mmrl" else run_trl(args)
@@ -659,8 +663,10 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                      if k not in ("child", "child_out")} | {
-            "model": f"random Qwen2.5-VL, decoder {args.hidden} x {args.layers}" if args.hidden else "tiny:qwen2_5_vl",
-            "model_dir": str(model_dir), "engine": "vLLM colocated" if args.vllm else "HF generate", "dataset": "tiny:grounding",
+            "model": (f"random Qwen2.5-VL, decoder {args.hidden} x {args.layers}" if args.hidden
+                      else "tiny:qwen2_5_vl"),
+            "model_dir": str(model_dir), "engine": "vLLM colocated" if args.vllm else "HF generate",
+            "dataset": "tiny:grounding",
             "dataset_jsonl": str(data), "rewards": REWARD_WEIGHTS, "completions_per_step": n,
             "fine_tuning": "every parameter, vision tower included" if args.train_vision
             else "full language model, vision tower frozen", "dtype": "float32", "device": "cpu",

@@ -129,6 +129,11 @@ def valid_box(box: Any) -> bool:
     return b is not None and b[2] > b[0] and b[3] > b[1]
 
 
+def _intersection(a: Sequence[float], b: Sequence[float]) -> float:
+    """Area shared by two ``[x1, y1, x2, y2]`` boxes (0 when they are apart or only touch)."""
+    return max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+
+
 def box_iou(pred: Sequence[float], gt: Sequence[float]) -> float:
     """Intersection over union of two ``[x1, y1, x2, y2]`` boxes on continuous coordinates.
 
@@ -138,11 +143,9 @@ def box_iou(pred: Sequence[float], gt: Sequence[float]) -> float:
     p, g = _as_box(pred), _as_box(gt)
     if p is None or g is None or not (p[2] > p[0] and p[3] > p[1] and g[2] > g[0] and g[3] > g[1]):
         return 0.0
-    iw = min(p[2], g[2]) - max(p[0], g[0])
-    ih = min(p[3], g[3]) - max(p[1], g[1])
-    if iw <= 0 or ih <= 0:
+    inter = _intersection(p, g)
+    if inter == 0:
         return 0.0
-    inter = iw * ih
     union = (p[2] - p[0]) * (p[3] - p[1]) + (g[2] - g[0]) * (g[3] - g[1]) - inter
     return inter / union
 
@@ -576,9 +579,10 @@ class CropRecall(_BoxReward):
     """How much of the ground-truth box the policy's crops look at, for tool rollouts (``generation.tools: [crop]``).
 
     Score: the best, over the completion's ``<tool>crop(x1, y1, x2, y2)</tool>`` calls and the ground-truth boxes,
-    of ``area(crop & box) / area(box)``, the recall of the region of interest (the zoom-in measure the Muffin & Chihuahua
-    study of zoom-in tool use, UKPLab 2026, found most correlated with task success; as a reward, mmrl's). The crop's numbers are in the frame of the
-    model's box answers (as the tool reads them), rescaled to original pixels like a predicted box. The reported
+    of ``area(crop & box) / area(box)``, the recall of the region of interest (the zoom-in measure the Muffin &
+    Chihuahua study of zoom-in tool use, UKPLab 2026, found most correlated with task success; as a reward, mmrl's).
+    The crop's numbers are in the frame of the model's box answers (as the tool reads them), rescaled to original
+    pixels like a predicted box. The reported
     spans are the characters of each crop call, ``<tool>`` through ``</tool>``: the vision reward of ``factorized``
     (which credits the calls anyway) or a ``reward``-scoped component of ``cspo``. No crop call, or only calls that do
     not parse: unparseable (0, counted, no spans).
@@ -590,31 +594,26 @@ class CropRecall(_BoxReward):
         super().__init__(require_tags=False, coord_format=coord_format)
 
     def _score_one(self, text, prompt, meta):
-        from mmrl.pipelines.vlm.tools import _CALL, ToolError, parse_call
+        from mmrl.pipelines.vlm.tools import ToolError, calls_in, parse_call
 
         gt = _gt_boxes(meta, self.name)
         if not gt:
             raise Unjudgeable("metadata 'boxes' is empty (crop_recall needs a ground-truth box)")
         fmt = self._format(meta)
         crops, spans = [], []
-        for match in _CALL.finditer(text):
+        for start, end, inside in calls_in(text):
             try:
-                name, args = parse_call(match.group(1), {"crop": None})
+                _, args = parse_call(inside, {"crop": None})
             except ToolError:
                 continue
             if len(args) == 4:
                 x1, y1, x2, y2 = rescale_box(args, fmt, meta.get("image_size"), meta.get("input_size"))
                 crops.append([min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)])
-                spans.append((match.start(), match.end()))
+                spans.append((start, end))
         if not crops:
             raise Unparseable("the completion has no crop(x1, y1, x2, y2) call")
-
-        def recall(crop, box):
-            w = max(0.0, min(crop[2], box[2]) - max(crop[0], box[0]))
-            h = max(0.0, min(crop[3], box[3]) - max(crop[1], box[1]))
-            return w * h / ((box[2] - box[0]) * (box[3] - box[1]))
-
-        return {self.name: max(recall(c, b) for c in crops for b in gt)}, spans
+        recall = max(_intersection(c, b) / ((b[2] - b[0]) * (b[3] - b[1])) for c in crops for b in gt)
+        return {self.name: recall}, spans
 
 
 COORDINATES = ("x1", "y1", "x2", "y2")

@@ -197,3 +197,8 @@ def test_vlm_grpo_vs_trl_on_a_sized_model(tmp_path):
     assert report["settings"]["engine"] == "HF generate"
     # the tiny model's language model has 156,224 trainable parameters; this one is larger, and the same on both
     assert report["mmrl"]["trainable_params"] == report["trl"]["trainable_params"] > 156_224
+
+
+def test_vlm_grpo_vs_trl_rejects_layers_without_a_sized_model():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--layers", "2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "give --hidden too" in proc.stderr

@@ -19,7 +19,7 @@ class FactorizedOptions(SpanScopedOptions):
     def validate(self) -> None:
         super().validate()
         if not self.vision:
-            raise ValueError("vision: name the reward components that judge the vision segments (e.g. [crop_iou])")
+            raise ValueError("vision: name the reward components that judge the vision segments (e.g. [crop_recall])")
         overlap = sorted(set(self.vision) & set(self.scopes))
         if overlap:
             raise ValueError(f"{overlap} are vision rewards and have a scope in scopes too: name each once")

@@ -126,7 +126,7 @@ def tool_call_mask(rollout) -> Tensor:
     """``[N, T]``: 1 on the sampled tokens of each tool call the policy wrote (``<tool>`` through ``</tool>``, the
     :class:`~mmrl.pipelines.vlm.tools.ToolCall` range ``[opened, end)``), 0 elsewhere (all 0 without tool calls)."""
     out = torch.zeros(rollout.mask.shape)
-    for i, calls in enumerate(getattr(rollout, "tool_calls", None) or []):
+    for i, calls in enumerate(rollout.tool_calls or []):
         for call in calls:
             out[i, call.opened:call.end] = 1.0
     return out * rollout.mask.float()

@@ -146,10 +146,16 @@ def run_call(text: str, tools: dict, image: Image.Image | None) -> Image.Image:
     return view.convert("RGB")
 
 
+def calls_in(text: str) -> list[tuple[int, int, str]]:
+    """Every complete ``<tool>...</tool>`` in ``text``: ``(start, end, inside)``, ``[start, end)`` the characters from
+    ``<tool>`` through ``</tool>``."""
+    return [(m.start(), m.end(), m.group(1)) for m in _CALL.finditer(text)]
+
+
 def last_call(text: str) -> str | None:
     """The inside of the last complete ``<tool>...</tool>`` in ``text`` (``None`` when there is none)."""
-    found = _CALL.findall(text)
-    return found[-1] if found else None
+    found = calls_in(text)
+    return found[-1][2] if found else None
 
 
 @dataclass
