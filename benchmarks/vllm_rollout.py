@@ -11,6 +11,11 @@ over vLLM), the tokens each generated, the weight push's own time, and the sampl
 vLLM rollouts (the trained model's replay against vLLM's own log-probs). Needs vLLM (see the README's "Rollouts on
 vLLM"): without it the line says so and the exit code is 0 with ``"skipped"``.
 
+``--server`` adds a third side, the same engine in server mode: ``mmrl vllm-serve`` on the same config in its own
+process, the policy sampling through ``generation.vllm_server`` (prompts, images and weights over HTTP), so the line
+also gives what the server's transport costs against the colocated engine (``speedup_rollout_server``: HF over
+server; ``push_s_median_server``).
+
 Prints one JSON line and writes ``benchmarks/results/vllm_rollout.json``.
 """
 
@@ -34,6 +39,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mid_vlm_arguments(ap, "vllm_rollout.json", set_help="an mmrl config override (generation.vllm.* only on the "
                                                         "vLLM side)")
+    ap.add_argument("--server", action="store_true", help="also time the engine in server mode (mmrl vllm-serve)")
     args = ap.parse_args(argv)
 
     from mmrl.pipelines.vlm.vllm_engine import vllm_missing
@@ -59,19 +65,21 @@ def main(argv=None) -> int:
         engines = {"hf": build_vlm_policy(hf_config),
                    "vllm": build_vlm_policy(load_config(str(VLM_RECIPE), [*overrides, *args.set,
                                                                           "generation.engine=vllm"]))}
+        server = None
+        if args.server:
+            from mmrl.pipelines.vlm.vllm_server import launch_vllm_server
+
+            server, url = launch_vllm_server(VLM_RECIPE, [*overrides, *args.set, "generation.engine=vllm"])
+            engines["vllm_server"] = build_vlm_policy(load_config(str(VLM_RECIPE), [
+                *overrides, *(o for o in args.set if o not in engine_only), "generation.engine=vllm",
+                f"generation.vllm_server={url}"]))
         items = build_source(hf_config).next_batch(args.prompts)
         times = {name: [] for name in engines}
         tokens = {name: [] for name in engines}
-        push_times, gaps = [], []
-        sampler = engines["vllm"].sampler
-        original_push = sampler.push
-
-        def timed_push(weights):
-            start = time.perf_counter()
-            original_push(weights)
-            push_times.append(time.perf_counter() - start)
-
-        sampler.push = timed_push
+        push_times = {name: [] for name in engines if name != "hf"}
+        gaps = {name: [] for name in push_times}
+        for name in push_times:
+            _time_pushes(engines[name].sampler, push_times[name])
         generator = torch.Generator().manual_seed(args.seed)
         for r in range(args.repeats + 1):  # round 0 warms both up
             noise = [0.01 * torch.randn(p.shape, generator=generator) for p in engines["hf"].trainable_parameters()]
@@ -89,11 +97,14 @@ def main(argv=None) -> int:
                 if r:
                     times[name].append(elapsed)
                     tokens[name].append(int(rollout.mask.sum()))
-                if name == "vllm" and r:
+                if name != "hf" and r:
                     with torch.no_grad():
                         replay = policy.logprobs(rollout, torch.arange(len(rollout))).logps.float()
                     gap = (replay - rollout.sampler_logps).abs()[rollout.mask.bool()]
-                    gaps.append((float(gap.mean()), float(gap.max())))
+                    gaps[name].append((float(gap.mean()), float(gap.max())))
+        if server is not None:
+            server.terminate()
+            server.wait(60)
 
     median = {name: statistics.median(v) for name, v in times.items()}
     per_token = {name: statistics.median([t / max(k, 1) for t, k in zip(times[name], tokens[name])])
@@ -105,14 +116,39 @@ def main(argv=None) -> int:
         "median_s": median,
         "median_s_per_token": per_token,
         "tokens": tokens,
-        "push_s_median": statistics.median(push_times[1:]) if len(push_times) > 1 else None,
-        "sampler_logp_gap": {"mean_of_means": statistics.mean(g[0] for g in gaps), "max": max(g[1] for g in gaps)},
+        "push_s_median": _median_push(push_times["vllm"]),
+        "sampler_logp_gap": _gap(gaps["vllm"]),
         "threads": torch.get_num_threads(),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "versions": {**versions(), **_vllm_version()},
         "ok": True,
     }
+    if args.server:
+        line.update(speedup_rollout_server=median["hf"] / median["vllm_server"],
+                    server_over_colocated=median["vllm_server"] / median["vllm"],
+                    push_s_median_server=_median_push(push_times["vllm_server"]),
+                    sampler_logp_gap_server=_gap(gaps["vllm_server"]))
     return finish(line, args.out)
+
+
+def _time_pushes(sampler, into: list) -> None:
+    """Record the seconds of each weight push of ``sampler`` (colocated or server client) in ``into``."""
+    original = sampler.push
+
+    def timed(*a, **k):
+        start = time.perf_counter()
+        original(*a, **k)
+        into.append(time.perf_counter() - start)
+
+    sampler.push = timed
+
+
+def _median_push(times: list) -> float | None:
+    return statistics.median(times[1:]) if len(times) > 1 else None  # the first push warms up
+
+
+def _gap(gaps: list) -> dict:
+    return {"mean_of_means": statistics.mean(g[0] for g in gaps), "max": max(g[1] for g in gaps)}
 
 
 def _vllm_version() -> dict:

@@ -138,15 +138,29 @@ def build_vlm_policy(config: Config, device: torch.device | str = "cpu"):
 
 
 def build_vlm_sampler(config: Config):
-    """generation.engine: vllm -> a vLLM engine over the policy's checkpoint (:mod:`mmrl.pipelines.vlm.vllm_engine`),
-    with the processor's pixel budget when the config sets one; one training process only."""
+    """generation.engine: vllm -> the rollout engine: a client of ``generation.vllm_server`` (server mode,
+    :mod:`mmrl.pipelines.vlm.vllm_server`; any number of training processes) or a vLLM engine colocated in this one
+    training process (:func:`build_vllm_engine`)."""
+    g = config.generation
+    if g.vllm_server is not None:
+        from mmrl.pipelines.vlm.vllm_server import VLLMServerClient
+
+        return VLLMServerClient(g.vllm_server, dtype=config.model.dtype,
+                                max_model_len=g.max_prompt_length + g.max_new_tokens, timeout=g.vllm_server_timeout)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("generation.engine: vllm runs one colocated engine in one training process; launch a single "
+                          "process, serve vLLM apart for several (generation.vllm_server, `mmrl vllm-serve`), or use "
+                          "the default engine 'hf'")
+    return build_vllm_engine(config)
+
+
+def build_vllm_engine(config: Config):
+    """A vLLM engine over the policy's checkpoint (:class:`mmrl.pipelines.vlm.vllm_engine.VLLMSampler`), with the
+    processor's pixel budget when the config sets one: colocated in training, or what ``mmrl vllm-serve`` serves."""
     from mmrl.pipelines.vlm.qwen import resolve_vlm_pretrained
     from mmrl.pipelines.vlm.vllm_engine import VLLMSampler, vllm_missing
 
     m, g = config.model, config.generation
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError("generation.engine: vllm runs one colocated engine in one training process; launch a single "
-                          "process, or use the default engine 'hf' with several")
     problem = vllm_missing()
     if problem:
         raise ConfigError(problem)

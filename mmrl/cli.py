@@ -1,4 +1,4 @@
-"""``mmrl`` command line: train, eval, sft, pretrain, config, sample, tiny, rewards, serve-rewards, score.
+"""``mmrl`` command line: train, eval, sft, pretrain, config, sample, tiny, rewards, serve-rewards, vllm-serve, score.
 
     mmrl train [CONFIG] [key=value ...]     train (no CONFIG: the embedded tiny CPU default)
     mmrl config validate CONFIG [key=value ...] [--quick | --no-check-files]   the config, then every data line
@@ -13,6 +13,8 @@
     mmrl rewards                             list registered rewards
     mmrl variants [--markdown | --json]      list the algorithm variants (mmrl.algorithms) with options and papers
     mmrl serve-rewards CONFIG [--host H --port P]   serve CONFIG's rewards over HTTP (mmrl.rewards.remote)
+    mmrl vllm-serve CONFIG [key=value ...] [--host H --port P]   serve CONFIG's VLM policy on vLLM for rollouts
+                                             (generation.vllm_server; mmrl.pipelines.vlm.vllm_server)
     mmrl score (--config CONFIG | --rewards MAP) --images DIR [--prompts F.csv|F.jsonl] --out F.csv|F.json
                                              score a folder of images with mmrl's rewards (mmrl.score)
     mmrl doctor CONFIG [key=value ...]       porting self-check on one small batch (exit 1 when a check fails)
@@ -45,7 +47,7 @@ from mmrl.config import FIELDS_HEADER, ConfigError, config_to_dict, describe, lo
 from mmrl.stopping import signal_exit_code as _signal_exit_code
 
 #: Commands that load models or libraries whose loading progress bars are silenced (see :func:`quiet_libraries`).
-_LOADING_COMMANDS = ("train", "sample", "tiny", "serve-rewards", "score", "sft", "pretrain", "eval", "doctor")
+_LOADING_COMMANDS = ("train", "sample", "tiny", "serve-rewards", "vllm-serve", "score", "sft", "pretrain", "eval", "doctor")
 
 
 class UsageError(ValueError):
@@ -389,6 +391,26 @@ def _cmd_serve_rewards(args) -> int:
     return 0
 
 
+def _cmd_vllm_serve(args) -> int:
+    from mmrl.build import build_vllm_engine
+    from mmrl.pipelines.vlm.qwen import resolve_vlm_pretrained
+    from mmrl.pipelines.vlm.vllm_server import VLLMServerError, serve_vllm
+
+    config = load_config(args.config, args.overrides)
+    if config.model.family != "qwen_vl":
+        raise ConfigError(f"mmrl vllm-serve serves a vision-language policy (model.family: qwen_vl); "
+                          f"{args.config} has model.family: {config.model.family}")
+    g = config.generation
+    engine = build_vllm_engine(config)
+    try:
+        serve_vllm(engine, host=args.host, port=args.port, model=resolve_vlm_pretrained(config.model.pretrained),
+                   dtype=config.model.dtype, max_model_len=g.max_prompt_length + g.max_new_tokens)
+    except VLLMServerError as exc:
+        _print_error(exc)
+        return 2
+    return 0
+
+
 def _cmd_score(args) -> int:
     from mmrl.score import run_score
 
@@ -563,6 +585,15 @@ def make_parser() -> argparse.ArgumentParser:
     serve_rw.add_argument("--max-request-mb", type=float, default=512.0, help="largest request body (MiB)")
     serve_rw.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     serve_rw.set_defaults(func=_cmd_serve_rewards)
+
+    vserve = command("vllm-serve", "serve CONFIG's policy on vLLM for rollouts in server mode "
+                                   "(generation.vllm_server: URL in the training config; GET /health, POST /push, "
+                                   "POST /generate)")
+    vserve.add_argument("config", help="the training config (model, dtype, lengths, generation.vllm options)")
+    vserve.add_argument("overrides", nargs="*", help="dotted overrides, e.g. generation.vllm={enforce_eager: true}")
+    vserve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    vserve.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed at start)")
+    vserve.set_defaults(func=_cmd_vllm_serve)
 
     doctor = command("doctor", "porting self-check on one small batch of CONFIG's policy: ratio 1 on-policy, replayed "
                                "= sampled log-probs, reference = base, SDE at noise 0 = ODE, exported weights reload, "

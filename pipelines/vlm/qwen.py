@@ -726,6 +726,12 @@ class QwenVLPolicy:
         from mmrl.pipelines.vlm.vllm_engine import merged_weights
 
         trained = self.named_trainable_parameters()
+        if getattr(self.sampler, "syncs_weights", False):  # a vLLM server: shared by processes, checked by content
+            from mmrl.pipelines.vlm.vllm_server import weights_fingerprint
+
+            self.sampler.sync(weights_fingerprint(trained.items()), lambda: list(merged_weights(
+                self.model, trained=trained, use_lora=self.use_lora, dtype=self.dtype)))
+            return
         state = tuple((name, id(p), p._version) for name, p in trained.items())
         if state == self._pushed_weights:
             return

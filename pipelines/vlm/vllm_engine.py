@@ -20,7 +20,9 @@ is vLLM colocated with training in the same process, as TRL's ``vllm_mode="coloc
   ``sampling/sampling_logp_difference``).
 
 One process only: several training processes would each need their own vLLM copy on a shared distributed group
-(TRL's ``external_launcher``), which is not built here; a multi-process run with this engine is rejected.
+(TRL's ``external_launcher``), which is not built here; a multi-process run with this engine is rejected. Several
+processes share one engine in server mode (:mod:`mmrl.pipelines.vlm.vllm_server`, ``generation.vllm_server``), where
+this class runs behind ``mmrl vllm-serve``.
 """
 from __future__ import annotations
 
