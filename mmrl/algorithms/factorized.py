@@ -44,10 +44,8 @@ class Factorized(SpanScoped):
              "arXiv 2606.14792 (factorized reward assignment; the vision segments as image-tool calls are mmrl's)")
     Options = FactorizedOptions
 
-    def scope_of(self, component: str) -> str:
-        if component in self.options.scopes:
-            return self.options.scopes[component]
-        return "tool_calls" if component in self.options.vision else self.options.default_scope
+    def implied_scope(self, component: str) -> str | None:
+        return "tool_calls" if component in self.options.vision else None
 
     def check(self, config) -> None:
         super().check(config)

@@ -33,14 +33,10 @@ class RSGRPO(SpanScoped):
              "RS-GRPO), 2025, arXiv 2510.09733 (the evidence / answer scope mapping is mmrl's)")
     Options = RSGRPOOptions
 
-    def scope_of(self, component: str) -> str:
-        if component in self.options.scopes:
-            return self.options.scopes[component]
+    def implied_scope(self, component: str) -> str | None:
         if component in self.options.evidence:
             return "reward"
-        if component in self.options.answer:
-            return "answer"
-        return self.options.default_scope
+        return "answer" if component in self.options.answer else None
 
     def check(self, config) -> None:
         super().check(config)

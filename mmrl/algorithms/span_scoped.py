@@ -49,7 +49,7 @@ class SpanScopedOptions:
 
 
 class SpanScoped(Variant):
-    """Base of the span-scoped variants (module docstring). Subclasses may override :meth:`scope_of`."""
+    """Base of the span-scoped variants (module docstring). Subclasses may override :meth:`implied_scope`."""
 
     Options = SpanScopedOptions
     families = ("vlm",)
@@ -64,7 +64,15 @@ class SpanScoped(Variant):
         return ctx.labels
 
     def scope_of(self, component: str) -> str:
-        return self.options.scopes.get(component, self.options.default_scope)
+        """``component``'s scope: set in ``scopes``, else the variant's own rule (:meth:`implied_scope`), else
+        ``default_scope``."""
+        if component in self.options.scopes:
+            return self.options.scopes[component]
+        return self.implied_scope(component) or self.options.default_scope
+
+    def implied_scope(self, component: str) -> str | None:
+        """The scope a subclass's own rule gives ``component`` when ``scopes`` does not set it (none here)."""
+        return None
 
     def check(self, config) -> None:
         unknown = sorted(set(self.options.scopes) - set(config.rewards))

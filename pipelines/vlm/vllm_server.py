@@ -108,13 +108,14 @@ def decode_payload(value: Any) -> Any:
 
 
 def weights_fingerprint(named: Iterable[tuple[str, Tensor]]) -> str:
-    """Which weights these are, cheaply: a hash of each tensor's name, shape, sum and sum of squares (float64, one
-    device-to-host copy for all). Bit-identical replicas give the same fingerprint; any optimizer step changes it."""
+    """Which weights these are, cheaply: a hash of each tensor's name, shape, sum (accumulated in float64) and sum of
+    squares (a dot product), with no copy of any weight and one device-to-host copy for all. Bit-identical replicas
+    give the same fingerprint; any optimizer step changes it."""
     names, stats = [], []
     for name, tensor in named:
-        t = tensor.detach().double()
+        flat = tensor.detach().reshape(-1)
         names.append(f"{name}:{tuple(tensor.shape)}")
-        stats.append(torch.stack([t.sum(), t.pow(2).sum()]))
+        stats.append(torch.stack([flat.sum(dtype=torch.float64), torch.dot(flat, flat).double()]))
     digest = hashlib.sha256("\n".join(names).encode())
     if stats:
         digest.update(torch.stack(stats).cpu().numpy().tobytes())
@@ -211,14 +212,17 @@ class VLLMServerClient:
     def push(self, weights: list[tuple[str, Tensor]], fingerprint: str | None = None) -> None:
         """Upload ``(checkpoint name, tensor)`` pairs (in chunks); the server loads them in place and drops its
         caches. ``fingerprint`` names the weights the engine holds once the last chunk is in."""
-        chunks = list(_safetensors_chunks(weights, self.chunk_bytes))
-        for i, chunk in enumerate(chunks):
+        chunks = _safetensors_chunks(weights, self.chunk_bytes)  # serialised one at a time: at most two held
+        chunk = next(chunks)
+        while chunk is not None:
+            following = next(chunks, None)  # one ahead, to know which chunk is the last
             headers = {"Content-Type": "application/octet-stream"}
-            if i == len(chunks) - 1:
+            if following is None:
                 headers["X-Weights-Final"] = "1"
                 if fingerprint is not None:
                     headers["X-Weights-Fingerprint"] = fingerprint
             self._request("/push", chunk, headers)
+            chunk = following
         self.pushes += 1
 
     def sync(self, fingerprint: str, weights: Callable[[], list[tuple[str, Tensor]]]) -> None:
