@@ -133,6 +133,7 @@ def build_vlm_policy(config: Config, device: torch.device | str = "cpu"):
         gradient_checkpointing=m.gradient_checkpointing, skip_bad_samples=config.data.skip_bad_samples,
         device=device, tools=resolve_tools(g.tools), max_tool_calls=g.max_tool_calls,
         tool_response_template=g.tool_response_template, share_prompt_prefix=m.share_prompt_prefix,
+        coord_format=policy_coord_format(config) if g.tools else None,
         sampler=build_vlm_sampler(config) if g.engine == "vllm" else None,
     )
 

@@ -598,7 +598,8 @@ def _collate_tool_traces(policy, samples, targets, inputs, vision, end) -> SFTBa
 
     if policy.freeze_vision:
         policy._encode_vision(vision)
-    rows = [trace(policy, t, v.images[0] if v.images else None, end) for t, v in zip(targets, vision)]
+    rows = [trace(policy, t, v.images[0] if v.images else None, end, s.metadata)
+            for t, v, s in zip(targets, vision, samples)]
     width = max(len(r.ids) for r in rows)
     prompt_ids, prompt_mask = inputs["input_ids"], inputs["attention_mask"]
     completion = torch.full((len(rows), width), policy.pad_id, dtype=prompt_ids.dtype)

@@ -50,6 +50,32 @@ def test_the_built_in_tools_and_their_errors():
         run_call("rotate(3)", tools, None)
 
 
+def test_box_tools_read_their_numbers_in_the_answers_frame():
+    """crop's numbers are in the frame of the box answers (the sample's coord_format): the same region as a box answer
+    with those numbers, which crop_recall scores; other tools' numbers pass as written."""
+    from mmrl.pipelines.vlm.tools import answer_frame
+    from mmrl.rewards import build_reward
+
+    image = Image.new("RGB", (112, 84))  # the model's input (after the pixel budget) of a 224 x 168 original
+    image.putpixel((60, 50), (255, 0, 0))
+    sizes = {"image_size": [224, 168], "input_size": [112, 84]}
+    tools = resolve_tools(["crop", "rotate"])
+    for fmt, call in [("qwen2", "crop(500, 500, 1000, 1000)"), ("qwen25", "crop(56, 42, 112, 84)"),
+                      ("absolute", "crop(112, 84, 224, 168)")]:
+        meta = {"coord_format": fmt, **sizes}
+        view = run_call(call, tools, image, answer_frame(meta, None))
+        assert view.size == (56, 42) and view.getpixel((4, 8)) == (255, 0, 0), fmt
+        recall = build_reward("crop_recall")([f"<tool>{call}</tool>"], [None], [{**meta, "boxes": [[112, 84, 224, 168]]}])
+        assert recall["crop_recall"].tolist() == pytest.approx([1.0]), fmt
+        assert run_call("rotate(90)", tools, image, answer_frame(meta, None)).size == (84, 112)
+    # the sample's format wins over the policy's; none known: pixels of the input as written
+    assert run_call("crop(500, 500, 1000, 1000)", tools, image, answer_frame({**sizes}, "qwen2")).size == (56, 42)
+    assert answer_frame({"coord_format": "qwen2", **sizes}, "qwen25")([0, 0, 500, 1000]) == pytest.approx([0, 0, 56, 84])
+    assert answer_frame(sizes, None) is None
+    with pytest.raises(ToolError, match="image_size"):
+        run_call("crop(0, 0, 500, 500)", tools, image, answer_frame({"coord_format": "qwen2"}, None))
+
+
 def test_tool_names_resolve_or_are_refused():
     assert set(resolve_tools(["crop", "PIL.ImageOps:mirror"])) == {"crop", "mirror"}
     mirrored = run_call("mirror()", resolve_tools(["PIL.ImageOps:mirror"]), Image.new("RGB", (4, 4)))
@@ -144,6 +170,33 @@ def test_a_call_runs_and_its_response_is_context_not_action(tool_trainer):
     # batch layout: any subset gives the same log-probs
     sub = policy.logprobs(rollout, torch.tensor([2, 0])).logps
     torch.testing.assert_close(sub, logps[[2, 0]], atol=1e-5, rtol=0)
+
+
+def test_rollouts_and_sft_traces_run_crops_in_the_answers_frame(tool_trainer):
+    """A Qwen2-VL-style sample (coord_format qwen2, 0-1000) gets its crop cut at pixels of the model's input, in a
+    rollout and in an SFT trace alike."""
+    from mmrl.pipelines.vlm.tool_rollout import trace
+
+    trainer = tool_trainer()
+    policy = trainer.policy
+    seen = []
+
+    def crop(image, *box):
+        seen.append((image.size, box))
+        return image.crop(tuple(int(round(v)) for v in box))
+
+    crop.box_args = True
+    policy.tools = {"crop": crop}
+    script(policy, ["<tool>crop(0, 0, 500, 250)</tool>"])
+    items = trainer.prompts.next_batch(1)
+    items[0].metadata["coord_format"] = "qwen2"
+    policy.rollout(items, 2, generator=torch.Generator().manual_seed(0))
+    (size, box), *_ = seen
+    assert box == pytest.approx((0, 0, size[0] / 2, size[1] / 4))
+    images, _ = policy.media(items[0])
+    seen.clear()
+    row = trace(policy, "<tool>crop(0, 0, 500, 250)</tool><answer>1</answer>", images[0], 0, items[0].metadata)
+    assert row.calls[0].ok and seen[0][1] == pytest.approx((0, 0, images[0].size[0] / 2, images[0].size[1] / 4))
 
 
 def test_replay_matches_an_independent_forward_of_the_whole_sequence(tool_trainer):

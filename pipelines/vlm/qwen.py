@@ -317,7 +317,7 @@ class QwenVLPolicy:
                  question_template: str = "{question}", media=None, gradient_checkpointing: bool = False,
                  skip_bad_samples: bool = False, device: torch.device | str = "cpu", tools: dict | None = None,
                  max_tool_calls: int = 2, tool_response_template: str = "\n<observation>{image}</observation>\n",
-                 share_prompt_prefix: bool = True, sampler=None):
+                 share_prompt_prefix: bool = True, sampler=None, coord_format: str | None = None):
         self.processor = processor
         #: the rollout engine when it is not HF ``generate`` (a :class:`~mmrl.pipelines.vlm.vllm_engine.VLLMSampler`)
         self.sampler = sampler
@@ -341,6 +341,9 @@ class QwenVLPolicy:
         self.skipped: dict[str, int] = {}
         self.tools = dict(tools or {})
         self.max_tool_calls = max_tool_calls
+        #: the frame of the policy's box answers (:func:`mmrl.build.policy_coord_format`): box tools read their numbers
+        #: in it unless a sample's ``coord_format`` says otherwise (:func:`mmrl.pipelines.vlm.tools.answer_frame`)
+        self.coord_format = coord_format
         self.tool_response_template = tool_response_template
         self.dtype = model.dtype  # the loaded dtype; trainable parameters are upcast to fp32 below
         model.to(self.device)

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from mmrl.pipelines.vlm.tools import TOOL_CLOSE, TOOL_OPEN, ToolCall, ToolError, last_call, run_call
+from mmrl.pipelines.vlm.tools import (TOOL_CLOSE, TOOL_OPEN, ToolCall, ToolError, answer_frame, last_call,
+                                      run_call)
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ def _response(policy, text: str, view) -> tuple[list[int], list[int], object]:
     return ids, types, vision
 
 
-def _extend(policy, row: _Row, new: list[int], may_call: bool, image) -> None:
+def _extend(policy, row: _Row, new: list[int], may_call: bool, image, frame=None) -> None:
     """Append one turn's generated tokens to ``row``: through the end-of-turn token, the budget, or a closed call
     (which then runs, its response appended)."""
     budget = policy.max_new_tokens - row.generated
@@ -125,7 +126,7 @@ def _extend(policy, row: _Row, new: list[int], may_call: bool, image) -> None:
     if finished or row.generated >= policy.max_new_tokens:
         row.done = True
         return
-    _respond(policy, row, image)
+    _respond(policy, row, image, frame)
 
 
 def _own(row: _Row, ids: list[int]) -> None:
@@ -136,13 +137,14 @@ def _own(row: _Row, ids: list[int]) -> None:
     row.generated += len(ids)
 
 
-def _respond(policy, row: _Row, image) -> None:
-    """Run the call the current segment of ``row`` ends with and append its response (context tokens)."""
+def _respond(policy, row: _Row, image, frame=None) -> None:
+    """Run the call the current segment of ``row`` ends with (a box tool's numbers read through ``frame``,
+    :func:`~mmrl.pipelines.vlm.tools.answer_frame`) and append its response (context tokens)."""
     segment = row.ids[row.segment_start:]
     text = policy.tokenizer.decode(segment, skip_special_tokens=True)
     call = last_call(text) or ""
     try:
-        view = run_call(call, policy.tools, image)
+        view = run_call(call, policy.tools, image, frame)
         error, shown = "", None
     except ToolError as exc:
         view, error, shown = None, str(exc), f"error: {exc}"
@@ -171,6 +173,7 @@ def tool_rollout(policy, items: list, inputs, vision: list, n_per: int, *, gener
     prompt_index = torch.arange(len(items)).repeat_interleave(n_per)
     rows = [_Row(prompt=int(p)) for p in prompt_index]
     first_image = [v.images[0] if v.images else None for v in vision]
+    frames = [answer_frame(item.metadata, policy.coord_format) for item in items]
     stop = {"tokenizer": policy.tokenizer}
 
     def config(may_call: bool, n: int, budget: int):
@@ -184,7 +187,7 @@ def tool_rollout(policy, items: list, inputs, vision: list, n_per: int, *, gener
                                 generator, **stop)
     new = sequences[:, prompt_ids.shape[1]:].cpu().tolist()
     for row, ids in zip(rows, new):
-        _extend(policy, row, ids, policy.max_tool_calls > 0, first_image[row.prompt])
+        _extend(policy, row, ids, policy.max_tool_calls > 0, first_image[row.prompt], frames[row.prompt])
     while True:
         active = [r for r in rows if not r.done]
         if not active:
@@ -200,7 +203,7 @@ def tool_rollout(policy, items: list, inputs, vision: list, n_per: int, *, gener
             sequences = policy.generate(ids, attention, types if mm_types is not None else None, row_vision,
                                         config(may_call, 1, budget), generator, **stop)
             for row, out in zip(batch, sequences[:, ids.shape[1]:].cpu().tolist()):
-                _extend(policy, row, out, may_call, first_image[row.prompt])
+                _extend(policy, row, out, may_call, first_image[row.prompt], frames[row.prompt])
     width = max(1, max(len(r.ids) for r in rows))
     completion_ids = torch.full((len(rows), width), policy.pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width))
@@ -227,15 +230,17 @@ def tool_rollout(policy, items: list, inputs, vision: list, n_per: int, *, gener
     )
 
 
-def trace(policy, target: str, image, end_id: int) -> _Row:
+def trace(policy, target: str, image, end_id: int, metadata: dict | None = None) -> _Row:
     """An SFT target with tool calls as a rollout would hold it: each piece through a call's closing tag tokenized
-    alone, the call run on ``image`` and its response inserted (context: label -100 in SFT), the rest of the
-    target, then ``end_id``. Calls after ``generation.max_tool_calls`` are plain text, as in a rollout."""
+    alone, the call run on ``image`` (box numbers in the answers' frame of ``metadata``, as in a rollout) and its
+    response inserted (context: label -100 in SFT), the rest of the target, then ``end_id``. Calls after
+    ``generation.max_tool_calls`` are plain text, as in a rollout."""
+    frame = answer_frame(metadata or {}, policy.coord_format)
     row, rest = _Row(prompt=0), target
     while len(row.calls) < policy.max_tool_calls and TOOL_CLOSE in rest:
         cut = rest.index(TOOL_CLOSE) + len(TOOL_CLOSE)
         _own(row, policy.tokenizer(rest[:cut], add_special_tokens=False)["input_ids"])
-        _respond(policy, row, image)
+        _respond(policy, row, image, frame)
         rest = rest[cut:]
     _own(row, policy.tokenizer(rest, add_special_tokens=False)["input_ids"] + [end_id])
     return row

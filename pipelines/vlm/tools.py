@@ -13,9 +13,13 @@ loss (``VLMRollout.mask`` is 0 on them) and are never scored as the policy's. Th
 sampled.
 
 Calls are parsed, never evaluated: :func:`parse_call` accepts one call of a registered tool with number arguments
-(Python call syntax, read with :mod:`ast`), so a completion can run no code of its own. Coordinates are pixels of the
-image as the model sees it (the frame its box answers use). A tool is a function ``(image: PIL.Image, *numbers) ->
-PIL.Image``: the built-in ones (:data:`TOOLS`) or ``package.module:function``. mmrl's choices: the tag, the call
+(Python call syntax, read with :mod:`ast`), so a completion can run no code of its own. A box tool (``box_args``:
+``crop``) reads its four numbers in the frame of the model's box answers, the sample's ``coord_format`` (pixels of
+the resized input for Qwen2.5-VL, 0-1000 for Qwen2-VL / Qwen3-VL; :func:`answer_frame`), so a crop and a box answer
+name the same region; other numbers are passed as written. A tool is a function ``(image: PIL.Image, *numbers) ->
+PIL.Image`` on the image as the model sees it (after the pixel budget): the built-in ones (:data:`TOOLS`) or
+``package.module:function`` (set ``box_args = True`` on it to get its first four numbers as pixels of that image).
+mmrl's choices: the tag, the call
 syntax, the response template and that every call operates on the sample's first image.
 """
 
@@ -48,9 +52,41 @@ def _box(image: Image.Image, x1: float, y1: float, x2: float, y2: float) -> tupl
 
 
 def crop(image: Image.Image, x1: float, y1: float, x2: float, y2: float) -> Image.Image:
-    """The region ``[x1, x2] x [y1, y2]`` (pixels, clipped to the image); the processor's pixel budget enlarges a
-    small crop, so it is also the zoom."""
+    """The region ``[x1, x2] x [y1, y2]`` (pixels of ``image``, clipped to it; in a rollout the policy writes them in
+    its answers' frame, :func:`answer_frame`); the processor's pixel budget enlarges a small crop, so it is also the
+    zoom."""
     return image.crop(_box(image, x1, y1, x2, y2))
+
+
+crop.box_args = True
+
+
+def answer_frame(metadata: dict, default_format: str | None) -> Callable[[list[float]], list[float]] | None:
+    """The map from a box in the frame of the model's answers (the sample's ``coord_format``, else
+    ``default_format``, the policy's) to pixels of the image the tools receive (the model's input, ``input_size``),
+    as :func:`mmrl.rewards.grounding.rescale_box` reads answers (to original pixels) then scaled to the input:
+    ``qwen25`` is the identity, ``qwen2`` ``x / 1000 * W_in``, ``absolute`` ``x * W_in / W``. ``None`` (numbers
+    taken as pixels of the input) when no format is known; a call whose sizes are missing gets a :class:`ToolError`."""
+    coord_format = metadata.get("coord_format") or default_format
+    if coord_format is None:
+        return None
+
+    def to_pixels(box: list[float]) -> list[float]:
+        from mmrl.rewards._text import Unjudgeable
+        from mmrl.rewards.grounding import _size, rescale_box
+
+        if coord_format == "absolute" and metadata.get("image_size") is None:
+            return [float(v) for v in box]
+        try:
+            x1, y1, x2, y2 = rescale_box(box, coord_format, metadata.get("image_size"), metadata.get("input_size"))
+            (w, h), (w_in, h_in) = _size(metadata.get("image_size"), "image_size"), _size(
+                metadata.get("input_size", metadata.get("image_size")), "input_size")
+        except Unjudgeable as exc:
+            raise ToolError(f"cannot read the box in the {coord_format} frame: {exc}") from None
+        sx, sy = w_in / w, h_in / h
+        return [x1 * sx, y1 * sy, x2 * sx, y2 * sy]
+
+    return to_pixels
 
 
 def rotate(image: Image.Image, degrees: float) -> Image.Image:
@@ -127,12 +163,16 @@ def parse_call(text: str, tools: dict) -> tuple[str, list[float]]:
     return call.func.id, [_number(a) for a in call.args]
 
 
-def run_call(text: str, tools: dict, image: Image.Image | None) -> Image.Image:
+def run_call(text: str, tools: dict, image: Image.Image | None,
+             frame: Callable[[list[float]], list[float]] | None = None) -> Image.Image:
     """Execute the call written in ``text`` (the inside of ``<tool>...</tool>``) on ``image``: the new view, or
-    :class:`ToolError` with the reason (bad syntax, unknown tool, wrong arguments, no image, a tool's own error)."""
+    :class:`ToolError` with the reason (bad syntax, unknown tool, wrong arguments, no image, a tool's own error).
+    ``frame`` (:func:`answer_frame`) maps the first four numbers of a ``box_args`` tool to pixels of ``image``."""
     name, args = parse_call(text, tools)
     if image is None:
         raise ToolError("this sample has no image to operate on")
+    if frame is not None and getattr(tools[name], "box_args", False) and len(args) >= 4:
+        args = [*frame(args[:4]), *args[4:]]
     try:
         view = tools[name](image, *args)
     except ToolError:
