@@ -331,6 +331,40 @@ def test_vlm_dataset_reads_and_its_sft_targets_score_full_marks(tmp_path):
         sw.write_vlm_dataset(tmp_path, "train", 1, coord_format="pixels")
 
 
+def test_grounding_crop_lines_are_tool_traces_that_crop_around_the_target(tmp_path):
+    """grounding_crop: grounding's questions and boxes, the target a trace whose crop holds the whole box (crop_recall
+    1 in the answers' frame) inside the think block, the answer scoring IoU 1; the crop tool cuts that region."""
+    from mmrl.data.vlm import load_images, read_vlm_jsonl
+    from mmrl.pipelines.vlm.tools import answer_frame, calls_in, resolve_tools, run_call
+    from mmrl.rewards import think_answer_format
+
+    assert sw.check_vlm_spec("shapeworld:train:8:grounding_crop") is None
+    for fmt in ("qwen25", "qwen2"):
+        path = sw.write_vlm_dataset(tmp_path / fmt, "heldout", 6, seed=1, tasks=("grounding_crop",), coord_format=fmt)
+        plain = sw.write_vlm_dataset(tmp_path / f"{fmt}-plain", "heldout", 6, seed=1, tasks=("grounding",),
+                                     coord_format=fmt)
+        first_plain = read_vlm_jsonl(plain)[0].metadata
+        for k, sample in enumerate(read_vlm_jsonl(path)):
+            images = load_images(sample)
+            meta, target = sample.metadata, sample.metadata["sft_target"]
+            assert sample.task == "grounding" and meta["tool"] == "crop" and think_answer_format(target) == 1.0
+            (start, end, inside), = calls_in(target)
+            assert target.index("<think>") < start < end < target.index("</think>")
+            box, crop = meta["boxes"][0], meta["crop"]
+            assert crop[0] < box[0] or crop[0] == 0
+            assert crop[0] <= box[0] and crop[1] <= box[1] and crop[2] >= box[2] and crop[3] >= box[3]
+            exact = 1.0 if fmt == "qwen25" else pytest.approx(1.0, abs=0.03)  # 0-1000 rounds the pixels
+            assert build_reward("iou")([target], None, [meta])["iou"].item() == exact
+            assert build_reward("crop_recall")([target], None, [meta])["crop_recall"].item() == exact
+            view = run_call(inside, resolve_tools(["crop"]), images[0], answer_frame(meta, None))
+            width, height = crop[2] - crop[0], crop[3] - crop[1]
+            assert abs(view.size[0] - width) <= 2 and abs(view.size[1] - height) <= 2  # 0-1000 rounding
+            if k == 0:  # the same scene and question as the grounding line
+                assert meta["target"] == first_plain["target"] and meta["boxes"] == first_plain["boxes"]
+    with pytest.raises(ValueError, match="unknown task"):
+        sw.write_vlm_dataset(tmp_path, "train", 1, tasks=("cropping",))
+
+
 # ---------------------------------------------------------------------------------------------- mmrl eval
 
 

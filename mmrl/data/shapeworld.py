@@ -49,7 +49,7 @@ from PIL import Image
 
 __all__ = [
     "SHAPES", "COLORS", "BACKGROUND", "IMAGE_SIZE", "VLM_IMAGE_SIZE", "TAGS", "SPLITS", "POSITIONS", "NUMBERS",
-    "HELDOUT_PAIRINGS", "PROMPTS_VERSION", "VLM_TASKS", "VIDEO_FRAMES", "VIDEO_FPS", "Obj", "Scene", "shape_mask",
+    "HELDOUT_PAIRINGS", "PROMPTS_VERSION", "VLM_TASKS", "EXTRA_VLM_TASKS", "VIDEO_FRAMES", "VIDEO_FPS", "Obj", "Scene", "shape_mask",
     "render", "render_array", "is_heldout", "prompt_set", "scene_for", "write_prompts", "write_vlm_dataset",
     "write_video", "split_rng", "prompts_file", "check_prompts_spec", "resolve_prompts_spec", "PROMPTS_SPEC_PREFIX",
     "BASE_MODELS", "base_model_path", "VLM_SPEC", "check_vlm_spec", "resolve_vlm_spec",
@@ -88,6 +88,9 @@ HELDOUT_PAIRINGS = frozenset((s, c) for i, s in enumerate(SHAPES) for j, c in en
 PROMPTS_VERSION = "shapeworld-v1"
 #: Tasks of :func:`write_vlm_dataset`.
 VLM_TASKS = ("grounding", "numeric", "temporal_grounding")
+#: Tasks a spec may name besides :data:`VLM_TASKS` (not in the default mix): ``grounding_crop``, box grounding whose
+#: ``sft_target`` is a tool-call trace (``generation.tools: [crop]``; TACO's first stage).
+EXTRA_VLM_TASKS = ("grounding_crop",)
 
 #: Shape sides at 32 px (scaled with the image size), gap between boxes, and the position margin.
 _MIN_SIDE, _MAX_SIDE, _MAX_SIDE_CROWDED, _GAP = 8, 14, 11, 2
@@ -383,10 +386,10 @@ def check_vlm_spec(value: str) -> str | None:
     match = VLM_SPEC.match(value)
     if match is None:
         return (f"{value!r} is not a ShapeWorld VLM set: write shapeworld:<train|heldout|test>:<n>[:<task>+<task>] "
-                f"(tasks {', '.join(VLM_TASKS)})")
-    bad = [t for t in (match.group(3) or "").split("+") if t and t not in VLM_TASKS]
+                f"(tasks {', '.join(VLM_TASKS + EXTRA_VLM_TASKS)})")
+    bad = [t for t in (match.group(3) or "").split("+") if t and t not in VLM_TASKS + EXTRA_VLM_TASKS]
     if bad:
-        return f"{value!r}: unknown ShapeWorld task {bad[0]!r}; tasks: {', '.join(VLM_TASKS)}"
+        return f"{value!r}: unknown ShapeWorld task {bad[0]!r}; tasks: {', '.join(VLM_TASKS + EXTRA_VLM_TASKS)}"
     return None
 
 
@@ -629,6 +632,30 @@ def _grounding_sample(rng, held: bool, size: int, coord_format: str) -> tuple[Sc
     return scene, line
 
 
+#: ``grounding_crop``: the margin (pixels at 32 px, scaled) drawn for each side of the crop around the target's box.
+_CROP_MARGIN = (1, 4)
+
+
+def _grounding_crop_sample(rng, held: bool, size: int, coord_format: str) -> tuple[Scene, dict]:
+    """:func:`_grounding_sample`'s scene and question, with a tool-call trace as ``sft_target``: the think block
+    names where the shape is and crops around it (``<tool>crop(...)</tool>``, the target's box widened by a random
+    margin on each side, in ``coord_format`` as the crop tool reads it), then, after the view the tool returns,
+    reads the box and answers it. ``crop`` holds the crop in original pixels."""
+    scene, line = _grounding_sample(rng, held, size, coord_format)
+    box = line["boxes"][0]
+    lo, hi = (_scaled(m, size) for m in _CROP_MARGIN)
+    left, top, right, bottom = (int(rng.integers(lo, hi + 1)) for _ in range(4))
+    region = [max(0, box[0] - left), max(0, box[1] - top), min(size, box[2] + right), min(size, box[3] + bottom)]
+    call = ", ".join(str(v) for v in _box_text(region, coord_format, size))
+    answer = _box_text(box, coord_format, size)
+    name = line["target"]
+    line = {**line, "task": "grounding", "tool": "crop", "crop": region,
+            "sft_target": f"<think>The {name} is in the {_where(box, size)} of the image; a closer look: "
+                          f"<tool>crop({call})</tool> In the view its box spans x {answer[0]} to {answer[2]} and y "
+                          f"{answer[1]} to {answer[3]}.</think><answer>{json.dumps(answer)}</answer>"}
+    return scene, line
+
+
 def _counting_sample(rng, held: bool, size: int) -> tuple[Scene, dict]:
     """Count ``n`` (1-4) shapes of one kind among 0-2 shapes of other kinds; the (shape, n) pair is held out iff
     ``(index(shape) + n) % 3 == 0``, as the counting prompts."""
@@ -776,6 +803,9 @@ def write_vlm_dataset(out_dir: str | os.PathLike, split: str, n: int, seed: int 
     * ``grounding``: "Where is the red circle?" on an image of it among 0-2 other shapes (no other red circle);
       ``boxes`` (original pixels, ``x2``/``y2`` exclusive), ``solution`` the box as JSON, ``coord_format`` the
       coordinates ``sft_target`` answers in (:mod:`mmrl.rewards.grounding`; the rewards read it from the line);
+    * ``grounding_crop`` (only when named): ``grounding``'s lines (``task`` grounding) whose ``sft_target`` crops
+      around the shape before answering, a tool-call trace for ``mmrl sft`` with ``generation.tools: [crop]``
+      (the response, the view, is inserted by the SFT collator as in a rollout); ``crop`` the region in pixels;
     * ``numeric``: "How many circles are in the image?" (1-4 of the shape among 0-2 others), ``solution`` "3";
     * ``temporal_grounding``: a ``VIDEO_FRAMES``-frame mp4 at ``VIDEO_FPS`` of a shape appearing (``visible``),
       moving (``move``) or changing colour (``color``), "When does the red circle move?", ``timestamps`` ``[s, e]``
@@ -795,9 +825,10 @@ def write_vlm_dataset(out_dir: str | os.PathLike, split: str, n: int, seed: int 
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise ValueError(f"write_vlm_dataset: n must be an integer >= 1, got {n!r}")
     tasks = tuple(tasks)
-    bad = [t for t in tasks if t not in VLM_TASKS]
+    bad = [t for t in tasks if t not in VLM_TASKS + EXTRA_VLM_TASKS]
     if not tasks or bad:
-        raise ValueError(f"write_vlm_dataset: unknown task(s) {bad or tasks!r}; tasks are {', '.join(VLM_TASKS)}")
+        raise ValueError(f"write_vlm_dataset: unknown task(s) {bad or tasks!r}; tasks are "
+                         f"{', '.join(VLM_TASKS + EXTRA_VLM_TASKS)}")
     if coord_format not in COORD_FORMATS:
         raise ValueError(f"write_vlm_dataset: coord_format {coord_format!r}; expected one of "
                          f"{', '.join(COORD_FORMATS)}")
@@ -818,8 +849,11 @@ def write_vlm_dataset(out_dir: str | os.PathLike, split: str, n: int, seed: int 
             write_video(out_dir / rel, frames)
             record = {"id": sample_id, "video": rel}
         else:
-            scene, line = (_grounding_sample(rng, held, size, coord_format) if task == "grounding"
-                           else _counting_sample(rng, held, size))
+            if task == "numeric":
+                scene, line = _counting_sample(rng, held, size)
+            else:
+                sample = _grounding_sample if task == "grounding" else _grounding_crop_sample
+                scene, line = sample(rng, held, size, coord_format)
             rel = f"{split}/images/{i:05d}.png"
             render(scene).save(out_dir / rel, format="PNG")
             line["objects"] = [{"shape": o.shape, "color": o.color, "box": list(o.box)} for o in scene.objects]
