@@ -133,3 +133,30 @@ def test_one_update_of_each_vlm_shapes_recipe_on_the_shipped_base(recipe, base, 
     row = metrics_rows(run)[-1]
     assert row["step"] == 1 and row["samples/nan_reward"] == 0.0
     assert (run / "checkpoints" / "step_1" / "trainable.safetensors").is_file()
+
+
+def test_the_crop_trace_sft_recipe_feeds_the_tool_grpo_recipe_under_each_credit_rule(tmp_path):
+    """configs/shapes/sft_qwen_vl_grounding_crop.yaml (tool-call traces, from the shipped grounding base) makes the
+    model configs/shapes/vlm_grounding_crop_grpo.yaml trains with tools, under outcome, TACO and factorized credit."""
+    from mmrl.sft import load_sft_config
+
+    sft_recipe, grpo = SHAPES / "sft_qwen_vl_grounding_crop.yaml", SHAPES / "vlm_grounding_crop_grpo.yaml"
+    recipe = load_sft_config(sft_recipe)
+    assert recipe.model.base == "shapeworld:qwen_vl_grounding" and recipe.generation.tools == ["crop"]
+    assert recipe.data.train.endswith(":grounding_crop")
+    config = load_config(grpo)
+    assert config.model.pretrained == f"{load_sft_config(sft_recipe).output_dir}/model"
+    assert config.generation.tools == ["crop"] and "crop_recall" in config.rewards
+    sft = tmp_path / "sft"
+    assert main(["sft", str(sft_recipe), f"output_dir={sft}", "train.steps=2", "train.batch_size=2",
+                 "data.train=shapeworld:train:4:grounding_crop", "data.eval=shapeworld:heldout:2:grounding_crop",
+                 "eval.every=0", "logging.save_every=2"]) == 0
+    for k, variants in enumerate(["[]", "[{name: taco, accuracy: hit}]", "[{name: factorized, vision: [crop_recall]}]"]):
+        run = tmp_path / f"run{k}"
+        assert main(["train", str(grpo), f"output_dir={run}", f"model.pretrained={sft / 'model'}",
+                     "data.dataset=shapeworld:train:4:grounding_crop", f"algorithm.variants={variants}",
+                     "train.steps=1", "data.prompts_per_step=1", "data.group_size=2", "train.batch_size=2",
+                     "logging.eval_every=0", "logging.progress_bar=false", "logging.tensorboard=false", "eval.every=0",
+                     "generation.max_new_tokens=24"]) == 0
+        row = metrics_rows(run)[-1]
+        assert row["step"] == 1 and row["samples/nan_reward"] == 0.0 and "completions/tool_calls" in row
