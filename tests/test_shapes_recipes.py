@@ -151,7 +151,8 @@ def test_the_crop_trace_sft_recipe_feeds_the_tool_grpo_recipe_under_each_credit_
     assert main(["sft", str(sft_recipe), f"output_dir={sft}", "train.steps=2", "train.batch_size=2",
                  "data.train=shapeworld:train:4:grounding_crop", "data.eval=shapeworld:heldout:2:grounding_crop",
                  "eval.every=0", "logging.save_every=2"]) == 0
-    for k, variants in enumerate(["[]", "[{name: taco, accuracy: hit}]", "[{name: factorized, vision: [crop_recall]}]"]):
+    credit = ["[]", "[{name: taco, accuracy: hit}]", "[{name: factorized, vision: [crop_recall]}]"]
+    for k, variants in enumerate(credit):
         run = tmp_path / f"run{k}"
         assert main(["train", str(grpo), f"output_dir={run}", f"model.pretrained={sft / 'model'}",
                      "data.dataset=shapeworld:train:4:grounding_crop", f"algorithm.variants={variants}",

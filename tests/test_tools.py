@@ -65,12 +65,14 @@ def test_box_tools_read_their_numbers_in_the_answers_frame():
         meta = {"coord_format": fmt, **sizes}
         view = run_call(call, tools, image, answer_frame(meta, None))
         assert view.size == (56, 42) and view.getpixel((4, 8)) == (255, 0, 0), fmt
-        recall = build_reward("crop_recall")([f"<tool>{call}</tool>"], [None], [{**meta, "boxes": [[112, 84, 224, 168]]}])
+        truth = {**meta, "boxes": [[112, 84, 224, 168]]}
+        recall = build_reward("crop_recall")([f"<tool>{call}</tool>"], [None], [truth])
         assert recall["crop_recall"].tolist() == pytest.approx([1.0]), fmt
         assert run_call("rotate(90)", tools, image, answer_frame(meta, None)).size == (84, 112)
     # the sample's format wins over the policy's; none known: pixels of the input as written
     assert run_call("crop(500, 500, 1000, 1000)", tools, image, answer_frame({**sizes}, "qwen2")).size == (56, 42)
-    assert answer_frame({"coord_format": "qwen2", **sizes}, "qwen25")([0, 0, 500, 1000]) == pytest.approx([0, 0, 56, 84])
+    to_pixels = answer_frame({"coord_format": "qwen2", **sizes}, "qwen25")
+    assert to_pixels([0, 0, 500, 1000]) == pytest.approx([0, 0, 56, 84])
     assert answer_frame(sizes, None) is None
     with pytest.raises(ToolError, match="image_size"):
         run_call("crop(0, 0, 500, 500)", tools, image, answer_frame({"coord_format": "qwen2"}, None))

@@ -49,7 +49,8 @@ from PIL import Image
 
 __all__ = [
     "SHAPES", "COLORS", "BACKGROUND", "IMAGE_SIZE", "VLM_IMAGE_SIZE", "TAGS", "SPLITS", "POSITIONS", "NUMBERS",
-    "HELDOUT_PAIRINGS", "PROMPTS_VERSION", "VLM_TASKS", "EXTRA_VLM_TASKS", "VIDEO_FRAMES", "VIDEO_FPS", "Obj", "Scene", "shape_mask",
+    "HELDOUT_PAIRINGS", "PROMPTS_VERSION", "VLM_TASKS", "EXTRA_VLM_TASKS", "VIDEO_FRAMES", "VIDEO_FPS", "Obj", "Scene",
+    "shape_mask",
     "render", "render_array", "is_heldout", "prompt_set", "scene_for", "write_prompts", "write_vlm_dataset",
     "write_video", "split_rng", "prompts_file", "check_prompts_spec", "resolve_prompts_spec", "PROMPTS_SPEC_PREFIX",
     "BASE_MODELS", "base_model_path", "VLM_SPEC", "check_vlm_spec", "resolve_vlm_spec",
@@ -91,6 +92,7 @@ VLM_TASKS = ("grounding", "numeric", "temporal_grounding")
 #: Tasks a spec may name besides :data:`VLM_TASKS` (not in the default mix): ``grounding_crop``, box grounding whose
 #: ``sft_target`` is a tool-call trace (``generation.tools: [crop]``; TACO's first stage).
 EXTRA_VLM_TASKS = ("grounding_crop",)
+_ANY_VLM_TASK = VLM_TASKS + EXTRA_VLM_TASKS
 
 #: Shape sides at 32 px (scaled with the image size), gap between boxes, and the position margin.
 _MIN_SIDE, _MAX_SIDE, _MAX_SIDE_CROWDED, _GAP = 8, 14, 11, 2
@@ -386,10 +388,10 @@ def check_vlm_spec(value: str) -> str | None:
     match = VLM_SPEC.match(value)
     if match is None:
         return (f"{value!r} is not a ShapeWorld VLM set: write shapeworld:<train|heldout|test>:<n>[:<task>+<task>] "
-                f"(tasks {', '.join(VLM_TASKS + EXTRA_VLM_TASKS)})")
-    bad = [t for t in (match.group(3) or "").split("+") if t and t not in VLM_TASKS + EXTRA_VLM_TASKS]
+                f"(tasks {', '.join(_ANY_VLM_TASK)})")
+    bad = [t for t in (match.group(3) or "").split("+") if t and t not in _ANY_VLM_TASK]
     if bad:
-        return f"{value!r}: unknown ShapeWorld task {bad[0]!r}; tasks: {', '.join(VLM_TASKS + EXTRA_VLM_TASKS)}"
+        return f"{value!r}: unknown ShapeWorld task {bad[0]!r}; tasks: {', '.join(_ANY_VLM_TASK)}"
     return None
 
 
@@ -825,10 +827,10 @@ def write_vlm_dataset(out_dir: str | os.PathLike, split: str, n: int, seed: int 
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise ValueError(f"write_vlm_dataset: n must be an integer >= 1, got {n!r}")
     tasks = tuple(tasks)
-    bad = [t for t in tasks if t not in VLM_TASKS + EXTRA_VLM_TASKS]
+    bad = [t for t in tasks if t not in _ANY_VLM_TASK]
     if not tasks or bad:
         raise ValueError(f"write_vlm_dataset: unknown task(s) {bad or tasks!r}; tasks are "
-                         f"{', '.join(VLM_TASKS + EXTRA_VLM_TASKS)}")
+                         f"{', '.join(_ANY_VLM_TASK)}")
     if coord_format not in COORD_FORMATS:
         raise ValueError(f"write_vlm_dataset: coord_format {coord_format!r}; expected one of "
                          f"{', '.join(COORD_FORMATS)}")
