@@ -280,6 +280,17 @@ def test_the_protocols_guidance_reaches_the_sampler(config_file, straight_ocr, t
     assert np.array_equal(pixels(tmp_path / "cfg" / first), pixels(straight_ocr / first))
 
 
+def test_a_resolution_the_model_cannot_generate_is_one_line(config_file, capsys, tmp_path):
+    # the tiny SD3's positional embedding covers 128 px; a protocol at 512 (GenEval's, the reward sets') must say
+    # so and how to fix it, not fail inside diffusers' cropped_pos_embed
+    args = [a for a in ocr_args(config_file, tmp_path / "out", 1) if not a.startswith("resolution=")]
+    assert main([*args, "resolution=512"]) == 2
+    err = capsys.readouterr().err
+    assert "resolution 512 is larger than this SD3 model can generate" in err and "resolution=" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out" / "images").exists()
+
+
 def test_the_same_checkpoint_and_protocol_give_the_same_images_and_numbers(e2e, run, scorers, tmp_path):
     run_dir, _, _ = run
     again = tmp_path / "again"

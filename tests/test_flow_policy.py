@@ -164,3 +164,17 @@ def test_sd3_negative_prompt_is_used(tiny_sd3):
     plain = make_policy(tiny_sd3).sample_eval(["a cat"], [1])
     negative = make_policy(tiny_sd3, negative_prompt="blurry, dark").sample_eval(["a cat"], [1])
     assert not torch.allclose(plain, negative)
+
+
+def test_sd3_resolution_outside_the_positional_embedding_is_a_clear_error(tiny_sd3):
+    family = SD3Family.from_pretrained(str(tiny_sd3), dtype=torch.float32, max_sequence_length=32)
+    config = family.transformer.config
+    largest = config.pos_embed_max_size * config.patch_size * family.pipe.vae_scale_factor
+    assert family.max_resolution() == largest
+    assert family.latent_shape(largest)[1:] == (largest // family.pipe.vae_scale_factor,) * 2
+    with pytest.raises(ValueError, match=f"covers {largest} px"):
+        family.latent_shape(largest + config.patch_size * family.pipe.vae_scale_factor)
+    with pytest.raises(ValueError, match="multiple of"):
+        family.latent_shape(largest - 1)
+    with pytest.raises(ValueError, match=f"at most {largest}"):  # at construction, not in the first rollout
+        make_policy(tiny_sd3, resolution=2 * largest)

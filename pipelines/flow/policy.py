@@ -122,6 +122,7 @@ class FlowPolicy:
                 f"branch for a negative prompt to steer; it would be silently ignored. Leave sampling.negative_prompt "
                 f"empty for FLUX (diffusers' 'true CFG' with true_cfg_scale is not implemented here)."
             )
+        family.latent_shape(resolution)  # a resolution the model cannot generate: a clear error now, not mid-rollout
         self.family = family
         self.num_steps = num_steps
         self.eval_num_steps = eval_num_steps
