@@ -178,3 +178,7 @@ def test_sd3_resolution_outside_the_positional_embedding_is_a_clear_error(tiny_s
         family.latent_shape(largest - 1)
     with pytest.raises(ValueError, match=f"at most {largest}"):  # at construction, not in the first rollout
         make_policy(tiny_sd3, resolution=2 * largest)
+    policy = make_policy(tiny_sd3)
+    with pytest.raises(ValueError, match=f"at most {largest}"):  # what mmrl eval's protocols set
+        policy.resolution = 2 * largest
+    assert policy.resolution == 32  # unchanged

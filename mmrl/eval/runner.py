@@ -835,10 +835,9 @@ def _configure_policy(policy, protocol: Protocol, negative_prompt: str) -> None:
     its constructor derives from ``model.resolution`` and ``sampling.guidance_scale``), so benchmarks with other
     settings share one loaded model."""
     try:  # a resolution the model cannot generate is the user's to fix, not an error deep inside diffusers
-        policy.family.latent_shape(protocol.resolution)
+        policy.resolution = protocol.resolution
     except ValueError as exc:
         raise EvalError(f"{protocol.benchmark}: {exc}") from None
-    policy.resolution = protocol.resolution
     policy.set_guidance(protocol.guidance_scale, negative_prompt)
 
 

@@ -122,11 +122,10 @@ class FlowPolicy:
                 f"branch for a negative prompt to steer; it would be silently ignored. Leave sampling.negative_prompt "
                 f"empty for FLUX (diffusers' 'true CFG' with true_cfg_scale is not implemented here)."
             )
-        family.latent_shape(resolution)  # a resolution the model cannot generate: a clear error now, not mid-rollout
         self.family = family
         self.num_steps = num_steps
         self.eval_num_steps = eval_num_steps
-        self.resolution = resolution
+        self.resolution = resolution  # checked by the family (the setter below)
         self.sde = sde
         self.noise_level = noise_level
         self.guidance_scale = guidance_scale
@@ -187,6 +186,18 @@ class FlowPolicy:
         self._negative: dict[str, Tensor] | None = None
         self._use_cfg = False
         self.set_guidance(guidance_scale, negative_prompt)
+
+    @property
+    def resolution(self) -> int:
+        """Image side in pixels of rollouts and evaluation samples."""
+        return self._resolution
+
+    @resolution.setter
+    def resolution(self, value: int) -> None:
+        # the family's latent_shape raises a ValueError naming the limit for a side the model cannot generate (not a
+        # multiple of its patch x VAE factor, or beyond SD3's positional embedding): here, not mid-rollout
+        self.family.latent_shape(value)
+        self._resolution = value
 
     def set_guidance(self, guidance_scale: float, negative_prompt: str = "") -> None:
         """Set the guidance of sampling and replayed steps: SD3 classifier-free guidance above 1 (the negative

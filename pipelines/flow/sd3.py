@@ -57,19 +57,19 @@ class SD3Family:
         return None if patches is None else patches * config.patch_size * self.pipe.vae_scale_factor
 
     def latent_shape(self, resolution: int) -> tuple[int, ...]:
-        factor = self.pipe.vae_scale_factor
-        multiple = factor * self.transformer.config.patch_size
+        """``(C, H, W)`` of one latent; a ``ValueError`` for a side the model cannot generate."""
+        config, factor = self.transformer.config, self.pipe.vae_scale_factor
+        multiple = factor * config.patch_size
         if resolution <= 0 or resolution % multiple:
             raise ValueError(f"SD3 resolution must be a positive multiple of {multiple} (VAE factor {factor} x "
-                             f"patch {self.transformer.config.patch_size}), got {resolution}")
+                             f"patch {config.patch_size}), got {resolution}")
         largest = self.max_resolution()
         if largest is not None and resolution > largest:
             raise ValueError(f"resolution {resolution} is larger than this SD3 model can generate: its positional "
-                             f"embedding covers {largest} px (pos_embed_max_size "
-                             f"{self.transformer.config.pos_embed_max_size} x patch {self.transformer.config.patch_size}"
-                             f" x VAE factor {factor}); set model.resolution (mmrl train) or resolution= "
-                             f"(mmrl eval) to at most {largest}")
-        return (self.transformer.config.in_channels, resolution // factor, resolution // factor)
+                             f"embedding covers {largest} px (pos_embed_max_size {config.pos_embed_max_size} x "
+                             f"{multiple}); set model.resolution (mmrl train) or resolution= (mmrl eval) to at most "
+                             f"{largest}")
+        return (config.in_channels, resolution // factor, resolution // factor)
 
     def schedule(self, num_steps: int, resolution: int) -> tuple[Tensor, Tensor]:
         """``(sigmas [S+1] with the terminal 0, timesteps [S])`` from the pipeline's scheduler (shift 3 for SD3.5)."""
