@@ -795,6 +795,23 @@ class Trainer:
                 self.eval_headlines[name] = key
         return {**metrics, "eval/failed": 0.0}
 
+    def _logged_initial_eval(self) -> dict[str, float]:
+        """The update-0 benchmark metrics of this run as ``metrics.jsonl`` holds them (its ``step`` 0 row), so a
+        resumed run still reports its headline from the untrained model on; empty when absent or unreadable."""
+        path = self.output_dir / "metrics.jsonl"
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+        except OSError:
+            return {}
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and row.get("step") == 0:
+                return {k: v for k, v in row.items() if k.startswith("eval/") and isinstance(v, (int, float))}
+        return {}
+
     def _write_run_report(self) -> None:
         """``output_dir/report.html``: every ``eval/update_<k>`` evaluation so far side by side, update 0 (the
         untrained model) as the reference column, with the training curves (:func:`mmrl.eval.report.write_report`).
@@ -924,6 +941,8 @@ class Trainer:
                 self.initial_eval = initial
                 if self.logger is not None and initial:
                     self.logger.log({"step": 0, **initial})
+            elif c.eval.every:  # resumed: the untrained model's numbers as the first run logged them
+                self.initial_eval = self._logged_initial_eval()
             while self.update < c.train.steps:
                 metrics = self.step()
                 if c.logging.eval_every and self.update % c.logging.eval_every == 0:

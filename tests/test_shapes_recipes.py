@@ -118,8 +118,40 @@ def test_the_shipped_grounding_base_records_its_recipe_and_localises_what_a_blin
     assert base["miou"] >= blind["miou"] + 0.1 and base["acc@0.5"] > blind["acc@0.5"], (base, blind)
 
 
+def test_the_shipped_loose_box_base_records_its_recipe_and_answers_boxes_larger_than_the_object(tmp_path):
+    """shapeworld:qwen_vl_grounding_loose is its recipe's model (the record loads as the recipe does): it localises
+    (mIoU above a random model's and its blind control's) with boxes about (1 + 2 * 0.25)^2 = 2.25 times the object's
+    area, the bias its GRPO recipe's exact-box IoU reward corrects."""
+    import dataclasses
+    import statistics
+
+    from mmrl.sft import load_sft_config
+
+    folder = base_model_path("qwen_vl_grounding_loose")
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    assert size < 12 * 2 ** 20, f"the shipped base is {size / 2 ** 20:.1f} MiB"
+    recipe = load_sft_config(SHAPES / "sft_qwen_vl_grounding_loose.yaml")
+    assert dataclasses.asdict(load_sft_config(folder / "mmrl_sft.yaml")) == dataclasses.asdict(recipe)
+    grpo = SHAPES / "vlm_grounding_loose_grpo.yaml"
+    out = tmp_path / "base"
+    assert main(["eval", str(grpo), "checkpoint=base", "benchmarks=[rec]", "data=shapeworld:heldout:24:grounding",
+                 "progress=false", f"output_dir={out}", "blind=true"]) == 0
+    result = json.loads((out / "summary.json").read_text())["benchmarks"]["rec"]
+    base, blind = result["metrics"], result["blind"]["metrics"]
+    assert base["miou"] >= 0.25 and base["miou"] >= blind["miou"] + 0.1, (base, blind)
+    ratios = []
+    for line in (out / "samples.jsonl").read_text().splitlines():
+        sample = json.loads(line)
+        pred, target = sample["verdict"]["pred"], sample["target"]
+        if sample["blind"] or pred is None:
+            continue
+        ratios.append((pred[2] - pred[0]) * (pred[3] - pred[1]) / ((target[2] - target[0]) * (target[3] - target[1])))
+    assert len(ratios) >= 20 and statistics.median(ratios) > 1.5, ratios
+
+
 @pytest.mark.parametrize("recipe, base, dataset", [
     ("vlm_grounding_grpo.yaml", "shapeworld:qwen_vl_grounding", "shapeworld:train:4:grounding"),
+    ("vlm_grounding_loose_grpo.yaml", "shapeworld:qwen_vl_grounding_loose", "shapeworld:train:4:grounding"),
     ("vlm_video_tg_grpo.yaml", "shapeworld:qwen_vl", "shapeworld:train:4:temporal_grounding"),
 ])
 def test_one_update_of_each_vlm_shapes_recipe_on_the_shipped_base(recipe, base, dataset, tmp_path):
@@ -133,6 +165,33 @@ def test_one_update_of_each_vlm_shapes_recipe_on_the_shipped_base(recipe, base, 
     row = metrics_rows(run)[-1]
     assert row["step"] == 1 and row["samples/nan_reward"] == 0.0
     assert (run / "checkpoints" / "step_1" / "trainable.safetensors").is_file()
+
+
+def test_the_loose_box_sft_recipe_feeds_its_grpo_recipe_whose_rewards_score_the_exact_box(tmp_path):
+    """configs/shapes/sft_qwen_vl_grounding_loose.yaml (the grounding base's model, taught loose boxes) makes the model
+    configs/shapes/vlm_grounding_loose_grpo.yaml trains; its GRPO data and benchmark are the exact-box grounding
+    lines, so the IoU reward sees what the annotations hid."""
+    from mmrl.sft import load_sft_config
+
+    sft_recipe, grpo = SHAPES / "sft_qwen_vl_grounding_loose.yaml", SHAPES / "vlm_grounding_loose_grpo.yaml"
+    recipe, plain = load_sft_config(sft_recipe), load_sft_config(SHAPES / "sft_qwen_vl_grounding.yaml")
+    assert recipe.data.train == plain.data.train.replace(":grounding", ":grounding_loose")
+    assert (recipe.model, recipe.train) == (plain.model, plain.train)  # the same model and steps, only the targets
+    config = load_config(grpo)
+    assert config.model.pretrained == "shapeworld:qwen_vl_grounding_loose"
+    assert config.data.dataset.endswith(":grounding") and config.eval.options["data"].endswith(":grounding")
+    assert {"iou", "hit"} <= set(config.rewards)
+    sft = tmp_path / "sft"
+    assert main(["sft", str(sft_recipe), f"output_dir={sft}", "train.steps=2", "train.batch_size=2",
+                 "data.train=shapeworld:train:4:grounding_loose", "data.eval=shapeworld:heldout:2:grounding_loose",
+                 "eval.every=0", "logging.save_every=2"]) == 0
+    run = tmp_path / "run"
+    assert main(["train", str(grpo), f"output_dir={run}", f"model.pretrained={sft / 'model'}",
+                 "data.dataset=shapeworld:train:4:grounding", "train.steps=1", "data.prompts_per_step=1",
+                 "data.group_size=2", "train.batch_size=2", "logging.eval_every=0", "logging.progress_bar=false",
+                 "logging.tensorboard=false", "eval.every=0", "generation.max_new_tokens=24"]) == 0
+    row = metrics_rows(run)[-1]
+    assert row["step"] == 1 and row["samples/nan_reward"] == 0.0 and "reward/hit" in row
 
 
 def test_the_crop_trace_sft_recipe_feeds_the_tool_grpo_recipe_under_each_credit_rule(tmp_path):

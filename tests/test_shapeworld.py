@@ -365,6 +365,39 @@ def test_grounding_crop_lines_are_tool_traces_that_crop_around_the_target(tmp_pa
         sw.write_vlm_dataset(tmp_path, "train", 1, tasks=("cropping",))
 
 
+def test_grounding_loose_lines_teach_boxes_too_large_by_the_fraction_and_score_against_the_exact_box(tmp_path):
+    """grounding_loose: grounding's scenes, questions and exact solution; the taught box is each side moved out by
+    LOOSE_BOX_FRACTION of the box's side (clamped to the image), so its IoU with the object is 1 / (1 + 2f)^2 away from
+    the edges, which is what the IoU reward scores the SFT target."""
+    from mmrl.data.vlm import load_images, read_vlm_jsonl
+    from mmrl.rewards import think_answer_format
+
+    assert sw.check_vlm_spec("shapeworld:heldout:8:grounding_loose") is None
+    f = sw.LOOSE_BOX_FRACTION
+    path = sw.write_vlm_dataset(tmp_path / "loose", "heldout", 12, seed=2, tasks=("grounding_loose",),
+                                coord_format="qwen25")
+    plain = read_vlm_jsonl(sw.write_vlm_dataset(tmp_path / "plain", "heldout", 12, seed=2, tasks=("grounding",),
+                                                coord_format="qwen25"))
+    interior = 0
+    for sample, exact in zip(read_vlm_jsonl(path), plain):
+        load_images(sample)  # the image size the boxes' coordinates refer to
+        meta, target = sample.metadata, sample.metadata["sft_target"]
+        assert sample.task == "grounding" and think_answer_format(target) == 1.0
+        assert meta["boxes"] == exact.metadata["boxes"] and meta["solution"] == exact.metadata["solution"]
+        box, loose = meta["boxes"][0], meta["loose_box"]
+        side = box[2] - box[0]
+        expected = [max(0, round(box[0] - f * side)), max(0, round(box[1] - f * side)),
+                    min(sw.VLM_IMAGE_SIZE, round(box[2] + f * side)), min(sw.VLM_IMAGE_SIZE, round(box[3] + f * side))]
+        assert loose == expected and target.endswith(f"<answer>{json.dumps(loose)}</answer>")
+        iou = build_reward("iou")([target], None, [meta])["iou"].item()
+        assert iou == pytest.approx(side * side / ((loose[2] - loose[0]) * (loose[3] - loose[1])))
+        if 0 < loose[0] and 0 < loose[1] and loose[2] < sw.VLM_IMAGE_SIZE and loose[3] < sw.VLM_IMAGE_SIZE:
+            interior += 1
+            assert iou == pytest.approx(1 / (1 + 2 * f) ** 2, abs=0.04)  # whole pixels
+            assert iou < 0.62
+    assert interior >= 3
+
+
 # ---------------------------------------------------------------------------------------------- mmrl eval
 
 

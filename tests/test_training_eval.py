@@ -93,6 +93,20 @@ def test_the_end_of_a_run_prints_each_benchmarks_headline_from_update_0_to_the_l
         assert f"  {key[5:]}: {values[0]:.4g} -> {values[-1]:.4g}" in printed, printed
 
 
+def test_a_resumed_run_prints_its_headline_from_update_0_not_from_its_first_evaluation_since(tiny_path, tmp_path,
+                                                                                             capsys):
+    run = tmp_path / "run"
+    assert _train(run, tiny_path, *EVAL) == 0
+    capsys.readouterr()
+    assert _train(run, tiny_path, *EVAL, "train.steps=3") == 0  # continues for one more update
+    out = capsys.readouterr().out
+    rows = _metrics(run)
+    key = "eval/reward:brightness@drawbench/brightness/mean"
+    values = {r["step"]: r[key] for r in rows if key in r}
+    assert sorted(values) == [0, 1, 2, 3] and f"{values[0]:.4g}" != f"{values[3]:.4g}"
+    assert f"  {key[5:]}: {values[0]:.4g} -> {values[3]:.4g}" in out, out
+
+
 def test_evaluating_leaves_training_bit_identical(runs):
     with_eval, without = runs
     a = load_file(with_eval / "checkpoints" / "step_2" / "trainable.safetensors")

@@ -90,8 +90,9 @@ PROMPTS_VERSION = "shapeworld-v1"
 #: Tasks of :func:`write_vlm_dataset`.
 VLM_TASKS = ("grounding", "numeric", "temporal_grounding")
 #: Tasks a spec may name besides :data:`VLM_TASKS` (not in the default mix): ``grounding_crop``, box grounding whose
-#: ``sft_target`` is a tool-call trace (``generation.tools: [crop]``; TACO's first stage).
-EXTRA_VLM_TASKS = ("grounding_crop",)
+#: ``sft_target`` is a tool-call trace (``generation.tools: [crop]``; TACO's first stage); ``grounding_loose``, box
+#: grounding whose ``sft_target`` box is systematically too large (a loose annotator; ``solution`` stays exact).
+EXTRA_VLM_TASKS = ("grounding_crop", "grounding_loose")
 _ANY_VLM_TASK = VLM_TASKS + EXTRA_VLM_TASKS
 
 #: Shape sides at 32 px (scaled with the image size), gap between boxes, and the position margin.
@@ -357,7 +358,9 @@ def resolve_prompts_spec(path: str | os.PathLike) -> str | os.PathLike:
 #: the command that makes it)``, each trained by mmrl itself (README, "ShapeWorld and base models").
 BASE_MODELS = {"sd3": ("sd3_base", "mmrl pretrain configs/shapes/pretrain_sd3.yaml"),
                "qwen_vl": ("qwen_vl_base", "mmrl sft configs/shapes/sft_qwen_vl.yaml"),
-               "qwen_vl_grounding": ("qwen_vl_grounding_base", "mmrl sft configs/shapes/sft_qwen_vl_grounding.yaml")}
+               "qwen_vl_grounding": ("qwen_vl_grounding_base", "mmrl sft configs/shapes/sft_qwen_vl_grounding.yaml"),
+               "qwen_vl_grounding_loose": ("qwen_vl_grounding_loose_base",
+                                           "mmrl sft configs/shapes/sft_qwen_vl_grounding_loose.yaml")}
 
 
 def base_model_path(name: str) -> Path:
@@ -416,6 +419,8 @@ def resolve_vlm_spec(value: str, *, coord_format: str | None, seed: int = 0,
     split, n = match.group(1), int(match.group(2))
     tasks = tuple(match.group(3).split("+")) if match.group(3) else VLM_TASKS
     name = "" if tasks == VLM_TASKS else "-" + "+".join(tasks)
+    if "grounding_loose" in tasks:  # the taught boxes depend on the fraction
+        name += f"-loose{LOOSE_BOX_FRACTION:g}"
     folder = ensure_built(f"shapeworld-{PROMPTS_VERSION}-{split}-{n}{name}-{coord_format}-seed{seed}",
                           lambda out: write_vlm_dataset(out, split, n, seed=seed, tasks=tasks,
                                                         coord_format=coord_format), directory)
@@ -658,6 +663,28 @@ def _grounding_crop_sample(rng, held: bool, size: int, coord_format: str) -> tup
     return scene, line
 
 
+#: ``grounding_loose``: each side of the ``sft_target`` box moves out by this fraction of the box's side.
+LOOSE_BOX_FRACTION = 0.25
+
+
+def _grounding_loose_sample(rng, held: bool, size: int, coord_format: str) -> tuple[Scene, dict]:
+    """:func:`_grounding_sample`'s scene, question and exact ``solution`` / ``boxes``, with an ``sft_target`` whose
+    box is :data:`LOOSE_BOX_FRACTION` of the side too large on every side (clamped to the image): the annotations of
+    a systematically loose annotator (mmrl's own construction, not a paper's). A model taught on them localises but
+    answers boxes whose IoU with the object is at best ``1 / (1 + 2 * 0.25) ** 2 = 0.44``; an IoU reward against
+    the exact ``solution`` is what can correct it. ``loose_box`` holds the taught box in original pixels."""
+    scene, line = _grounding_sample(rng, held, size, coord_format)
+    box = line["boxes"][0]
+    pad = [LOOSE_BOX_FRACTION * (box[2] - box[0]), LOOSE_BOX_FRACTION * (box[3] - box[1])]
+    loose = [max(0, round(box[0] - pad[0])), max(0, round(box[1] - pad[1])),
+             min(size, round(box[2] + pad[0])), min(size, round(box[3] + pad[1]))]
+    answer = _box_text(loose, coord_format, size)
+    think = (f"The {line['target']} is in the {_where(box, size)} of the image; its box spans x {answer[0]} to "
+             f"{answer[2]} and y {answer[1]} to {answer[3]}.")
+    line = {**line, "loose_box": loose, "sft_target": f"<think>{think}</think><answer>{json.dumps(answer)}</answer>"}
+    return scene, line
+
+
 def _counting_sample(rng, held: bool, size: int) -> tuple[Scene, dict]:
     """Count ``n`` (1-4) shapes of one kind among 0-2 shapes of other kinds; the (shape, n) pair is held out iff
     ``(index(shape) + n) % 3 == 0``, as the counting prompts."""
@@ -808,6 +835,9 @@ def write_vlm_dataset(out_dir: str | os.PathLike, split: str, n: int, seed: int 
     * ``grounding_crop`` (only when named): ``grounding``'s lines (``task`` grounding) whose ``sft_target`` crops
       around the shape before answering, a tool-call trace for ``mmrl sft`` with ``generation.tools: [crop]``
       (the response, the view, is inserted by the SFT collator as in a rollout); ``crop`` the region in pixels;
+    * ``grounding_loose`` (only when named): ``grounding``'s lines (``task`` grounding, exact ``solution``) whose
+      ``sft_target`` box is :data:`LOOSE_BOX_FRACTION` of the side too large per side (``loose_box``), a
+      deliberately imperfect annotation that a model learns and an IoU reward corrects;
     * ``numeric``: "How many circles are in the image?" (1-4 of the shape among 0-2 others), ``solution`` "3";
     * ``temporal_grounding``: a ``VIDEO_FRAMES``-frame mp4 at ``VIDEO_FPS`` of a shape appearing (``visible``),
       moving (``move``) or changing colour (``color``), "When does the red circle move?", ``timestamps`` ``[s, e]``
@@ -854,7 +884,8 @@ def write_vlm_dataset(out_dir: str | os.PathLike, split: str, n: int, seed: int 
             if task == "numeric":
                 scene, line = _counting_sample(rng, held, size)
             else:
-                sample = _grounding_sample if task == "grounding" else _grounding_crop_sample
+                sample = {"grounding": _grounding_sample, "grounding_crop": _grounding_crop_sample,
+                          "grounding_loose": _grounding_loose_sample}[task]
                 scene, line = sample(rng, held, size, coord_format)
             rel = f"{split}/images/{i:05d}.png"
             render(scene).save(out_dir / rel, format="PNG")
