@@ -202,3 +202,38 @@ def test_vlm_grpo_vs_trl_on_a_sized_model(tmp_path):
 def test_vlm_grpo_vs_trl_rejects_layers_without_a_sized_model():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--layers", "2"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "give --hidden too" in proc.stderr
+
+
+def test_grounding_grid_draws_each_evaluations_box_and_the_exact_one(tmp_path):
+    """benchmarks/grounding_grid.py: one row per evaluation folder, the exact box in cyan and each row's predicted box
+    in its colour at the pixels the samples name (2x), and a clear stop when the folders scored different lines."""
+    from PIL import Image
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import grounding_grid
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    data = tmp_path / "data"
+    (data / "images").mkdir(parents=True)
+    Image.new("RGB", (40, 40), (30, 30, 30)).save(data / "images" / "0.png")
+
+    def folder(name, pred, ident="a"):
+        out = tmp_path / name
+        out.mkdir()
+        (out / "protocol.json").write_text(json.dumps({"benchmarks": {"rec": {"data_file": str(data / "x.jsonl")}}}))
+        row = {"benchmark": "rec", "id": ident, "image": "images/0.png", "target": [10, 10, 20, 20],
+               "scores": {"acc@0.5": 1.0 if pred == [10, 10, 20, 20] else 0.0}, "verdict": {"pred": pred}}
+        (out / "samples.jsonl").write_text(json.dumps(row) + "\n")
+        return out
+
+    base, trained = folder("base", [2, 2, 30, 30]), folder("trained", [10, 10, 20, 20])
+    picture = grounding_grid.grid([base, trained], ["base", "trained"], count=1)
+    tile = 80 + 4
+    assert picture.size == (150 + tile, 2 * tile)
+    assert picture.getpixel((150 + 4, 40)) == (255, 64, 64)  # the base's box, x = 2 * 2
+    assert picture.getpixel((150 + 20, 30)) == (0, 255, 255)  # the exact box on the base's row, x = 10 * 2
+    assert picture.getpixel((150 + 20, tile + 30)) == (64, 224, 64)  # the trained box drawn over the exact one
+    assert picture.getpixel((150 + 4, tile + 40)) == (30, 30, 30)
+    with pytest.raises(SystemExit, match="same lines"):
+        grounding_grid.grid([base, folder("other", None, ident="b")], ["base", "other"], count=1)
