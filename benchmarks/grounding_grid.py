@@ -4,8 +4,8 @@ per line; one row per evaluation folder, labelled with its Acc@0.5 over the whol
 
     python benchmarks/grounding_grid.py BASE_EVAL TRAINED_EVAL [...] --labels base trained --out grid.png
 
-Each folder is an ``mmrl eval ... benchmarks=[rec]`` output (``samples.jsonl``, ``protocol.json`` naming the data
-file whose folder holds the images); the folders must have scored the same lines."""
+Each folder is an ``mmrl eval ... benchmarks=[rec]`` output (read by :func:`mmrl.eval.report.load_eval`; its
+protocol names the data file whose folder holds the images); the folders must have scored the same lines."""
 from __future__ import annotations
 
 import argparse
@@ -14,16 +14,20 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from mmrl.eval.report import load_eval
+
 COLOURS = ["#ff4040", "#40e040", "#40a0ff", "#ffa020"]
 
 
 def _rows(folder: Path) -> tuple[list[dict], Path, float]:
-    protocol = json.loads((folder / "protocol.json").read_text())
-    data_file = Path(protocol["benchmarks"]["rec"]["data_file"])
-    rows = [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r["benchmark"] == "rec" and not r.get("blind")]
-    accuracy = sum(r["scores"]["acc@0.5"] for r in rows) / max(len(rows), 1)
-    return rows, data_file.parent, accuracy
+    """The ``rec`` rows of an evaluation folder (blind-control rows left out), the folder its images are relative to
+    (the data file's) and its Acc@0.5 as ``summary.json`` reports it."""
+    run = load_eval(folder)
+    result = run.summary["benchmarks"].get("rec")
+    if result is None:
+        raise SystemExit(f"grounding_grid: {folder} has no rec benchmark")
+    rows = [r for r in run.rows if r.get("benchmark") == "rec" and not r.get("blind")]
+    return rows, Path(result["protocol"]["data_file"]).parent, result["metrics"]["acc@0.5"]
 
 
 def grid(folders: list[Path], labels: list[str], count: int, scale: int = 2) -> Image.Image:

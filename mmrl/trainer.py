@@ -798,19 +798,11 @@ class Trainer:
     def _logged_initial_eval(self) -> dict[str, float]:
         """The update-0 benchmark metrics of this run as ``metrics.jsonl`` holds them (its ``step`` 0 row), so a
         resumed run still reports its headline from the untrained model on; empty when absent or unreadable."""
-        path = self.output_dir / "metrics.jsonl"
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
-        except OSError:
-            return {}
-        for line in lines:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and row.get("step") == 0:
-                return {k: v for k, v in row.items() if k.startswith("eval/") and isinstance(v, (int, float))}
-        return {}
+        from mmrl.eval.report import read_jsonl
+
+        rows, _ = read_jsonl(self.output_dir / "metrics.jsonl")
+        first = next((row for row in rows if row.get("step") == 0), {})
+        return {k: v for k, v in first.items() if k.startswith("eval/") and isinstance(v, (int, float))}
 
     def _write_run_report(self) -> None:
         """``output_dir/report.html``: every ``eval/update_<k>`` evaluation so far side by side, update 0 (the

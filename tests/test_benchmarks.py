@@ -221,9 +221,12 @@ def test_grounding_grid_draws_each_evaluations_box_and_the_exact_one(tmp_path):
     def folder(name, pred, ident="a"):
         out = tmp_path / name
         out.mkdir()
-        (out / "protocol.json").write_text(json.dumps({"benchmarks": {"rec": {"data_file": str(data / "x.jsonl")}}}))
+        hit = 1.0 if pred == [10, 10, 20, 20] else 0.0
+        rec = {"metrics": {"acc@0.5": hit}, "protocol": {"data_file": str(data / "x.jsonl")}}
+        (out / "summary.json").write_text(json.dumps({"mmrl_eval": 1, "checkpoint": {"path": "base"},
+                                                      "benchmarks": {"rec": rec}}))
         row = {"benchmark": "rec", "id": ident, "image": "images/0.png", "target": [10, 10, 20, 20],
-               "scores": {"acc@0.5": 1.0 if pred == [10, 10, 20, 20] else 0.0}, "verdict": {"pred": pred}}
+               "scores": {"acc@0.5": hit}, "verdict": {"pred": pred}}
         (out / "samples.jsonl").write_text(json.dumps(row) + "\n")
         return out
 

@@ -628,15 +628,20 @@ def _grounding_sample(rng, held: bool, size: int, coord_format: str) -> tuple[Sc
     order = rng.permutation(len(objects))
     scene = Scene(tuple(objects[i] for i in order), size)
     obj = objects[0]
-    answer = _box_text(obj.box, coord_format, size)
-    think = (f"The {obj.name} is in the {_where(obj.box, size)} of the image; its box spans x {answer[0]} to "
-             f"{answer[2]} and y {answer[1]} to {answer[3]}.")
     line = {"task": "grounding",
             "question": f"Where is the {obj.name}? Answer with its bounding box [x1, y1, x2, y2].",
             "solution": json.dumps(list(obj.box)), "boxes": [list(obj.box)], "coord_format": coord_format,
-            "target": obj.name,
-            "sft_target": f"<think>{think}</think><answer>{json.dumps(answer)}</answer>"}
+            "target": obj.name, "sft_target": _grounding_target(obj.name, obj.box, obj.box, coord_format, size)}
     return scene, line
+
+
+def _grounding_target(name: str, box: Sequence[int], taught: Sequence[int], coord_format: str, size: int) -> str:
+    """The ``sft_target`` of a grounding line: where the shape at ``box`` is, then the ``taught`` box (``box``
+    itself, or a loose one) read out and answered in ``coord_format``."""
+    answer = _box_text(taught, coord_format, size)
+    think = (f"The {name} is in the {_where(box, size)} of the image; its box spans x {answer[0]} to {answer[2]} and "
+             f"y {answer[1]} to {answer[3]}.")
+    return f"<think>{think}</think><answer>{json.dumps(answer)}</answer>"
 
 
 #: ``grounding_crop``: the margin (pixels at 32 px, scaled) drawn for each side of the crop around the target's box.
@@ -678,11 +683,8 @@ def _grounding_loose_sample(rng, held: bool, size: int, coord_format: str) -> tu
     pad = [LOOSE_BOX_FRACTION * (box[2] - box[0]), LOOSE_BOX_FRACTION * (box[3] - box[1])]
     loose = [max(0, round(box[0] - pad[0])), max(0, round(box[1] - pad[1])),
              min(size, round(box[2] + pad[0])), min(size, round(box[3] + pad[1]))]
-    answer = _box_text(loose, coord_format, size)
-    think = (f"The {line['target']} is in the {_where(box, size)} of the image; its box spans x {answer[0]} to "
-             f"{answer[2]} and y {answer[1]} to {answer[3]}.")
-    line = {**line, "loose_box": loose, "sft_target": f"<think>{think}</think><answer>{json.dumps(answer)}</answer>"}
-    return scene, line
+    target = _grounding_target(line["target"], box, loose, coord_format, size)
+    return scene, {**line, "loose_box": loose, "sft_target": target}
 
 
 def _counting_sample(rng, held: bool, size: int) -> tuple[Scene, dict]:

@@ -363,7 +363,9 @@ def resolve_eval_dir(path: str | Path) -> Path:
                       f"{', '.join(str(d) for d in found)}: give one of them")
 
 
-def _read_jsonl(path: Path) -> tuple[list[dict], int]:
+def read_jsonl(path: Path) -> tuple[list[dict], int]:
+    """The JSON objects of a JSONL file (``samples.jsonl``, ``metrics.jsonl``) and how many lines were not one (a
+    torn last line of a killed run, a stray value); ``([], 0)`` for a file that cannot be read."""
     rows, bad = [], 0
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
@@ -398,7 +400,7 @@ def load_eval(path: str | Path) -> EvalRun:
     if not isinstance(summary, dict) or "mmrl_eval" not in summary or not isinstance(summary.get("benchmarks"), dict):
         raise ReportError(f"{file}: not an mmrl eval summary (no mmrl_eval / benchmarks fields)")
     run = EvalRun(path=path, summary=summary)
-    run.rows, run.bad_lines = _read_jsonl(path / "samples.jsonl")
+    run.rows, run.bad_lines = read_jsonl(path / "samples.jsonl")
     ckpt = run.checkpoint
     if run.is_base:
         run.metrics_note = "the untrained base model: no training run, no curves"
@@ -410,7 +412,7 @@ def load_eval(path: str | Path) -> EvalRun:
         candidates.append(path.parent.parent / "metrics.jsonl")
     for candidate in candidates:
         if candidate.is_file():
-            rows, _ = _read_jsonl(candidate)
+            rows, _ = read_jsonl(candidate)
             run.metrics, run.metrics_path = rows, candidate
             if not rows:
                 run.metrics_note = f"{candidate} holds no metrics"
