@@ -27,6 +27,10 @@ earlier are not counted), on CPU where ``torch.cuda.max_memory_allocated`` does 
 It also counts, per step, the vision-encoder calls (``get_image_features`` on the model, and the images and
 patches they encode) and the language-model forwards (calls and token positions, with and without grad), so
 the "encode each image once per prompt" difference is visible, and checks that both did the same token work.
+One thing differs by default: mmrl cuts each inner epoch into minibatches in group order (``train.minibatch_order:
+auto``, each prompt's completions together, as verl), TRL in a shuffled sample order; with several optimizer steps
+per step that decides which completions share one (the same samples, tokens and optimizer steps either way).
+``--set train.minibatch_order=samples`` gives mmrl TRL's order.
 
     python benchmarks/vlm_grpo_vs_trl.py [--steps 5] [--prompts 2] [--group 4] [--max-new-tokens 24]
 
@@ -670,7 +674,12 @@ def main(argv: list[str] | None = None) -> int:
             "dataset_jsonl": str(data), "rewards": REWARD_WEIGHTS, "completions_per_step": n,
             "fine_tuning": "every parameter, vision tower included" if args.train_vision
             else "full language model, vision tower frozen", "dtype": "float32", "device": "cpu",
-            "processes": 1},
+            "processes": 1,
+            "minibatch_order": {
+                "mmrl": next((o.split("=", 1)[1] for o in reversed(args.set)
+                              if o.startswith("train.minibatch_order=")), "auto")
+                + " (auto = groups: each prompt's completions kept together in one minibatch, verl's order)",
+                "trl": "samples (GRPOTrainer shuffles each generation batch, shuffle_sequence_dict)"}},
         "versions": versions(),
         "ratio_steps_per_s_mmrl_over_trl": ratio,
         "ratio_median_step_trl_over_mmrl": ratio_median,

@@ -270,6 +270,14 @@ class TrainConfig:
                               "memory knob only: every chunk is normalised by the whole trajectory, and GSPO's "
                               "sequence ratio spans the whole trajectory (one extra no-grad pass per minibatch "
                               "computes it), so the loss and gradient do not depend on the chunk size.")
+    minibatch_order: str = opt("auto", "How each inner epoch orders an update's samples before cutting minibatches: "
+                               "'samples' shuffles every sample (TRL, Flow-GRPO); 'groups' shuffles the groups and "
+                               "keeps each group's samples together (verl's contiguous groups, in a seeded order), so "
+                               "a minibatch holds as few distinct prompts as its size allows; 'auto': 'groups' where "
+                               "the policy runs each distinct prompt once per forward (VLM, model.share_prompt_prefix), "
+                               "'samples' otherwise. With one optimizer step per update the order changes nothing "
+                               "but float summation order; with several it decides which samples share a step.",
+                               choices=("auto", "samples", "groups"))
     mixed_precision: str = opt("bf16", "accelerate mixed precision.", choices=("no", "bf16", "fp16"))
     reward_batch_size: int = opt(32, "Images per reward call.")
     sample_batch_size: int = opt(16, "Trajectories per sampling forward pass on each process.")

@@ -531,6 +531,24 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return stepped, norm
 
+    def _minibatch_order_name(self) -> str:
+        """``train.minibatch_order`` with 'auto' resolved: 'groups' where the policy runs each distinct prompt once
+        per forward (a VLM with ``share_prompt_prefix``), 'samples' otherwise."""
+        order = self.config.train.minibatch_order
+        if order == "auto":
+            order = "groups" if getattr(self.policy, "share_prompt_prefix", False) else "samples"
+        return order
+
+    def _minibatch_order(self, rollout, generator: torch.Generator) -> torch.Tensor:
+        """One inner epoch's order of the update's local samples (``train.minibatch_order``): a permutation of every
+        sample, or of the groups with each group's samples kept together in their stored order."""
+        n = len(rollout.group_ids)
+        if self._minibatch_order_name() == "samples":
+            return torch.randperm(n, generator=generator)
+        groups, inverse = torch.unique(rollout.group_ids, return_inverse=True)
+        rank = torch.argsort(torch.randperm(len(groups), generator=generator))  # each group's place in the order
+        return torch.sort(rank[inverse] * n + torch.arange(n)).indices  # stable: a group's samples as stored
+
     def _train_on(self, rollout, advantages: torch.Tensor, generator: torch.Generator,
                   scores: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
         """K inner epochs of minibatches over samples x trained steps; one optimizer step per GA minibatches.
@@ -545,7 +563,7 @@ class Trainer:
         n, num_steps = rollout.mask.shape
         chunk = t.timestep_chunk or num_steps
         step_chunks = [torch.arange(s, min(num_steps, s + chunk)) for s in range(0, num_steps, chunk)]
-        perms = [torch.randperm(n, generator=generator) for _ in range(t.inner_epochs)]
+        perms = [self._minibatch_order(rollout, generator) for _ in range(t.inner_epochs)]
         # one optimizer step per update: the sampling policy is the current one for every minibatch, so its
         # log-probs are the current ones, detached (TRL's shortcut), and need no extra pass
         single_step = t.inner_epochs == 1 and -(-n // t.batch_size) <= t.gradient_accumulation_steps
@@ -861,7 +879,8 @@ class Trainer:
             f"  update    {c.data.prompts_per_step} prompts x {c.data.group_size} samples = {per_process} per process, "
             f"{per_process * acc.num_processes} in all{other_role}; {steps} optimizer steps of {per_step} samples per "
             f"process "
-            f"({c.train.inner_epochs} inner epoch(s) of {minibatches} minibatches of {c.train.batch_size})",
+            f"({c.train.inner_epochs} inner epoch(s) of {minibatches} minibatches of {c.train.batch_size}, "
+            f"{'whole groups' if self._minibatch_order_name() == 'groups' else 'shuffled samples'})",
             f"  schedule  {c.train.steps} updates, lr {c.optim.lr:g} ({c.optim.lr_scheduler})",
             *([f"  eval      {', '.join(c.eval.benchmarks)} on {c.eval.limit} prompts each, every {c.eval.every} "
                f"update(s) -> {self.output_dir / 'eval'}/update_<k>"] if c.eval.every else []),

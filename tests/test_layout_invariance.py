@@ -129,3 +129,68 @@ def test_vlm_first_optimizer_step_reads_old_logprobs_from_its_live_forward(tmp_p
     for a, b in zip(live[1], full[1]):
         assert torch.equal(a, b)
     assert torch.equal(live[2], full[2]) and live[0]["loss"] == full[0]["loss"]
+
+
+# ------------------------------------------------------------------------------------------------ minibatch order
+
+
+def _order(order: str, group_ids: torch.Tensor, shares_prompts: bool, seed: int = 0) -> torch.Tensor:
+    from types import SimpleNamespace
+
+    from mmrl.trainer import Trainer
+
+    host = SimpleNamespace(config=SimpleNamespace(train=SimpleNamespace(minibatch_order=order)),
+                           policy=SimpleNamespace(share_prompt_prefix=shares_prompts))
+    host._minibatch_order_name = lambda: Trainer._minibatch_order_name(host)
+    return Trainer._minibatch_order(host, SimpleNamespace(group_ids=group_ids), torch.Generator().manual_seed(seed))
+
+
+def test_minibatch_order_keeps_groups_together_where_prompts_are_shared():
+    """'samples' is the seeded permutation of every sample (TRL, Flow-GRPO; the flow default); 'groups' a seeded
+    permutation of whole groups, each group's samples in their stored order (the VLM default, 'auto' with
+    share_prompt_prefix), so minibatches of the group size each hold one prompt."""
+    group_ids = torch.tensor([7, 7, 7, 7, 3, 3, 3, 3, 9, 9, 9, 9])  # any labels, as after dynamic-sampling refills
+    expected = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_order("samples", group_ids, True), expected)
+    assert torch.equal(_order("auto", group_ids, False), expected)  # flows: unchanged
+    seen = set()
+    for seed in range(12):
+        order = _order("auto", group_ids, True, seed)
+        assert torch.equal(order, _order("groups", group_ids, False, seed))
+        assert sorted(order.tolist()) == list(range(12))
+        blocks = [order[i:i + 4] for i in range(0, 12, 4)]
+        assert all(len(set(group_ids[b].tolist())) == 1 for b in blocks)
+        assert all(torch.equal(b, b.sort().values) for b in blocks)  # stored order within a group
+        seen.add(tuple(int(group_ids[b[0]]) for b in blocks))
+    assert len(seen) > 3  # the group order is shuffled, not fixed
+    with pytest.raises(Exception, match="minibatch_order"):
+        load_config(VLM[0], ["train.minibatch_order=prompts"])
+
+
+def test_vlm_minibatch_order_is_a_layout_knob_for_one_optimizer_step(tmp_path, vlm_cache):
+    """One optimizer step per update (two accumulated minibatches): sample or group order gives the same update."""
+    common = ["train.inner_epochs=1", "train.batch_size=4", "train.gradient_accumulation_steps=2"]
+    assert_same_update(vlm_update(tmp_path / "g", *common, "train.minibatch_order=groups"),
+                       vlm_update(tmp_path / "s", *common, "train.minibatch_order=samples"))
+
+
+def test_vlm_group_order_runs_each_minibatchs_prompt_once(tmp_path, vlm_cache, monkeypatch):
+    """Minibatches of one group's size: in group order every gradient forward of the language model sees one prompt
+    row (the shared prefix), in sample order some see both prompts of the update."""
+    from mmrl.pipelines.vlm.qwen import QwenVLPolicy
+
+    prompt_rows = {}
+    original = QwenVLPolicy._prefix_shared_logits
+
+    def spy(self, model, rollout, index, *args, **kwargs):
+        if torch.is_grad_enabled():
+            prompt_rows[order].append(len(torch.unique(rollout.prompt_index[index])))
+        return original(self, model, rollout, index, *args, **kwargs)
+
+    monkeypatch.setattr(QwenVLPolicy, "_prefix_shared_logits", spy)
+    for order in ("groups", "samples"):
+        prompt_rows[order] = []
+        vlm_update(tmp_path / order, "train.batch_size=4", "train.gradient_accumulation_steps=1",
+                   f"train.minibatch_order={order}", "algorithm.beta=0.0")
+    assert prompt_rows["groups"] == [1, 1, 1, 1]  # 2 groups of 4, two inner epochs
+    assert len(prompt_rows["samples"]) == 4 and max(prompt_rows["samples"]) == 2

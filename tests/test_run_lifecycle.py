@@ -46,7 +46,7 @@ def test_startup_summary_says_what_the_run_does(tmp_path, tiny_path, capsys):
     assert "trainable parameters of" in out and "LoRA r16" in out
     assert "device    cpu, 1 process(es), mixed precision no" in out
     assert "2 prompts x 2 samples = 4 per process, 4 in all" in out
-    assert "2 optimizer steps of 4 samples per process (2 inner epoch(s) of 2 minibatches of 2)" in out
+    assert "2 optimizer steps of 4 samples per process (2 inner epoch(s) of 2 minibatches of 2, shuffled samples)" in out
     assert "start     a new run" in out
 
 
