@@ -234,6 +234,7 @@ def run_mmrl(args) -> dict:
             counts_per_step={k: statistics.mean(s["counts"][k] for s in timed) for k in timed[0]["counts"]},
             prompt_ids=_mmrl_prompt_ids(trainer),
             trainable_params=sum(p.numel() for p in policy.trainable_parameters()),
+            minibatch_order=trainer.minibatch_order,
             steps=steps,
             threads=torch.get_num_threads(),
         )
@@ -676,9 +677,9 @@ def main(argv: list[str] | None = None) -> int:
             else "full language model, vision tower frozen", "dtype": "float32", "device": "cpu",
             "processes": 1,
             "minibatch_order": {
-                "mmrl": next((o.split("=", 1)[1] for o in reversed(args.set)
-                              if o.startswith("train.minibatch_order=")), "auto")
-                + " (auto = groups: each prompt's completions kept together in one minibatch, verl's order)",
+                "mmrl": runs["mmrl"][0]["minibatch_order"] + (
+                    " (each prompt's completions together, verl's order)"
+                    if runs["mmrl"][0]["minibatch_order"] == "groups" else " (shuffled)"),
                 "trl": "samples (GRPOTrainer shuffles each generation batch, shuffle_sequence_dict)"}},
         "versions": versions(),
         "ratio_steps_per_s_mmrl_over_trl": ratio,

@@ -119,6 +119,26 @@ def build_lr_scheduler(optimizer, name: str, warmup: int, total: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def resolve_minibatch_order(order: str, policy) -> str:
+    """``train.minibatch_order`` with 'auto' resolved: 'groups' where the policy runs each distinct prompt once per
+    forward (a VLM with ``share_prompt_prefix``), 'samples' otherwise."""
+    if order == "auto":
+        return "groups" if getattr(policy, "share_prompt_prefix", False) else "samples"
+    return order
+
+
+def minibatch_order(group_ids: torch.Tensor, order: str, generator: torch.Generator) -> torch.Tensor:
+    """One inner epoch's order of an update's local samples, cut into minibatches in this order: ``'samples'`` a
+    seeded permutation of every sample, ``'groups'`` a seeded permutation of the groups (``group_ids``), each
+    group's samples kept together in their stored order."""
+    n = len(group_ids)
+    if order == "samples":
+        return torch.randperm(n, generator=generator)
+    groups, inverse = torch.unique(group_ids, return_inverse=True)
+    rank = torch.argsort(torch.randperm(len(groups), generator=generator))  # each group's place in the order
+    return torch.sort(rank[inverse] * n + torch.arange(n)).indices  # a group's samples in stored order
+
+
 class RewardBatches:
     """Regroups the sampler's chunks (``sample_batch_size`` images) into reward calls of exactly
     ``reward_batch_size`` images (the last one shorter), so ``train.reward_batch_size`` means the same with
@@ -155,6 +175,7 @@ class Trainer:
         feeds chunk by chunk during flow rollouts, overlapping scoring with sampling."""
         self.config = config
         self.policy = policy
+        self.minibatch_order = resolve_minibatch_order(config.train.minibatch_order, policy)
         self.reward_fn = reward_fn
         self.prompts = prompts
         self.accelerator = accelerator
@@ -531,24 +552,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return stepped, norm
 
-    def _minibatch_order_name(self) -> str:
-        """``train.minibatch_order`` with 'auto' resolved: 'groups' where the policy runs each distinct prompt once
-        per forward (a VLM with ``share_prompt_prefix``), 'samples' otherwise."""
-        order = self.config.train.minibatch_order
-        if order == "auto":
-            order = "groups" if getattr(self.policy, "share_prompt_prefix", False) else "samples"
-        return order
-
-    def _minibatch_order(self, rollout, generator: torch.Generator) -> torch.Tensor:
-        """One inner epoch's order of the update's local samples (``train.minibatch_order``): a permutation of every
-        sample, or of the groups with each group's samples kept together in their stored order."""
-        n = len(rollout.group_ids)
-        if self._minibatch_order_name() == "samples":
-            return torch.randperm(n, generator=generator)
-        groups, inverse = torch.unique(rollout.group_ids, return_inverse=True)
-        rank = torch.argsort(torch.randperm(len(groups), generator=generator))  # each group's place in the order
-        return torch.sort(rank[inverse] * n + torch.arange(n)).indices  # stable: a group's samples as stored
-
     def _train_on(self, rollout, advantages: torch.Tensor, generator: torch.Generator,
                   scores: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
         """K inner epochs of minibatches over samples x trained steps; one optimizer step per GA minibatches.
@@ -563,7 +566,8 @@ class Trainer:
         n, num_steps = rollout.mask.shape
         chunk = t.timestep_chunk or num_steps
         step_chunks = [torch.arange(s, min(num_steps, s + chunk)) for s in range(0, num_steps, chunk)]
-        perms = [self._minibatch_order(rollout, generator) for _ in range(t.inner_epochs)]
+        perms = [minibatch_order(rollout.group_ids, self.minibatch_order, generator)
+                 for _ in range(t.inner_epochs)]
         # one optimizer step per update: the sampling policy is the current one for every minibatch, so its
         # log-probs are the current ones, detached (TRL's shortcut), and need no extra pass
         single_step = t.inner_epochs == 1 and -(-n // t.batch_size) <= t.gradient_accumulation_steps
@@ -880,7 +884,7 @@ class Trainer:
             f"{per_process * acc.num_processes} in all{other_role}; {steps} optimizer steps of {per_step} samples per "
             f"process "
             f"({c.train.inner_epochs} inner epoch(s) of {minibatches} minibatches of {c.train.batch_size}, "
-            f"{'whole groups' if self._minibatch_order_name() == 'groups' else 'shuffled samples'})",
+            f"{'whole groups' if self.minibatch_order == 'groups' else 'shuffled samples'})",
             f"  schedule  {c.train.steps} updates, lr {c.optim.lr:g} ({c.optim.lr_scheduler})",
             *([f"  eval      {', '.join(c.eval.benchmarks)} on {c.eval.limit} prompts each, every {c.eval.every} "
                f"update(s) -> {self.output_dir / 'eval'}/update_<k>"] if c.eval.every else []),

@@ -29,6 +29,7 @@ def test_vlm_grpo_vs_trl_smoke(tmp_path, train_vision):
     report = json.loads(out.read_text())
     assert report["workload_problems"] == []
     assert report["versions"]["trl"]
+    assert report["settings"]["minibatch_order"]["mmrl"].startswith("groups")  # the VLM default, as run
     n = prompts * group
     mmrl, trl = report["mmrl"], report["trl"]
     assert mmrl["optimizer_steps_per_step"] == trl["optimizer_steps_per_step"] == epochs * n // batch

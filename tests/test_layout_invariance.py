@@ -137,12 +137,10 @@ def test_vlm_first_optimizer_step_reads_old_logprobs_from_its_live_forward(tmp_p
 def _order(order: str, group_ids: torch.Tensor, shares_prompts: bool, seed: int = 0) -> torch.Tensor:
     from types import SimpleNamespace
 
-    from mmrl.trainer import Trainer
+    from mmrl.trainer import minibatch_order, resolve_minibatch_order
 
-    host = SimpleNamespace(config=SimpleNamespace(train=SimpleNamespace(minibatch_order=order)),
-                           policy=SimpleNamespace(share_prompt_prefix=shares_prompts))
-    host._minibatch_order_name = lambda: Trainer._minibatch_order_name(host)
-    return Trainer._minibatch_order(host, SimpleNamespace(group_ids=group_ids), torch.Generator().manual_seed(seed))
+    resolved = resolve_minibatch_order(order, SimpleNamespace(share_prompt_prefix=shares_prompts))
+    return minibatch_order(group_ids, resolved, torch.Generator().manual_seed(seed))
 
 
 def test_minibatch_order_keeps_groups_together_where_prompts_are_shared():
