@@ -100,7 +100,8 @@ class SamplingConfig:
     noise_level: float = opt(0.7, "SDE noise level: a for flow_grpo (0.7) and cps (0.8), eta for dance (0.3).")
     train_steps: str = opt("fraction",
                            "Which steps are SDE and trained: 'fraction' (Flow-GRPO: SDE everywhere, train the first "
-                           "int(T*timestep_fraction)), 'random_fraction' (DanceGRPO: a random subset of that size), "
+                           "int(T*timestep_fraction)), 'random_fraction' (DanceGRPO: a random int((T-1)*timestep_fraction) "
+                           "of steps 0..T-2, one subset per update), "
                            "'random_window' (Flow-GRPO-Fast: a random window in the first half, ODE elsewhere), "
                            "'sliding_window' (MixGRPO: a window that moves one step every window_shift_every "
                            "updates, ODE elsewhere), 'entropy_merge' (E-GRPO: consecutive low-entropy SDE steps merged "
@@ -108,7 +109,7 @@ class SamplingConfig:
                            "merge_threshold or merge_groups).",
                            choices=("fraction", "random_fraction", "random_window", "sliding_window", "entropy_merge"))
     timestep_fraction: float = opt(0.99, "Fraction of the T steps trained for 'fraction' / 'random_fraction' "
-                                   "(0.99 -> steps 0..T-2; DanceGRPO uses 0.6 of the steps).")
+                                   "(0.99 -> steps 0..T-2; DanceGRPO uses 0.6 of the T-1 steps).")
     window_size: int = opt(2, "SDE window length W for the window modes (Flow-GRPO-Fast 2-3, MixGRPO 4).")
     window_shift_every: int = opt(1, "MixGRPO: the window moves forward one step every this many updates.")
     merge_threshold: float | None = opt(None, "entropy_merge: entropy per dimension (nats) a merged step must reach; "
@@ -227,6 +228,10 @@ class AlgorithmConfig:
     ratio_level: str = opt("token", "Importance ratio per action ('token') or per sample ('sequence', GSPO).",
                            choices=("token", "sequence"))
     beta: float = opt(0.0, "KL coefficient to the reference policy (Flow-GRPO: 0.04 for GenEval, 0 for PickScore).")
+    kl_bias_correction: bool = opt(False, "With beta > 0: multiply each action's KL by its importance ratio, gradient "
+                                   "kept (TRL 1.16's use_bias_correction_kl, on by default there; the unbiased "
+                                   "reverse-KL gradient of DeepSeek-V3.2, arXiv 2512.02556). Off: the plain KL of "
+                                   "Flow-GRPO, EasyR1 / verl and TRL before 1.16.")
     variants: list = opt([], "Algorithm variants, registered plug-ins applied in this order, each a name or {name: "
                          "..., <options>} (e.g. [{name: turning_point, balance: true}, {name: adaptive_noise}]); "
                          "`mmrl variants` lists them with their options and papers. A third-party variant is "
@@ -697,6 +702,9 @@ def validate(config: Config, *, check_files: bool = True) -> None:
                                      "data.num_eval_prompts samples of data.dataset"),
         (a.advantage_clamp is None or a.advantage_clamp > 0, "algorithm.advantage_clamp must be > 0 (or null)"),
         (a.beta >= 0, "algorithm.beta must be >= 0"),
+        (not (a.kl_bias_correction and a.ratio_level == "sequence" and t.timestep_chunk > 0),
+         "algorithm.kl_bias_correction with ratio_level=sequence needs train.timestep_chunk: 0 (a chunked sequence "
+         "ratio would weight each chunk's KL by the whole trajectory's ratio with only the chunk's gradient)"),
         (s.num_steps >= 2, "sampling.num_steps must be >= 2"),
         (0.0 < s.timestep_fraction <= 1.0, "sampling.timestep_fraction must be in (0, 1]"),
         (s.noise_level >= 0.0, "sampling.noise_level must be >= 0"),

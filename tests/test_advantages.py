@@ -62,6 +62,52 @@ def test_zero_std_group_is_exactly_zero():
     assert got[3] > 0 > got[4]
 
 
+def test_equal_rewards_give_exactly_zero_whatever_the_rounding_of_their_mean():
+    """Seven fp32 0.1s have a mean that is not 0.1 in fp32: the spread test is max == min, not std == 0."""
+    for ddof in (0, 1):
+        for scale in ("group", "batch", "none"):
+            got = group_advantages(torch.tensor([0.1] * 7 + [0.3, 0.7]), [0] * 7 + [1, 1], std_ddof=ddof,
+                                   scale=scale)
+            assert torch.equal(got[:7], torch.zeros(7)), (ddof, scale, got)
+            assert got[7] < 0 < got[8]
+
+
+def test_statistics_in_float64_as_the_flow_anchors_numpy_tracker():
+    """Flow-GRPO's tracker computes ``(R - mean) / (std + 1e-4)`` on ``np.float64`` rewards; float32 statistics of
+    rewards near 22 spread by 1e-5 are off by ~1e-3 in ``A``. Float32 rewards in, float32 advantages out."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(0)
+    rewards = (22.0 + 1e-5 * torch.randn(64, generator=g)).float()
+    groups = [k // 8 for k in range(64)]
+    r = rewards.double().numpy()
+    want = np.zeros(64)
+    for k in range(8):
+        block = r[8 * k:8 * k + 8]
+        want[8 * k:8 * k + 8] = (block - block.mean()) / (block.std() + 1e-4)
+    got = group_advantages(rewards, groups, std_ddof=0, eps=1e-4)
+    assert got.dtype == torch.float32
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6)
+    both = combine_rewards({"a": rewards, "b": torch.zeros(64)}, groups, std_ddof=0, eps=1e-4)
+    assert both.dtype == torch.float32
+    np.testing.assert_allclose(both.numpy(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_batch_normalised_sum_leaves_unjudged_samples_out():
+    """GDPO's batch step over the samples at least one reward judged; a sample every reward left NaN gets 0 and
+    does not move the others (TRL's normalize_then_sum does the same)."""
+    nan = float("nan")
+    a = torch.tensor([1.0, 2.0, nan, 3.0, 0.0, 1.0])
+    b = torch.tensor([0.0, 1.0, nan, 1.0, 0.0, nan])
+    groups = [0, 0, 0, 1, 1, 1]
+    got = combine_rewards({"a": a, "b": b}, groups, mode="normalize_then_sum", batch_normalize=True, std_ddof=1)
+    summed = (group_advantages(a, groups, std_ddof=1) + group_advantages(b, groups, std_ddof=1))
+    kept = summed[[0, 1, 3, 4, 5]]
+    want = (kept - kept.mean()) / (kept.std() + 1e-4)
+    assert got[2].item() == 0.0
+    torch.testing.assert_close(got[[0, 1, 3, 4, 5]], want)
+
+
 def test_nan_rewards_excluded_and_zero():
     rewards = torch.tensor([1.0, float("nan"), 3.0, 5.0])
     got = group_advantages(rewards, [0, 0, 0, 0], std_ddof=0, eps=0.0)

@@ -109,6 +109,8 @@ RANGE_ERRORS = [
     (["data.prompt_list=[3]"], "data.prompt_list must be a list of non-empty strings"),
     (["algorithm.advantage_clamp=0"], "algorithm.advantage_clamp must be > 0"),
     (["algorithm.beta=-0.1"], "algorithm.beta must be >= 0"),
+    (["algorithm.kl_bias_correction=true", "algorithm.ratio_level=sequence", "train.timestep_chunk=2"],
+     "kl_bias_correction with ratio_level=sequence needs train.timestep_chunk: 0"),
     (["algorithm.variants=[{name: ga_grpo, reward: x, floor: 2}]"], r"floor must be in \[0, 1\]"),
     (["algorithm.variants=[{name: tw_grpo, max_weight: 0.5}]"], "max_weight must be >= 1"),
     (["algorithm.variants=[{name: tw_grpo, max_wieght: 2}]"], "has no option 'max_wieght'; did you mean 'max_weight'"),

@@ -98,6 +98,20 @@ def test_vlm_token_chunk_and_accumulation_are_memory_knobs(tmp_path, vlm_cache, 
                                   "train.timestep_chunk=3"), whole)
 
 
+def test_vlm_kl_bias_correction_changes_the_update_and_keeps_the_layout_knobs(tmp_path, vlm_cache):
+    """``algorithm.kl_bias_correction`` (TRL 1.16's ``use_bias_correction_kl``) weights the KL by the ratio: with
+    beta 0.04 and two inner epochs (the second epoch's policy is off the reference) it changes the gradient, and
+    token chunks and accumulation still give the same update."""
+    common = ["algorithm.kl_bias_correction=true", "train.batch_size=8"]
+    whole = vlm_update(tmp_path / "a", *common, "train.gradient_accumulation_steps=1")
+    plain = vlm_update(tmp_path / "p", "train.batch_size=8", "train.gradient_accumulation_steps=1")
+    assert whole[1][0].equal(plain[1][0])  # first step: policy == reference, KL and its gradient are 0 either way
+    assert (whole[1][1] - plain[1][1]).norm() > 1e-4 * plain[1][1].norm()  # second epoch: the ratio weights the KL
+    assert_same_update(vlm_update(tmp_path / "c", *common, "train.timestep_chunk=5"), whole)
+    assert_same_update(vlm_update(tmp_path / "g", "algorithm.kl_bias_correction=true", "train.batch_size=4",
+                                  "train.gradient_accumulation_steps=2", "train.timestep_chunk=3"), whole)
+
+
 @pytest.mark.parametrize("ratio_level", ["token", "sequence"])
 def test_vlm_first_optimizer_step_reads_old_logprobs_from_its_live_forward(tmp_path, vlm_cache, monkeypatch,
                                                                            ratio_level):

@@ -159,3 +159,47 @@ def test_dr_grpo_divides_by_the_configured_maximum_length():
     loss = policy_loss(logps, logps, adv, mask, aggregation="dr_grpo", max_length=16).loss
     # ratio 1: l = -A per action; sum = -(2 * 1) - (1 * -0.5) = -1.5; / (2 * 16)
     assert loss.item() == pytest.approx(-1.5 / 32)
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_kl_ratio_weight_is_trl_bias_corrected_kl(ratio_level):
+    """``kl_ratio_weight`` = TRL 1.16's ``use_bias_correction_kl``: ``beta * k3 * ratio`` per action, the ratio's
+    gradient kept, so even on-policy (ratio 1) the gradient differs from the plain KL's by ``beta * k3 * dlogp``."""
+    logps, old, ref, adv, mask = _inputs()
+    beta = 0.1
+    for on_policy in (True, False):
+        base = logps.detach() if on_policy else old
+        lp = logps.detach().clone().requires_grad_(True)
+        out = policy_loss(lp, base, adv, mask, clip_low=0.2, aggregation="bnpo", ref_logps=ref, beta=beta,
+                          ratio_level=ratio_level, kl_ratio_weight=True)
+        out.loss.backward()
+        # independent: the per-action surrogate plus beta * k3 * ratio, the ratio built from the same log-probs
+        lp2 = logps.detach().clone().requires_grad_(True)
+        log_ratio = lp2 - base
+        if ratio_level == "sequence":
+            log_ratio = ((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True))
+        ratio = torch.exp(log_ratio)
+        a = adv.unsqueeze(1)
+        d = ref - lp2
+        per = -torch.min(ratio * a, ratio.clamp(0.8, 1.2) * a) + beta * (torch.exp(d) - d - 1) * ratio
+        want = (per * mask).sum() / mask.sum()
+        want.backward()
+        assert out.loss.item() == pytest.approx(want.item(), rel=1e-12)
+        torch.testing.assert_close(lp.grad, lp2.grad, rtol=1e-10, atol=1e-12)
+        plain = logps.detach().clone().requires_grad_(True)
+        policy_loss(plain, base, adv, mask, clip_low=0.2, aggregation="bnpo", ref_logps=ref, beta=beta,
+                    ratio_level=ratio_level).loss.backward()
+        assert (plain.grad - lp.grad).abs().max() > 1e-4  # the correction changes the gradient, on-policy too
+    with pytest.raises(ValueError, match="chunked sequence ratio"):
+        policy_loss(logps, old, adv, mask, ref_logps=ref, beta=beta, ratio_level="sequence", kl_ratio_weight=True,
+                    sequence_log_ratio=torch.zeros(N, dtype=torch.float64))
+
+
+def test_dapo_clamps_the_global_count_before_dividing_by_processes():
+    """TRL: ``num_items_in_batch.clamp(min=1) / num_processes``: one active token over 4 processes divides by 1/4."""
+    logps, old, _, adv, mask = _inputs()
+    one = torch.zeros_like(mask)
+    one[0, 0] = 1.0
+    l = _per_action(logps.detach(), old, old, adv, 0.2, 0.2, 0.0)
+    out = policy_loss(logps, old, adv, one, clip_low=0.2, aggregation="dapo", num_items_in_batch=1, num_processes=4)
+    assert out.loss.item() == pytest.approx(l[0, 0].item() * 4, rel=1e-12)

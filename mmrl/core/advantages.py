@@ -55,7 +55,13 @@ def _grouped_stats(values: Tensor, valid: Tensor, index: Tensor, num_groups: int
     mean = zeros.index_add(0, index, filled) / count.clamp(min=1)
     centred = torch.where(valid, values - mean[index], torch.zeros_like(values))
     var = zeros.index_add(0, index, centred.square()) / (count - ddof).clamp(min=1)
-    std = torch.where(count - ddof > 0, var.sqrt(), torch.zeros_like(var))
+    # equal values have zero spread exactly, whatever the rounding of their mean (seven fp32 0.1s: std 7e-9)
+    rows = index.unsqueeze(1).expand_as(values)
+    high = zeros.scatter_reduce(0, rows, torch.where(valid, values, torch.full_like(values, -torch.inf)), "amax",
+                                include_self=False)
+    low = zeros.scatter_reduce(0, rows, torch.where(valid, values, torch.full_like(values, torch.inf)), "amin",
+                               include_self=False)
+    std = torch.where((count - ddof > 0) & (high > low), var.sqrt(), torch.zeros_like(var))
     return mean[index], std[index], count[index]
 
 
@@ -99,11 +105,14 @@ def group_advantages(
         clamp: if given, clamp advantages to ``[-clamp, clamp]`` (Flow-GRPO uses 5).
 
     NaN rewards are excluded from the statistics and get advantage 0; a group with zero spread
-    (or a single valid sample) gets exactly 0.
+    (or a single valid sample) gets exactly 0. The statistics are computed in float64 (Flow-GRPO's tracker and
+    TP-GRPO use numpy float64: a float32 mean of rewards near 0.85 spread by 1e-3 is off by up to 2e-4 in ``A``);
+    the result has the rewards' dtype (float32 for integer rewards).
     """
     if scale not in SCALES:
         raise ValueError(f"unknown advantage scale {scale!r}; expected one of {SCALES}")
-    values, was_1d = _as_2d(rewards.double() if rewards.dtype == torch.float64 else rewards.float())
+    out_dtype = rewards.dtype if rewards.dtype in (torch.float64, torch.float32) else torch.float32
+    values, was_1d = _as_2d(rewards.double())
     index, num_groups = group_index(group_ids)
     index = index.to(values.device)
     if index.numel() != values.shape[0]:
@@ -113,6 +122,7 @@ def group_advantages(
     adv = scale_centred(values - mean, values, valid, std, scale=scale, eps=eps, std_ddof=std_ddof)
     if clamp is not None:
         adv = adv.clamp(-clamp, clamp)
+    adv = adv.to(out_dtype)
     return adv.squeeze(1) if was_1d else adv
 
 
@@ -165,13 +175,16 @@ def combine_rewards(
     """Advantages from several named rewards.
 
     ``sum_then_normalize`` (Flow-GRPO, TRL default): ``A = norm(sum_k w_k R_k)``; a NaN in any
-    weighted component makes the sample's total NaN (advantage 0).
+    weighted component makes the sample's total NaN (advantage 0). mmrl's rule, where TRL differs: TRL
+    sums with ``nansum`` (a ``None`` reward means "does not apply"), so there a sample with one NaN component is
+    scored by the others; in mmrl NaN means "could not judge", and a sample is not ranked on a partial score.
     ``normalize_then_sum`` (DanceGRPO video, MixGRPO, GDPO): ``A = sum_k w_k norm(R_k)``; a NaN
     component contributes 0 for that sample.
     ``batch_normalize`` (``normalize_then_sum`` only): GDPO's final step (Liu et al. 2026, "GDPO: Group
     reward-Decoupled Normalization Policy Optimization", arXiv 2601.05242), the summed advantages normalised
     over the whole batch, ``(A - mean(A)) / (std(A) + eps)`` with the unbiased std and ``eps`` (1e-4) of its
-    reference implementation, every sample of the batch included.
+    reference implementation, over every sample at least one reward could judge (a sample with every component
+    NaN is left out of the statistics and gets exactly 0).
     """
     if mode not in COMBINE_MODES:
         raise ValueError(f"unknown reward combination {mode!r}; expected one of {COMBINE_MODES}")
@@ -186,15 +199,24 @@ def combine_rewards(
     if unknown:
         raise ValueError(f"weights given for unknown reward components {sorted(unknown)}; have {sorted(components)}")
     norm = ADVANTAGE_ESTIMATORS[estimator]
+    # sums and statistics in float64 (as the flow anchors' numpy trackers), the result float32 unless every
+    # component is float64
+    out_dtype = torch.float64 if all(v.dtype == torch.float64 for v in components.values()) else torch.float32
     if mode == "sum_then_normalize":
-        total = sum(weights.get(k, 1.0) * v.float() for k, v in components.items())
-        return norm(total, group_ids, **estimator_kwargs)
-    total = sum(weights.get(k, 1.0) * norm(v.float(), group_ids, **estimator_kwargs) for k, v in components.items())
+        total = sum(weights.get(k, 1.0) * v.double() for k, v in components.items())
+        return norm(total, group_ids, **estimator_kwargs).to(out_dtype)
+    total = sum(weights.get(k, 1.0) * norm(v.double(), group_ids, **estimator_kwargs) for k, v in components.items())
     if batch_normalize:
+        # over the scorable samples only (every component NaN: no score), which then get exactly 0, as TRL's
+        # normalize_then_sum leaves its all-NaN rows out of the batch statistics
+        judged = torch.stack([torch.isfinite(v.float()) for v in components.values()]).any(0)
+        judged = judged.reshape(judged.shape[0], -1).any(-1).reshape(-1, *([1] * (total.dim() - 1))).expand_as(total)
         eps = estimator_kwargs.get("eps", 1e-4)
-        std = total.std() if total.numel() > 1 else torch.zeros(())
-        total = (total - total.mean()) / (std + eps)
-    return total
+        kept = total[judged]
+        std = kept.std() if kept.numel() > 1 else torch.zeros(())
+        mean = kept.mean() if kept.numel() else torch.zeros(())
+        total = torch.where(judged, (total - mean) / (std + eps), torch.zeros_like(total))
+    return total.to(out_dtype)
 
 
 class PerPromptStatTracker:

@@ -9,7 +9,9 @@ One function serves both policy families: for a flow generator an action is a de
 * per action ``l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` (PPO, Schulman et al. 2017;
   the asymmetric "clip-higher" of DAPO, Yu et al. 2025, arXiv 2503.14476);
 * with a KL penalty ``+ beta * kl``: TRL's k3 estimator ``exp(ref - logp) - (ref - logp) - 1``
-  from ``ref_logps``, or a per-action KL given directly (Flow-GRPO's KL between step means);
+  from ``ref_logps``, or a per-action KL given directly (Flow-GRPO's KL between step means); with
+  ``kl_ratio_weight`` the KL is multiplied by the (differentiable) ratio, TRL 1.16's
+  ``use_bias_correction_kl`` (the unbiased reverse-KL gradient of DeepSeek-V3.2, arXiv 2512.02556);
 * aggregations ``grpo | bnpo | dr_grpo | dapo`` exactly as the table in REFERENCE.md section 5.
 """
 
@@ -63,6 +65,7 @@ def policy_loss(
     batch_action_count: float | Tensor | None = None,
     sequence_log_ratio: Tensor | None = None,
     surrogate=None,
+    kl_ratio_weight: bool = False,
 ) -> PolicyLossOutput:
     """Clipped surrogate loss over ``[N, T]`` actions.
 
@@ -80,8 +83,9 @@ def policy_loss(
         beta: KL coefficient (0 disables the penalty; KL is still reported when available).
         ratio_level: ``token`` or ``sequence`` (GSPO).
         gradient_accumulation_steps: divides ``grpo``, ``bnpo`` and ``dr_grpo`` (TRL's GA scaling).
-        num_items_in_batch: for ``dapo``, the active actions of the whole generation batch summed over all
-            processes (what one optimizer step covers); defaults to this batch's ``mask.sum()``.
+        num_items_in_batch: for ``dapo``, the active actions of the batch one optimizer step covers, summed over
+            all processes (TRL's ``num_items_in_batch``: the generation batch's count per optimizer step); defaults
+            to this batch's ``mask.sum()``. The normaliser is ``max(num_items_in_batch, 1) / num_processes``.
         num_processes: for ``dapo``, the number of data-parallel processes.
         sample_action_counts: ``[N]`` trained actions of each sample over its WHOLE trajectory (default
             ``mask.sum(-1)``). When a forward sees only a chunk of each trajectory's steps
@@ -100,6 +104,10 @@ def policy_loss(
             ``-min(ratio A, clip(ratio) A)`` (an algorithm variant's ``surrogate`` stage, :mod:`mmrl.algorithms`);
             the KL term and the aggregation below apply to it unchanged; the clip metrics (``clip_ratio/*``,
             ``clipfrac``, which describe the configured clip) are then not reported.
+        kl_ratio_weight: multiply the KL term by the importance ratio, gradient kept (TRL 1.16's
+            ``use_bias_correction_kl``, its default; earlier TRL, EasyR1 / verl and Flow-GRPO add the plain KL).
+            With ``ratio_level="sequence"`` the sample's ratio weights each of its actions' KL, as TRL broadcasts it;
+            not with ``sequence_log_ratio`` (a chunked sequence ratio), whose chunks would not add up.
 
     Layout invariance: with ``sample_action_counts``, ``batch_action_count``, ``max_length`` and
     ``sequence_log_ratio`` describing the whole trajectories, the sum of the losses (and gradients) of the
@@ -148,6 +156,11 @@ def policy_loss(
 
     if kl is None and ref_logps is not None:
         kl = k3_kl(logps, ref_logps.detach())
+    if kl is not None and kl_ratio_weight:
+        if sequence_log_ratio is not None:
+            raise ValueError("kl_ratio_weight with a chunked sequence ratio (sequence_log_ratio) is not supported: "
+                             "the chunks' KL terms would not add up to the whole trajectory's")
+        kl = kl * ratio
     if kl is not None and beta != 0.0:
         per_action = per_action + beta * kl
 
@@ -161,7 +174,7 @@ def policy_loss(
         loss = (per_action * mask).sum() / (n * (max_length or t)) / gradient_accumulation_steps
     else:
         total = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch).to(logps)
-        loss = (per_action * mask).sum() / (total / num_processes).clamp(min=1.0)
+        loss = (per_action * mask).sum() / (total.clamp(min=1.0) / num_processes)  # TRL's order
 
     with torch.no_grad():
         full_ratio = ratio.expand_as(logps)
