@@ -77,8 +77,10 @@ def load_clip(
                                 dtype=dtype or torch.float32)
         device = resolve_device(device)
     if isinstance(processor, (str, os.PathLike)):
+        # backend pil: PIL resizing, as the anchors' processors (transformers 4, open_clip)
         processor = load_pretrained(CLIPProcessor, processor, _PROCESSOR_FILES, f"{what} processor", "processor",
-                                    needs="preprocessor_config.json and tokenizer files")
+                                    needs="preprocessor_config.json and tokenizer files",
+                                    backend="pil")
     for attr in ("get_image_features", "get_text_features"):
         if not hasattr(model, attr):
             raise TypeError(f"model must be a transformers CLIPModel; {type(model).__name__} has no {attr}")

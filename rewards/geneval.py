@@ -29,7 +29,10 @@ each prompt's metadata. The rules are those of GenEval's ``evaluation/evaluate_i
 Scores per image (main key per ``variant``; both are always returned as extra keys):
 
 * ``strict``: 1 if every include clause holds and no exclude clause fails (GenEval's ``correct``), else 0;
-* ``partial``: the fraction of clauses (include and exclude, each counted once) that hold.
+* ``partial``: the fraction of clauses (include and exclude, each counted once) that hold (mmrl's);
+* ``flow_grpo`` (only with ``variant="flow_grpo"``, then also ``flow_grpo_strict``): the graded score Flow-GRPO
+  trains its GenEval model on, the reward server's ``evaluate_reward`` (yifan123/reward-server,
+  ``reward_server/gen_eval.py``; :func:`flow_grpo_geneval_score`).
 
 :func:`geneval_summary` gives the benchmark number: the mean over the six tags (single_object,
 two_object, counting, colors, position, color_attr) of each tag's accuracy (``summary_scores.py``).
@@ -85,6 +88,7 @@ __all__ = [
     "select_detections",
     "check_geneval_metadata",
     "evaluate_geneval",
+    "flow_grpo_geneval_score",
     "verdict_details",
     "geneval_summary",
     "color_crop",
@@ -347,6 +351,65 @@ def evaluate_geneval(
             reasons.append(f"expected {name}<{count}, found {n}")
         clauses.append(ok)
     return GenEvalResult(correct=all(clauses), clauses=clauses, reasons=reasons)
+
+
+def flow_grpo_geneval_score(
+    objects: Mapping[str, Sequence[Detection]],
+    metadata: Mapping[str, Any],
+    classify_colors: Callable[[str, Sequence[Detection]], list[str]] | None = None,
+    position_threshold: float = 0.1,
+) -> tuple[bool, float]:
+    """Flow-GRPO's GenEval training reward (Liu et al. 2025, arXiv 2505.05470), as its reward server's
+    ``evaluate_reward`` computes it from the same kept detections: ``(strict_correct, score)``.
+
+    ``score`` is the mean of a list of terms built per include clause (exclude clauses are not read):
+
+    * ``1 - |count - n| / count`` with ``n`` all kept detections of the class (negative when ``n > 2 count``);
+    * if ``n != count``: one ``0`` more when the clause has a colour or a position, and the clause fails;
+    * else, with a colour: ``1 - |count - hits| / count`` over the colours of all ``n`` objects (the clause fails
+      unless ``hits == count``); with a position (the clause still matched): ``0`` when the target clause failed,
+      else a ``0`` at the first object pair not in the relation, and then (the anchor's code, whatever the check
+      found) a ``1``.
+
+    ``strict_correct`` needs exact counts, colours and relations for every include clause. No include clause:
+    ``(True, 0.0)``, as the anchor.
+    """
+    reason = check_geneval_metadata(metadata)
+    if reason:
+        raise ValueError(reason)
+    objects = {canonical_class(k): list(v) for k, v in objects.items()}
+    correct = True
+    terms: list[float] = []
+    matched_groups: list[list[Detection] | None] = []
+    for req in metadata.get("include", []):
+        name, count = canonical_class(req["class"]), int(req.get("count", 1))
+        found = objects.get(name, [])
+        matched = len(found) == count
+        terms.append(1.0 - abs(count - len(found)) / count)
+        if not matched:
+            if "color" in req or "position" in req:
+                terms.append(0.0)
+        else:
+            if "color" in req:
+                if classify_colors is None:
+                    raise ValueError("a clause has a colour but no colour classifier was given")
+                hits = list(classify_colors(name, found)).count(req["color"])
+                terms.append(1.0 - abs(count - hits) / count)
+                matched = hits == count
+            if "position" in req and matched:
+                relation, target = req["position"]
+                if matched_groups[target] is None:
+                    matched = False
+                    terms.append(0.0)
+                else:
+                    matched = all(relation in relative_position(obj.box, other.box, position_threshold)
+                                  for obj in found for other in matched_groups[target])
+                    if not matched:
+                        terms.append(0.0)
+                    terms.append(1.0)
+        correct = correct and matched
+        matched_groups.append(found if matched else None)
+    return correct, (sum(terms) / len(terms) if terms else 0.0)
 
 
 def geneval_summary(tags: Sequence[str], correct: Sequence[float | bool]) -> dict[str, Any]:
@@ -621,8 +684,10 @@ class ClipColorClassifier:
             device = resolve_device(device)
         if isinstance(processor, (str, os.PathLike)):
             source = os.fspath(processor)
+            # backend pil: PIL resizing, as the anchors' processors (transformers 4, open_clip)
             processor = load_pretrained(CLIPProcessor, source, _CLIP_PROCESSOR_FILES, "CLIP processor",
-                                        "clip_processor", needs="preprocessor_config.json and tokenizer files")
+                                        "clip_processor", needs="preprocessor_config.json and tokenizer files",
+                                        backend="pil")
         if processor is None:
             raise ValueError("a CLIP model passed in built needs its processor (clip_processor=...)")
         for attr in ("get_image_features", "get_text_features"):
@@ -740,8 +805,10 @@ class GenEval(Reward):
         clip_model: colour classifier: hub id / dir of a transformers ``CLIPModel`` (default
             ``openai/clip-vit-large-patch14``), a built ``CLIPModel`` (then ``clip_processor`` is required), a
             :class:`ClipColorClassifier`, or a callable ``(crops, class_name) -> [colour, ...]``.
-        variant: ``"strict"`` (0/1, default for ``geneval``) or ``"partial"`` (fraction of clauses that
-            hold; default for ``geneval_partial``): which score is the main one.
+        variant: ``"strict"`` (0/1, default for ``geneval``), ``"partial"`` (fraction of clauses that
+            hold; default for ``geneval_partial``) or ``"flow_grpo"`` (Flow-GRPO's graded training score,
+            :func:`flow_grpo_geneval_score`, returned with ``flow_grpo_strict``, its exact-count verdict): which
+            score is the main one.
         threshold, counting_threshold, max_objects, max_overlap, position_threshold: GenEval's options
             (0.3, 0.9, 16, 1.0, 0.1).
         bgcolor, crop: colour crops: background outside the mask (``"original"`` keeps the image) and
@@ -751,8 +818,8 @@ class GenEval(Reward):
         """
         super().__init__()
         variant = variant or self.default_variant
-        if variant not in ("strict", "partial"):
-            raise ValueError(f"variant must be 'strict' or 'partial', got {variant!r}")
+        if variant not in ("strict", "partial", "flow_grpo"):
+            raise ValueError(f"variant must be 'strict', 'partial' or 'flow_grpo', got {variant!r}")
         self.variant = variant
         self.threshold = float(threshold)
         self.counting_threshold = float(counting_threshold)
@@ -801,6 +868,8 @@ class GenEval(Reward):
         valid = batch.valid_indices
         strict = torch.full((len(valid),), float("nan"))
         partial = torch.full((len(valid),), float("nan"))
+        graded = torch.full((len(valid),), float("nan"))
+        graded_strict = torch.full((len(valid),), float("nan"))
         details: list[dict | None] = [None] * batch.n
         todo: list[int] = []
         for pos, i in enumerate(valid):
@@ -829,7 +898,12 @@ class GenEval(Reward):
                 try:
                     objects = select_detections(dets, meta.get("tag"), self.threshold, self.counting_threshold,
                                                 self.max_objects, self.max_overlap)
-                    result = evaluate_geneval(objects, meta, self._classify_colors(image), self.position_threshold)
+                    classify = self._classify_colors(image)
+                    result = evaluate_geneval(objects, meta, classify, self.position_threshold)
+                    if self.variant == "flow_grpo":
+                        fg_correct, graded[pos] = flow_grpo_geneval_score(objects, meta, classify,
+                                                                          self.position_threshold)
+                        graded_strict[pos] = float(fg_correct)
                 except Exception as exc:  # one sample's failure is its NaN, not the batch's
                     reasons[i] = f"GenEval scoring failed: {type(exc).__name__}: {exc}"
                     continue
@@ -837,6 +911,8 @@ class GenEval(Reward):
                 partial[pos] = result.partial
                 details[i] = verdict_details(meta, result, objects)
         self.last_details = details
+        if self.variant == "flow_grpo":
+            return {self.name: graded, "strict": strict, "partial": partial, "flow_grpo_strict": graded_strict}
         main = strict if self.variant == "strict" else partial
         return {self.name: main, "strict": strict, "partial": partial}
 

@@ -107,8 +107,10 @@ class PickScore(Reward):
                                     dtype=dtype or torch.float32)
             device = resolve_device(device)
         if isinstance(processor, (str, os.PathLike)):
+            # backend pil: PIL resizing, as the anchors' processors (transformers 4, open_clip)
             processor = load_pretrained(CLIPProcessor, processor, _PROCESSOR_FILES, "PickScore processor", "processor",
-                                        needs="preprocessor_config.json and tokenizer files")
+                                        needs="preprocessor_config.json and tokenizer files",
+                                        backend="pil")
         for attr in ("get_image_features", "get_text_features", "logit_scale"):
             if not hasattr(model, attr):
                 raise TypeError(f"model must be a transformers CLIPModel; {type(model).__name__} has no {attr}")

@@ -28,6 +28,7 @@ from mmrl.rewards.geneval import (
     color_crop,
     compute_iou,
     evaluate_geneval,
+    flow_grpo_geneval_score,
     geneval_summary,
     mask_to_box,
     relative_position,
@@ -217,6 +218,38 @@ def test_position_counts_on_color_failure():
     assert r.clauses == [False, False] and any("no target" in x for x in r.reasons)
     r = evaluate_geneval(objects, meta, fixed_colors({0: "red"}))
     assert r.correct and r.partial == 1.0
+
+
+def test_flow_grpo_graded_score_hand_worked():
+    """Flow-GRPO's training score (reward server ``evaluate_reward``), worked by hand from its rules: per include
+    clause ``1 - |count - n| / count`` over all kept detections, a 0 more for a colour / position clause whose count
+    is wrong, the colour's ``1 - |count - hits| / count``, and for a position a 0 at a failing pair then a 1."""
+    counting = {"tag": "counting", "include": [{"class": "cat", "count": 3}], "exclude": [{"class": "cat", "count": 4}]}
+    assert flow_grpo_geneval_score(objs(cat=3), counting) == (True, 1.0)
+    assert flow_grpo_geneval_score(objs(cat=2), counting) == (False, pytest.approx(2 / 3))
+    assert flow_grpo_geneval_score(objs(cat=5), counting) == (False, pytest.approx(1 / 3))  # exclude not read
+    single = {"tag": "single_object", "include": [{"class": "cat", "count": 1}]}
+    assert flow_grpo_geneval_score(objs(cat=3), single) == (False, -1.0)  # GenEval's verdict: correct
+    assert evaluate_geneval(objs(cat=3), single).correct
+    colour = {"tag": "colors", "include": [{"class": "cat", "count": 1, "color": "red"}]}
+    assert flow_grpo_geneval_score(objs(cat=2), colour, fixed_colors({0: "red"})) == (False, 0.0)  # [0, 0]
+    assert flow_grpo_geneval_score(objs(cat=1), colour, fixed_colors({0: "red"})) == (True, 1.0)  # [1, 1]
+    assert flow_grpo_geneval_score(objs(cat=1), colour, fixed_colors({0: "blue"})) == (False, 0.5)  # [1, 0]
+    two_red = {"tag": "color_attr", "include": [{"class": "car", "count": 2, "color": "red"}]}
+    assert flow_grpo_geneval_score(objs(car=2), two_red, fixed_colors({0: "red"})) == (False, 0.75)  # [1, 0.5]
+    position = {"tag": "position", "include": [{"class": "dog", "count": 1},
+                                               {"class": "cat", "count": 1, "position": ["left of", 0]}]}
+    right = {"dog": [det("dog", box=(60, 0, 70, 10))], "cat": [det("cat", box=(0, 0, 10, 10))]}
+    wrong = {"dog": [det("dog", box=(0, 0, 10, 10))], "cat": [det("cat", box=(60, 0, 70, 10))]}
+    assert flow_grpo_geneval_score(right, position) == (True, 1.0)  # [1, 1, 1]
+    assert flow_grpo_geneval_score(wrong, position) == (False, 0.75)  # [1, 1, 0, 1]: the anchor's 1 after its 0
+    assert flow_grpo_geneval_score({"cat": [det("cat")]}, position) == (False, 1 / 3)  # [0, 1, 0]: no target
+    two_dogs = {"dog": [det("dog", box=(60, 0, 70, 10)), det("dog", 0.9, box=(70, 0, 80, 10))],
+                "cat": [det("cat", box=(0, 0, 10, 10))]}
+    assert flow_grpo_geneval_score(two_dogs, position) == (False, 1 / 3)  # [0, 1, 0]: 2 dogs for 1, then no target
+    assert flow_grpo_geneval_score({}, {"exclude": [{"class": "cat", "count": 1}]}) == (True, 0.0)
+    with pytest.raises(ValueError, match="colour classifier"):
+        flow_grpo_geneval_score(objs(cat=1), colour)
 
 
 def test_metadata_validation():
@@ -477,6 +510,16 @@ def test_full_reward_positions_colours_and_aliases(tiny_mask2former):
         handle.remove()
     assert out["geneval_partial"].tolist() == [1.0, 0.5, 0.5]
     assert out["strict"].tolist() == [1.0, 0.0, 0.0]
+    graded = build_reward("geneval", detector=model, detector_processor=processor, clip_model=colours, device="cpu",
+                          variant="flow_grpo")
+    handle = craft(model, [(MOUSE, 1.0, (3, 0)), (DOG, 1.0, (3, 7))])
+    try:
+        out = graded(random_images(3), None, meta)
+    finally:
+        handle.remove()
+    # [1, 1, 1]; [1, 1, 0, 1]; dog [1, 1 (red)], cat [0, 0]
+    assert out["geneval"].tolist() == [1.0, 0.75, 0.5]
+    assert out["flow_grpo_strict"].tolist() == [1.0, 0.0, 0.0] and out["strict"].tolist() == [1.0, 0.0, 0.0]
     # the colour classifier saw the dog's masked crop: an 8x8 box (+-1 px of bilinear spread)
     assert seen and seen[0][0] == "dog" and all(6 <= s <= 10 for s in seen[0][1][0])
 

@@ -165,7 +165,12 @@ def test_clipscore_loads_model_and_processor_from_one_dir(tiny_clip, tmp_path):
     processor.save_pretrained(tmp_path / "clip")
     x, prompts = grid_images(2), ["a cat", "dog"]
     loaded = build_reward("clipscore", model=str(tmp_path / "clip"), device="cpu", clip_at_zero=False)
-    img, txt = reference_clip_embeddings(model, processor, to_pils(x), prompts)
+    # a processor loaded from a folder resizes with PIL, as the anchors' (transformers 4, open_clip) do; transformers
+    # 5's default is its torchvision backend, up to one uint8 level apart
+    assert type(loaded.processor.image_processor).__name__ == "CLIPImageProcessorPil"
+    from transformers import CLIPProcessor
+    pil = CLIPProcessor.from_pretrained(tmp_path / "clip", backend="pil")
+    img, txt = reference_clip_embeddings(model, pil, to_pils(x), prompts)
     torch.testing.assert_close(loaded(x, prompts)["clipscore"], F.cosine_similarity(img, txt, dim=-1), rtol=1e-5, atol=1e-5)
 
 

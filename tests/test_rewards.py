@@ -492,7 +492,10 @@ def test_pickscore_loads_from_local_dirs(tiny_clip, tmp_path):
     processor.save_pretrained(tmp_path / "processor")
     x, prompts = grid_images(2), ["a cat", "dog"]
     loaded = build_reward("pickscore", model=str(tmp_path / "model"), processor=str(tmp_path / "processor"), device="cpu")
-    direct = build_reward("pickscore", model=model, processor=processor)
+    assert type(loaded.processor.image_processor).__name__ == "CLIPImageProcessorPil"  # PIL resizing, as the anchor's
+    from transformers import CLIPProcessor
+    direct = build_reward("pickscore", model=model,
+                          processor=CLIPProcessor.from_pretrained(tmp_path / "processor", backend="pil"))
     torch.testing.assert_close(loaded(x, prompts)["pickscore"], direct(x, prompts)["pickscore"], rtol=1e-5, atol=1e-5)
 
 
