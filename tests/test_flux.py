@@ -103,6 +103,21 @@ def test_schedule_is_fluxpipeline_dynamic_shift(flux_dir):
     torch.testing.assert_close(timesteps, sigmas[:-1] * 1000, rtol=0, atol=1e-3)
 
 
+def test_dance_time_shift_schedule_has_danceGRPO_integer_timesteps():
+    """DanceGRPO (``train_grpo_flux.py``): ``sigma = sd3_time_shift(3, linspace(1, 0, S+1))`` in float32 for the
+    SDE, the transformer at ``int(sigma * 1000) / 1000``."""
+    from types import SimpleNamespace
+
+    from mmrl.pipelines.flow.policy import FlowPolicy
+
+    sigmas, timesteps = FlowPolicy.schedule(SimpleNamespace(time_shift=3.0), 16)
+    t = torch.linspace(1, 0, 17)  # the anchor's float32 schedule
+    anchor = 3.0 * t / (1 + 2.0 * t)
+    torch.testing.assert_close(sigmas, anchor, rtol=0, atol=0)
+    assert timesteps.tolist() == [float(int(s * 1000)) for s in anchor[:-1]]
+    assert timesteps[1].item() == 978.0 and sigmas[1].item() != 0.978  # 0.97826 -> 978
+
+
 # ------------------------------------------------------------------------------ against diffusers
 
 

@@ -287,12 +287,14 @@ class FlowPolicy:
 
     def schedule(self, num_steps: int) -> tuple[Tensor, Tensor]:
         """``(sigmas [S+1], timesteps [S])``: the family scheduler's, or with ``time_shift`` set the shifted uniform
-        schedule ``sigma = shift t / (1 + (shift - 1) t)`` on ``t = linspace(1, 0, S+1)`` (DanceGRPO's ``--shift``)."""
+        schedule ``sigma = shift t / (1 + (shift - 1) t)`` on ``t = linspace(1, 0, S+1)`` (DanceGRPO's ``--shift``)
+        with DanceGRPO's integer timesteps ``int(sigma * 1000)``: the transformer sees ``sigma`` truncated to three
+        decimals (0.978 for 0.97826), the SDE step the exact ``sigma``."""
         if self.time_shift is None:
             return self.family.schedule(num_steps, self.resolution)
         t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
         sigmas = (self.time_shift * t / (1 + (self.time_shift - 1) * t)).float()
-        return sigmas, sigmas[:-1] * 1000.0
+        return sigmas, torch.trunc(sigmas[:-1] * 1000.0)
 
     def _noise_levels(self, plan: StepPlan) -> Tensor:
         levels = self.step_noise_levels.clone()

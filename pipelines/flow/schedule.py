@@ -9,7 +9,10 @@ Modes:
 * ``fraction`` -- Flow-GRPO (Liu et al. 2025, arXiv 2505.05470): SDE on every step, train the first
   ``int(S * timestep_fraction)`` steps (0.99 with S = 10 trains steps 0..8).
 * ``random_fraction`` -- DanceGRPO (Xue et al. 2025, arXiv 2505.07818): SDE on every step, train a random
-  subset of ``max(1, int(S * timestep_fraction))`` of steps ``0..S-2`` (fresh each update).
+  subset of ``max(1, int((S - 1) * timestep_fraction))`` of steps ``0..S-2`` (the anchor drops the last step,
+  then trains that fraction of the rest), fresh each update. mmrl's rule: one subset for every sample of the
+  update (the anchor draws one per sample), so the trained steps batch across samples; the expected gradient is
+  the same.
 * ``random_window`` -- Flow-GRPO-Fast: a window of ``W`` consecutive SDE steps whose start is drawn
   uniformly from ``0..max(0, S//2 - W)`` (so the window lies in the first half of the schedule), ODE
   elsewhere; only the window is trained.
@@ -91,7 +94,8 @@ def plan_steps(
         sde[k] = False  # the last step (to sigma = 0): ODE, never trained
         return StepPlan(sde=sde, train=torch.arange(k), sigma_index=sigma_index)
     if mode in ("fraction", "random_fraction"):
-        count = min(trainable, max(1, int(s * timestep_fraction)))
+        # Flow-GRPO: int(S * fraction) (0.99 -> steps 0..S-2); DanceGRPO: int((S - 1) * fraction) of the S - 1
+        count = min(trainable, max(1, int((s if mode == "fraction" else trainable) * timestep_fraction)))
         if mode == "fraction":
             train = torch.arange(count)
         else:
