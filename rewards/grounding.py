@@ -81,6 +81,7 @@ __all__ = [
     "salience_weighted_iou",
     "temporal_iou",
     "parse_timestamps",
+    "parse_timezero_span",
     "recall_at",
     "mean_iou",
     "BoxIoU",
@@ -856,9 +857,11 @@ def parse_timestamps(text: str) -> tuple[float, float]:
     """The ``(start, end)`` span an answer names, in the answer's units; raises :class:`Unparseable`.
 
     Accepts JSON ``{"start_time": 12.5, "end_time": 20.1}`` (Temporal-R1's answer format; also
-    ``start``/``end``), and otherwise the first pair of times joined by ``to``, ``-``, ``,``, ``and``,
+    ``start``/``end``), and otherwise the last pair of times joined by ``to``, ``-``, ``,``, ``and``,
     ``~``...: ``12.5 to 20.1 seconds``, ``[12.5, 20.1]``, ``from 12.5s to 20.1s``, ``00:12-00:20``
-    (``mm:ss``, ``hh:mm:ss`` read as seconds). A reversed pair is returned as written (it scores 0).
+    (``mm:ss``, ``hh:mm:ss`` read as seconds). The last pair, as TimeZero's training reward reads its answer
+    (``grpo_video.py`` ``parse_timestamp_output``: the last ``A to B``), so "10 to 15, more precisely 12 to 20"
+    answers 12 to 20. A reversed pair is returned as written (it scores 0).
     """
     if not isinstance(text, str):
         raise Unparseable(f"answer is not text (got {type(text).__name__})")
@@ -872,10 +875,25 @@ def parse_timestamps(text: str) -> tuple[float, float]:
                     return _time_value(start), _time_value(end)
                 except (TypeError, ValueError):
                     raise Unparseable(f"start/end values {start!r}, {end!r} are not times") from None
-    match = _SPAN.search(body)
-    if match is None:
+    matches = list(_SPAN.finditer(body))
+    if not matches:
         raise Unparseable("no time span in the answer")
-    return _time_value(match.group(1)), _time_value(match.group(2))
+    return _time_value(matches[-1].group(1)), _time_value(matches[-1].group(2))
+
+
+_TIMEZERO_SPAN = re.compile(r"(\d+\.?\d*) (to|and) (\d+\.?\d*)")
+
+
+def parse_timezero_span(text: str) -> tuple[float, float]:
+    """TimeZero's evaluation parse (www-Ye/TimeZero ``evaluate.py`` ``parse_timestamp_output``): the last
+    ``<number> to|and <number>`` anywhere in the whole output, tags or not; raises :class:`Unparseable` where
+    TimeZero returns ``(None, None)`` (no such pair: ``12.5-19.0``, ``[12, 19]``, JSON and ``mm:ss`` included)."""
+    if not isinstance(text, str):
+        raise Unparseable(f"answer is not text (got {type(text).__name__})")
+    matches = _TIMEZERO_SPAN.findall(text)
+    if not matches:
+        raise Unparseable("no '<start> to <end>' span in the output (TimeZero's parse)")
+    return float(matches[-1][0]), float(matches[-1][2])
 
 
 def _finite(values: Iterable[float]) -> list[float]:

@@ -435,3 +435,17 @@ def test_headline_warns_when_the_blind_answers_are_mostly_unparseable():
     assert "WARNING: 3 of 4 blind answers unparseable" in _headline(result(3))
     assert "WARNING" not in _headline(result(2))  # half or fewer: the blind score means something
     assert "real - blind 0.4" in _headline(result(0))
+
+
+def test_timezero_convention_reads_answers_with_timezeros_parse():
+    """``tg_convention=timezero`` reads the last ``a to b`` of the whole output (TimeZero ``evaluate.py``); the
+    default reads the answer block's last span in any format."""
+    from mmrl.eval.vlm import judge
+
+    meta = {"task": "temporal_grounding", "timestamps": [12.0, 19.0], "duration": 30.0}
+    tz = {"require_tags": True, "convention": "timezero"}
+    tan = {"require_tags": True, "convention": "2d_tan"}
+    assert judge("temporal_grounding", "12.0 to 19.0", meta, tz).pred == [12.0, 19.0]  # untagged: TimeZero reads it
+    assert judge("temporal_grounding", "12.0 to 19.0", meta, tan).pred is None  # mmrl: no answer block
+    assert judge("temporal_grounding", "<answer>[12, 19]</answer>", meta, tz).pred is None
+    assert judge("temporal_grounding", "<answer>[12, 19]</answer>", meta, tan).pred == [12.0, 19.0]

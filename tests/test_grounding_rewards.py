@@ -18,6 +18,7 @@ from mmrl.rewards.grounding import (
     mean_iou,
     parse_boxes,
     parse_timestamps,
+    parse_timezero_span,
     recall_at,
     rescale_box,
     salience_weighted_iou,
@@ -349,6 +350,24 @@ def test_temporal_iou_hand_worked():
 ])
 def test_parse_timestamps(text, span):
     assert parse_timestamps(text) == pytest.approx(span)
+
+
+def test_parse_timestamps_reads_the_last_span_as_timezero():
+    """TimeZero's training reward reads the last ``A to B`` of its answer block."""
+    assert parse_timestamps("10.0 to 15.0, more precisely 12.0 to 20.0") == (12.0, 20.0)
+    assert parse_timestamps("[3, 5] then [7, 9]") == (7.0, 9.0)
+
+
+def test_parse_timezero_span_is_timezero_evaluate_py():
+    """``evaluate.py`` ``parse_timestamp_output``: ``re.findall(r"(\\d+\\.?\\d*) (to|and) (\\d+\\.?\\d*)")`` over
+    the whole output, the last match; nothing else reads."""
+    assert parse_timezero_span("<think>maybe 1 to 2</think><answer>12.0 to 19.0</answer>") == (12.0, 19.0)
+    assert parse_timezero_span("12.0 to 19.0") == (12.0, 19.0)  # untagged: read
+    assert parse_timezero_span("<answer>between 3 and 5.5</answer> or 4 and 6") == (4.0, 6.0)
+    assert parse_timezero_span("00:12 to 00:19") == (12.0, 0.0)  # '12 to 00': TimeZero's regex, as it reads
+    for unread in ("12.5-19.0", "[12, 19]", '{"start_time": 12, "end_time": 19}', "from 12.5s to 19s", None):
+        with pytest.raises(Unparseable):
+            parse_timezero_span(unread)
 
 
 def test_parse_timestamps_unparseable():

@@ -877,7 +877,9 @@ def charades_sta_scores(
       ``s_time < e_time``); a GT that is empty after the cut is unjudged (2D-TAN drops it; with the
       durations of ``charades_test.json`` none is). TimeZero reads the duration but never uses it
       (``clip_gt_to_duration=False``). Predictions are never clipped (neither evaluation does).
-    * ``strict=False, clip_gt_to_duration=False`` reproduces TimeZero's numbers.
+    * ``strict=False, clip_gt_to_duration=False`` is TimeZero's scoring; with its parse
+      (:func:`~mmrl.rewards.grounding.parse_timezero_span`, which ``mmrl eval ... tg_convention=timezero`` uses)
+      its numbers.
 
     A GT that is missing or not a span with ``end > start`` is unjudged (left out, counted).
     ``miou`` = mean tIoU over the kept queries (with one prediction per query; 2D-TAN's own mIoU

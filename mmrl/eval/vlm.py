@@ -150,10 +150,13 @@ class _Metric:
 
 _REC_SOURCE = ("om-ai-lab/VLM-R1 src/eval/test_rec_r1.py: IoU(answer box, ground truth) > 0.5 (strict), accuracy over "
                "every sample, an unreadable answer wrong; mIoU over the same samples; continuous-coordinate IoU "
-               "(mmrl.rewards.grounding.box_iou)")
+               "(mmrl.rewards.grounding.box_iou). The answer is read by mmrl's box parser (the first box of the one "
+               "answer block, as VLM-R1's training reward; floats and bare lists read, two answer blocks "
+               "unparseable), more lenient than test_rec_r1.py's (integers inside {...}, its greedy regex's last box)")
 _TG_SOURCE = ("microsoft/2D-TAN lib/core/eval.py eval() (R1@m: tIoU > m) and lib/datasets/charades.py (ground-truth "
               "end clipped to the duration); www-Ye/TimeZero evaluate.py process_work_items() with "
-              "tg_convention=timezero (tIoU >= m, no clipping; an unparsed span scores 0)")
+              "tg_convention=timezero (tIoU >= m, no clipping, the answer read by its parse_timestamp_output: the "
+              "last '<a> to|and <b>' anywhere in the output; an unparsed span scores 0)")
 #: Benchmark name -> its scoring.
 VLM_BENCHMARKS: dict[str, _Metric] = {
     "rec": _Metric("acc@0.5", "iou", ("iou", "acc@0.5"), "mmrl.eval.scoring.rec_scores", _REC_SOURCE),
@@ -460,7 +463,7 @@ def judge(kind: str, answer: str | None, meta: Mapping, settings: Mapping[str, A
     unjudged."""
     from mmrl.rewards._text import Unjudgeable, Unparseable, answer_or_text, parse_number
     from mmrl.rewards.answer import _choices, parse_choice
-    from mmrl.rewards.grounding import BoxF1, BoxIoU, parse_timestamps
+    from mmrl.rewards.grounding import BoxF1, BoxIoU, parse_timestamps, parse_timezero_span
 
     require_tags = bool(settings.get("require_tags", True))
     try:
@@ -489,7 +492,9 @@ def judge(kind: str, answer: str | None, meta: Mapping, settings: Mapping[str, A
             elif not boxes:
                 raise Unparseable("the answer has no box")
             else:
-                pred = boxes[0]  # VLM-R1 reads the first box
+                pred = boxes[0]  # the first box, as VLM-R1's training reward (test_rec_r1.py's greedy regex: the last)
+        elif kind == "temporal_grounding" and settings.get("convention") == "timezero":
+            pred = list(parse_timezero_span(answer))  # TimeZero's evaluate.py reads the whole output
         elif kind == "temporal_grounding":
             pred = list(parse_timestamps(answer_or_text(answer, require_tags)))
         elif kind == "multiple_choice":
