@@ -299,8 +299,9 @@ class QwenVLPolicy:
             never targeted), or ``None`` for full fine-tuning of the language model (and of the vision tower when
             ``freeze_vision`` is False).
         media: callable ``(item) -> (images, video)`` loading a data item's media (see :mod:`mmrl.data.vlm`).
-        temperature, top_p, top_k: the sampling distribution. The replayed log-probs are TRL's: log-softmax of
-            ``logits / temperature`` (vision placeholders masked, as they are suppressed in sampling). With
+        temperature, top_p, top_k: the sampling distribution. The replayed log-probs are TRL's log-softmax of
+            ``logits / temperature`` with one difference, mmrl's: the vision placeholders are masked out of the
+            softmax, as they are suppressed in sampling (TRL scores the full vocabulary). With
             ``top_p < 1`` or ``top_k > 0`` tokens are sampled from the truncated distribution but scored under
             the untruncated tempered one, as in TRL's ``GRPOTrainer``; with ``top_p = 1``, ``top_k = 0`` the
             scores are exactly those of the sampling distribution.
