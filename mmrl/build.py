@@ -176,6 +176,17 @@ def build_vllm_engine(config: Config):
 
 
 def build_policy(config: Config, device: torch.device | str = "cpu"):
+    """The configured policy; LoRA target modules that match no module of the model are a :class:`ConfigError`
+    naming ``model.lora_target_modules`` (not PEFT's error from inside the model)."""
+    try:
+        return _build_policy(config, device)
+    except ValueError as exc:
+        if type(exc).__name__ != "NoMatchingPeftModuleError":
+            raise
+        raise ConfigError(f"model.lora_target_modules={list(config.model.lora_target_modules)}: {exc}") from None
+
+
+def _build_policy(config: Config, device: torch.device | str = "cpu"):
     if config.model.family == "qwen_vl":
         return build_vlm_policy(config, device)
     from mmrl.pipelines.flow.policy import FlowPolicy, build_family
@@ -281,7 +292,12 @@ def build_reward_fn(config: Config, *, probe: bool = True):
         coord_format = policy_coord_format(config)
         if coord_format is not None:
             spec = with_coord_format(spec, coord_format)
-    reward_fn = build_rewards(spec)
+    try:
+        reward_fn = build_rewards(spec)
+    except (TypeError, ValueError) as exc:  # a reward's constructor refusing a value: the user's config, one line
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"rewards: {type(exc).__name__}: {exc}") from exc
     if probe:
         from mmrl.rewards.remote import probe_remote_rewards
 

@@ -106,15 +106,72 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """``(trainable tensors, state, objects)`` of a complete checkpoint."""
+class CheckpointError(ValueError):
+    """A checkpoint that is there but cannot be read (a damaged file, a missing part): the message names it and
+    the previous complete checkpoint to resume from instead."""
+
+
+def damaged(path: str | Path, what: str) -> CheckpointError:
+    """The error for checkpoint ``path`` whose ``what`` cannot be read, naming the previous complete one."""
+    path = Path(path)
+    match = STEP_DIR.match(path.name)
+    earlier = [p for p in list_checkpoints(path.parent)
+               if match and int(STEP_DIR.match(p.name).group(1)) < int(match.group(1))]
+    hint = (f"resume from the previous complete one with resume={earlier[-1]}, or delete {path} (resume=auto then "
+            f"takes the latest complete checkpoint)") if earlier else f"delete {path} to start over"
+    return CheckpointError(f"checkpoint {path} is damaged: {what}; {hint}")
+
+
+def read_state(path: str | Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The ``state.json`` of checkpoint ``path`` (a JSON object holding ``required`` keys), else
+    :class:`CheckpointError`."""
+    path = Path(path)
+    try:
+        state = json.loads((path / COMPLETE_MARKER).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise damaged(path, f"{COMPLETE_MARKER} cannot be read ({type(exc).__name__}: {exc})") from None
+    if not isinstance(state, dict):
+        raise damaged(path, f"{COMPLETE_MARKER} holds a {type(state).__name__}, not the loop state")
+    missing = [key for key in required if key not in state]
+    if missing:
+        raise damaged(path, f"{COMPLETE_MARKER} lacks {', '.join(missing)}")
+    return state
+
+
+def read_trainable(path: str | Path, name: str = "trainable.safetensors") -> dict[str, torch.Tensor]:
+    """The weights file ``name`` of checkpoint ``path``, else :class:`CheckpointError` (a truncated or missing
+    file)."""
+    path = Path(path)
+    try:
+        return load_file(str(path / name))
+    except Exception as exc:  # safetensors' own error type, OSError, FileNotFoundError
+        raise damaged(path, f"{name} cannot be read ({type(exc).__name__}: {exc})") from None
+
+
+def read_object(path: str | Path, name: str) -> Any:
+    """The ``name.pt`` object of checkpoint ``path``, else :class:`CheckpointError`."""
+    path = Path(path)
+    try:
+        return torch.load(path / f"{name}.pt", map_location="cpu", weights_only=False)
+    except Exception as exc:  # truncated pickle / zip: EOFError, RuntimeError, OSError, UnpicklingError
+        raise damaged(path, f"{name}.pt cannot be read ({type(exc).__name__}: {exc})") from None
+
+
+def load_checkpoint(path: str | Path, *, objects: tuple[str, ...] = (), state_keys: tuple[str, ...] = (),
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """``(trainable tensors, state, objects)`` of a complete checkpoint: every ``*.pt`` in it, which must include
+    ``objects``, and a state holding ``state_keys``. A part that is missing or cannot be read is a
+    :class:`CheckpointError` naming the checkpoint and the previous complete one."""
     path = Path(path)
     if not (path / COMPLETE_MARKER).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER})")
-    trainable = load_file(str(path / "trainable.safetensors"))
-    state = json.loads((path / COMPLETE_MARKER).read_text())
-    objects = {p.stem: torch.load(p, map_location="cpu", weights_only=False) for p in path.glob("*.pt")}
-    return trainable, state, objects
+    state = read_state(path, state_keys)
+    trainable = read_trainable(path)
+    missing = [name for name in objects if not (path / f"{name}.pt").is_file()]
+    if missing:
+        raise damaged(path, f"{', '.join(f'{m}.pt' for m in missing)} missing")
+    loaded = {p.stem: read_object(path, p.stem) for p in sorted(path.glob("*.pt"))}
+    return trainable, state, loaded
 
 
 def load_trainable(params: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], where: str | Path) -> None:

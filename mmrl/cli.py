@@ -742,13 +742,14 @@ def quiet_libraries() -> None:
 def _ordinary_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that are a user's mistake or the environment's, printed as one line (imported only when one
     has been raised)."""
+    from mmrl.checkpoint import CheckpointError
     from mmrl.data.prompts import DataError
     from mmrl.pipelines.flow.loading import ModelLoadError
     from mmrl.rewards.remote import RewardServerError
     from mmrl.score import ScoreError
 
-    return (ConfigError, UsageError, DataError, ModelLoadError, RewardServerError, ScoreError, FileNotFoundError,
-            PermissionError, NotADirectoryError, IsADirectoryError)
+    return (ConfigError, UsageError, DataError, ModelLoadError, RewardServerError, ScoreError, CheckpointError,
+            FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError)
 
 
 def _print_error(exc: BaseException) -> None:

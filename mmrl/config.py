@@ -469,6 +469,25 @@ def yaml_error_text(exc: yaml.YAMLError) -> str:
     return f"{where}{problem}" + (f" ({context})" if context else "")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader refusing a key written twice in one mapping (plain YAML keeps the last silently, so a second
+    ``logging:`` section would drop the first's fields)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (also on line {seen[key] + 1}): the later one would "
+                        f"replace the earlier one whole; merge them", key_node.start_mark)
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
 def read_config_file(path: Path, *, folder_hint: str = "") -> tuple[str, Any]:
     """``(text, data)`` of a YAML config file (``data`` is ``{}`` for an empty file); a one-line
     :class:`ConfigError` for a folder (``folder_hint`` appended), a missing file, a file that is not UTF-8 text or
@@ -479,11 +498,14 @@ def read_config_file(path: Path, *, folder_hint: str = "") -> tuple[str, Any]:
         raise ConfigError(f"config file not found: {path}")
     try:
         text = path.read_text(encoding="utf-8")
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not a text file (byte {exc.start} is not UTF-8)") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {yaml_error_text(exc)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level (model:, data:, train:, ...), "
+                          f"got a {type(data).__name__}")
     return text, data
 
 
@@ -655,6 +677,7 @@ def validate(config: Config, *, check_files: bool = True) -> None:
     checks = [
         (0 <= config.seed < 2**63, "seed must be in [0, 2**63)"),
         (bool(config.output_dir.strip()), "output_dir must not be empty"),
+        (not Path(config.output_dir).is_file(), f"output_dir={config.output_dir} is a file; name a folder"),
         (bool(m.pretrained.strip()), "model.pretrained must name a model: a hub id, a local folder or tiny:<kind>"),
         (not m.use_lora or m.lora_rank >= 1, "model.lora_rank must be >= 1 (or model.use_lora: false)"),
         (not m.use_lora or m.lora_alpha > 0, "model.lora_alpha must be > 0"),
@@ -834,24 +857,32 @@ def validate(config: Config, *, check_files: bool = True) -> None:
     from mmrl.algorithms import VariantError, build_variants
     from mmrl.rewards import check_reward_arguments  # composition root: the config knows the reward registry
 
+    weights = []
     for key, spec in config.rewards.items():
         if isinstance(spec, dict):
             extra = set(spec) - {"weight", "kwargs", "reward"}
             if extra:
                 raise ConfigError(f"rewards.{key}: unknown keys {sorted(extra)}; expected weight, kwargs, reward")
             name, kwargs = spec.get("reward", key), spec.get("kwargs") or {}
+            weight = spec.get("weight", 1.0)
         elif isinstance(spec, (int, float)) and not isinstance(spec, bool):
-            name, kwargs = key, {}
+            name, kwargs, weight = key, {}, spec
         else:
             hint = ""
             if spec is None and ":" in key:
                 name, weight = key.split(":", 1)
                 hint = f" (YAML needs a space after the colon: {{{name}: {weight}}})"
             raise ConfigError(f"rewards.{key}: expected a weight or {{weight, kwargs}}, got {spec!r}{hint}")
+        if not _is_number(weight) or not math.isfinite(weight):
+            raise ConfigError(f"rewards.{key}: the weight must be a finite number, got {weight!r}")
+        weights.append(weight)
         try:
             check_reward_arguments(name, kwargs)
         except ValueError as exc:
             raise ConfigError(f"rewards.{key}: {exc}") from None
+    if weights and not any(weights):
+        raise ConfigError("rewards: every weight is 0, so no reward enters the advantages (a weight-0 reward is only "
+                          "logged); give at least one a non-zero weight")
     try:  # names, options and combinations of the algorithm variants, before anything is built
         build_variants(config)
     except VariantError as exc:

@@ -123,15 +123,18 @@ def load_records(prompts_file: str | Path, images_dir: str | Path) -> list[Image
 
 
 def _load_image(path: Path):
-    """``(RGB PIL image, None)`` or ``(None, reason)``."""
+    """``(RGB PIL image, None)`` or ``(None, reason)``; 16-bit and float images scaled to 8 bits
+    (:func:`mmrl.data.vlm.to_8bit`)."""
     from PIL import Image
+
+    from mmrl.data.vlm import to_8bit
 
     if not path.is_file():
         return None, f"missing image file {path}"
     try:
         with Image.open(path) as image:
             image.load()
-            return (image if image.mode == "RGB" else image.convert("RGB")).copy(), None
+            return (image.copy() if image.mode == "RGB" else to_8bit(image).convert("RGB")), None
     except Exception as exc:
         return None, f"cannot read image {path}: {type(exc).__name__}: {exc}"
 

@@ -774,7 +774,8 @@ class SFTRun:
 
         if self.resume_from is None:
             return None
-        trainable, state, objects = load_checkpoint(self.resume_from)
+        trainable, state, objects = load_checkpoint(self.resume_from, objects=("optimizer", "lr_scheduler", "rng"),
+                                                    state_keys=("data", "step"))
         try:
             load_trainable(self.policy.named_trainable_parameters(), trainable, self.resume_from)
         except ValueError as exc:

@@ -4,11 +4,15 @@ and image grids."""
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def make_grid_image(images: torch.Tensor, rows: int):
@@ -54,10 +58,28 @@ class MetricsLogger:
                                      resume="allow")
 
     def _truncate_after(self, step: int) -> None:
-        """Drop lines logged after the checkpoint we resume from (a killed run may have logged further)."""
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        """Drop lines logged after the checkpoint we resume from (a killed run may have logged further) and lines
+        that are not a JSON object (a run killed while writing one leaves half a line), then replace the file in one
+        ``os.replace`` so a kill during the rewrite keeps the old file."""
+        kept, broken = [], 0
+        for line in self.path.read_text(errors="replace").splitlines():
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = None
+            if not isinstance(row, dict):
+                broken += 1
+                continue
+            if row.get("step", 0) <= step:
+                kept.append(line)
+        if broken:
+            logger.warning("%s: dropped %d line(s) that are not a JSON object (a run killed while logging)",
+                           self.path, broken)
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
 
     def log(self, metrics: dict[str, Any]) -> None:
         step = int(metrics["step"])

@@ -27,7 +27,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, gather_object
 
-from mmrl.checkpoint import (COMPLETE_MARKER, latest_checkpoint, load_checkpoint, load_trainable, rng_state,
+from mmrl.checkpoint import (COMPLETE_MARKER, latest_checkpoint, load_checkpoint, load_trainable, read_state, rng_state,
                              save_checkpoint, set_rng_state)
 from mmrl.config import Config, ConfigError, config_to_dict, dump_config
 from mmrl.algorithms import (AdvantageContext, Intermediate, RewardContext, Rewards, SelectContext, SurrogateContext,
@@ -92,7 +92,7 @@ def check_resume(config: Config) -> None:
     path = latest_checkpoint(directory) if config.resume == "auto" else Path(config.resume)
     if path is None or not (path / COMPLETE_MARKER).is_file():
         return
-    resume_changes(json.loads((path / COMPLETE_MARKER).read_text()).get("config"), config_to_dict(config), path)
+    resume_changes(read_state(path).get("config"), config_to_dict(config), path)
 
 
 def fused_adamw_applies(params: list[torch.Tensor], scaler=None) -> bool:
@@ -309,7 +309,9 @@ class Trainer:
         path = latest_checkpoint(self.output_dir / "checkpoints") if target == "auto" else Path(target)
         if path is None:
             return None
-        trainable, state, objects = load_checkpoint(path)
+        trainable, state, objects = load_checkpoint(
+            path, objects=("lr_scheduler", "rng") if self.engine is not None else ("optimizer", "lr_scheduler", "rng"),
+            state_keys=("update", "optimizer_steps", "data", "tracker"))
         self.resume_changes = resume_changes(state.get("config"), config_to_dict(self.config), path)
         try:  # ZeRO-3: checked against the gathered weights (the engine's own files restore its partitions below)
             with self._full_weights() if self.zero3 else contextlib.nullcontext():

@@ -396,15 +396,18 @@ def list_rewards() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def check_reward_arguments(name: str, kwargs: Mapping[str, Any]) -> None:
-    """Raise ``ValueError`` for an unknown reward name or keyword argument, naming the nearest valid ones,
-    without building anything (config validation uses this)."""
+def check_reward_arguments(name: str, kwargs: Mapping[str, Any], *, complete: bool = True) -> None:
+    """Raise ``ValueError`` for an unknown reward name or keyword argument, naming the nearest valid ones, and
+    (``complete``) for a required argument ``kwargs`` lacks, without building anything (config validation uses
+    this)."""
     if name not in _REGISTRY:
         close = nearest(name, _REGISTRY)
         hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
         raise ValueError(
             f"unknown reward {name!r}; {hint}registered rewards: {', '.join(list_rewards())}"
         )
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"reward {name!r}: kwargs must be a mapping of argument names to values, got {kwargs!r}")
     factory = _REGISTRY[name]
     target = factory.__init__ if isinstance(factory, type) else factory
     params = inspect.signature(target).parameters
@@ -417,12 +420,17 @@ def check_reward_arguments(name: str, kwargs: Mapping[str, Any]) -> None:
                 raise ValueError(
                     f"reward {name!r} has no argument {key!r}; {hint}valid arguments: {', '.join(valid) or '(none)'}"
                 )
+    needed = [k for k, p in params.items() if k != "self" and p.default is inspect.Parameter.empty
+              and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    missing = [k for k in needed if k not in kwargs]
+    if complete and missing:
+        raise ValueError(f"reward {name!r} needs the argument(s) {', '.join(missing)} (kwargs: {{{missing[0]}: ...}})")
 
 
 def reward_scores_images(name: str) -> bool:
     """Whether the registered reward ``name`` judges images (``scores_images`` on its class; default True).
     Text rewards say False, so image-only uses (intermediate-step credit) can refuse them at config time."""
-    check_reward_arguments(name, {})
+    check_reward_arguments(name, {}, complete=False)
     return bool(getattr(_REGISTRY[name], "scores_images", True))
 
 

@@ -41,6 +41,7 @@ from ._base import (
     resolve_dtype,
 )
 from ._images import tensor_to_pil
+from mmrl.data.vlm import to_8bit
 
 __all__ = ["DinoEmbedder", "DinoReference", "DEFAULT_DINO", "load_reference_image"]
 
@@ -150,7 +151,7 @@ def load_reference_image(ref: Any) -> Image.Image:
             raise FileNotFoundError(f"reference image {path!r} does not exist")
         with Image.open(path) as im:
             im.load()
-            return im.convert("RGB")
+            return to_8bit(im).convert("RGB")  # 16-bit and float files scaled to 8 bits, not clipped
     if isinstance(ref, torch.Tensor):
         if ref.dim() != 3 or ref.shape[0] != 3:
             raise ValueError(f"a reference tensor must be [3, H, W], got shape {tuple(ref.shape)}")

@@ -124,6 +124,11 @@ RANGE_ERRORS = [
     (["algorithm.token_weight_max=1.4"], r"'algorithm.token_weight_max' is now an algorithm variant: write "
                                          r"algorithm.variants: \[\{name: tw_grpo, max_weight: 1.4\}\]"),
     (["seed=-1"], r"seed must be in \[0, 2\*\*63\)"),
+    (["rewards={brightness: 0}"], "every weight is 0"),
+    (["rewards={brightness: .nan}"], r"rewards.brightness: the weight must be a finite number"),
+    (["rewards={brightness: {weight: [1]}}"], r"rewards.brightness: the weight must be a finite number, got \[1\]"),
+    (["rewards={box_coordinate: 1}"], r"reward 'box_coordinate' needs the argument\(s\) coordinate"),
+    (["rewards={brightness: {weight: 1, kwargs: [1]}}"], "kwargs must be a mapping"),
     (["output_dir=''"], "output_dir must not be empty"),
 ]
 
@@ -277,3 +282,20 @@ def test_missing_files_say_how_relative_paths_resolve(tmp_path, monkeypatch):
     os.chdir(tmp_path / "sub")
     with pytest.raises(ConfigError, match="prompt file not found: p.txt"):
         load_config(config_file)
+
+
+def test_a_config_that_is_not_a_mapping_or_repeats_a_section_is_refused(tmp_path):
+    for text, message in (("- 1\n- 2\n", "expected a mapping of sections at the top level"),
+                          ("3\n", "got a int"),
+                          ("seed: 1\nlogging:\n  keep_last: 2\ntrain:\n  steps: 2\nlogging:\n  keep_last: 3\n",
+                           r"line 6, column 1: duplicate key 'logging' \(also on line 2\)")):
+        path = tmp_path / "c.yaml"
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            load_config(path)
+
+
+def test_output_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match="is a file; name a folder"):
+        load_config(TINY_RECIPE, [f"output_dir={tmp_path / 'afile'}"])

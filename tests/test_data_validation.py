@@ -245,3 +245,46 @@ def test_balance_tags_gives_every_category_an_equal_share_of_a_pass(tmp_path):
     with pytest.raises(ConfigError, match="balance_tags applies to flow prompts"):
         load_config(None, ["model.family=qwen_vl", "data.dataset=tiny:grounding", "data.balance_tags=true"],
                     check_files=False)
+
+
+def test_an_image_qwen_vl_cannot_take_is_listed_by_the_check(tmp_path):
+    """Aspect ratios above 200 are refused by Qwen's smart_resize: the data check lists them before training."""
+    from PIL import Image
+
+    Image.new("RGB", (5000, 20), (10, 20, 30)).save(tmp_path / "wide.png")
+    write_image(tmp_path / "a.png")
+    path = write_jsonl(tmp_path / "d.jsonl", [{"image": "a.png", "question": "q", "solution": "s"},
+                                              {"image": "wide.png", "question": "q", "solution": "s"}])
+    with pytest.raises(DataError, match="wide.png is 5000x20: an aspect ratio above 200"):
+        check_data(vlm_config(path))
+    report = check_data(vlm_config(path, "data.skip_bad_samples=true"))
+    assert report.usable == 1 and len(report.problems) == 1
+
+
+def test_16_bit_and_float_images_are_scaled_not_clipped(tmp_path):
+    """PIL's convert("RGB") clips 16-bit grey to 255 (a white image); to_rgb scales it to 8 bits."""
+    import numpy as np
+    from PIL import Image
+
+    from mmrl.data.vlm import to_rgb
+
+    ramp = (np.arange(32 * 32).reshape(32, 32) * 64).astype(np.uint16)  # 0 .. 65472
+    Image.fromarray(ramp).save(tmp_path / "g16.png")
+    with Image.open(tmp_path / "g16.png") as image:
+        assert image.mode.startswith("I")
+        got = np.asarray(to_rgb(image))
+    assert got.shape == (32, 32, 3) and (got[..., 0] == got[..., 2]).all()
+    np.testing.assert_allclose(got[..., 0], np.round(ramp / 257.0), atol=1)
+    floats = Image.fromarray(np.linspace(0, 1, 64, dtype=np.float32).reshape(8, 8), mode="F")
+    assert np.asarray(to_rgb(floats))[..., 0].max() == 255 and np.asarray(to_rgb(floats))[0, 0, 0] == 0
+    small = Image.fromarray(np.full((4, 4), 200, dtype=np.int32), mode="I")  # an 8-bit range in 32-bit ints
+    assert (np.asarray(to_rgb(small)) == 200).all()
+
+
+def test_a_json_prompt_file_or_a_folder_is_named(tmp_path):
+    (tmp_path / "p.json").write_text('[{"prompt": "a"}]')
+    with pytest.raises(DataError, match=r"p.json: a .json file; prompt files are .txt .* or .jsonl"):
+        read_prompts(tmp_path / "p.json")
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(DataError, match="is a folder, not a prompt file"):
+        read_prompts(tmp_path / "folder")

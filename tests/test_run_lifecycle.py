@@ -154,3 +154,51 @@ def test_tensorboard_drops_the_killed_runs_later_points_on_resume(tmp_path, tiny
     events.Reload()
     steps = [e.step for e in events.Scalars("loss")]
     assert steps == [1, 2, 3]  # update 3 once, not twice
+
+
+@pytest.mark.parametrize("damage", ["optimizer.pt missing", "trainable.safetensors cut", "optimizer.pt cut",
+                                    "state.json broken", "state.json a list"])
+def test_a_damaged_checkpoint_is_one_line_naming_the_previous_one(tmp_path, tiny_path, capsys, damage):
+    """A checkpoint that is complete (state.json) but damaged: one line naming it and the previous complete one,
+    and resuming from that one works."""
+    run = tmp_path / "run"
+    assert _train(run, tiny_path, "train.steps=2", "logging.save_every=1") == 0
+    step2, step1 = run / "checkpoints" / "step_2", run / "checkpoints" / "step_1"
+    name = damage.split()[0]
+    if damage.endswith("missing"):
+        (step2 / name).unlink()
+    elif damage.endswith("cut"):
+        data = (step2 / name).read_bytes()
+        (step2 / name).write_bytes(data[:len(data) // 2])
+    else:
+        (step2 / name).write_text("{bad" if damage.endswith("broken") else "[]")
+    capsys.readouterr()
+    assert _train(run, tiny_path, "train.steps=3") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"mmrl: error: checkpoint {step2} is damaged"), err
+    assert name in err[0] and f"resume={step1}" in err[0]
+    assert _train(run, tiny_path, "train.steps=3", f"resume={step1}") == 0
+    assert [m["step"] for m in _metrics(run)] == [1, 2, 3]
+
+
+def test_a_half_written_metrics_line_is_dropped_on_resume(tmp_path, tiny_path):
+    """A run killed while logging leaves half a line; the resumed run drops it (and the rows after its
+    checkpoint) instead of failing to parse the file."""
+    run = tmp_path / "run"
+    assert _train(run, tiny_path, "train.steps=2", "logging.save_every=2") == 0
+    with open(run / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 3, "rew')
+    assert _train(run, tiny_path, "train.steps=3") == 0
+    assert [m["step"] for m in _metrics(run)] == [1, 2, 3]
+    assert not list(run.glob(".metrics.jsonl.tmp-*"))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.lora_target_modules=[nosuch]", "model.lora_target_modules=['nosuch']: Target modules {'nosuch'} not found"),
+    ("rewards={jpeg_compressibility: {weight: 1, kwargs: {scale_divisor: 0}}}",
+     "rewards: ValueError: scale_divisor must be a non-zero number"),
+])
+def test_values_only_the_model_or_a_reward_can_refuse_are_one_line(tmp_path, tiny_path, capsys, override, message):
+    assert _train(tmp_path / "run", tiny_path, "train.steps=1", override) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mmrl: error: ") and message in err[0], err

@@ -50,8 +50,13 @@ def iter_prompt_file(path: str | Path):
         except ValueError as exc:
             raise DataError(str(exc)) from None
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path} is a folder, not a prompt file")
     if not path.is_file():
         raise DataError(f"prompt file not found: {path}")
+    if path.suffix.lower() == ".json":  # one JSON document would be read as lines of text
+        raise DataError(f"{path}: a .json file; prompt files are .txt (one prompt per line) or .jsonl (one object "
+                        f"with a 'prompt' per line)")
     jsonl = path.suffix.lower() == ".jsonl"
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):

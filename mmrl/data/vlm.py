@@ -172,11 +172,20 @@ def _resolve(value: str, base: Path, key: str) -> Path:
     return path
 
 
+#: The largest aspect ratio Qwen-VL's ``smart_resize`` accepts.
+MAX_ASPECT_RATIO = 200
+
+
 def _image_problem(path: str, *, decode: bool) -> str | None:
-    """``None`` when the image opens and ``verify()`` passes (and, with ``decode``, its pixels load)."""
+    """``None`` when the image opens and ``verify()`` passes (and, with ``decode``, its pixels load) and its aspect
+    ratio is one Qwen-VL's processors accept (at most 200, ``smart_resize``'s limit)."""
     try:
         with Image.open(path) as image:
+            width, height = image.size
             image.verify()
+        if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+            return (f"image {path} is {width}x{height}: an aspect ratio above {MAX_ASPECT_RATIO}, which Qwen-VL's "
+                    f"processors refuse (smart_resize)")
         if decode:  # verify() checks the structure (PNG chunks and CRCs); load() decodes every pixel
             with Image.open(path) as image:
                 image.load()
@@ -445,8 +454,28 @@ def samples_from_hf(dataset, *, image_column: str = "image", video_column: str =
 # ---------------------------------------------------------------------------------------------- loading
 
 
+def to_8bit(image: Image.Image) -> Image.Image:
+    """Grey images of more than 8 bits as 8-bit ``L`` (PIL's ``convert("RGB")`` clips them, so a 16-bit PNG would
+    turn white): ``I;16`` scaled by 255 / 65535; ``I`` (32-bit integers) the same when a value exceeds 255, else
+    read as 8-bit; ``F`` (floats) scaled by 255 when every value is in [0, 1], else clipped to [0, 255]. Any other
+    mode is returned as it is."""
+    if not (image.mode.startswith("I;16") or image.mode in ("I", "F")):
+        return image
+    import numpy as np
+
+    values = np.asarray(image, dtype=np.float64)
+    top = float(values.max()) if values.size else 0.0
+    if image.mode.startswith("I;16") or (image.mode == "I" and top > 255):
+        values = np.clip(values, 0, 65535) / 257.0
+    elif image.mode == "F" and 0.0 <= float(values.min(initial=0.0)) and top <= 1.0:
+        values = values * 255.0
+    return Image.fromarray(np.clip(np.round(values), 0, 255).astype(np.uint8), mode="L")
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB; transparent pixels composited on white (as qwen-vl-utils does)."""
+    """RGB; transparent pixels composited on white (as qwen-vl-utils does); more than 8 bits scaled to 8
+    (:func:`to_8bit`)."""
+    image = to_8bit(image)
     if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
         rgba = image.convert("RGBA")
         background = Image.new("RGB", rgba.size, (255, 255, 255))

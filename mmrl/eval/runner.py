@@ -701,10 +701,7 @@ class _Checkpoint:
 def _resolve_checkpoint(options: EvalOptions, run_dir: Path) -> _Checkpoint:
     """The weights to evaluate: ``checkpoint=`` (a run folder's latest checkpoint, a checkpoint folder, ``base``), by
     default ``run_dir``'s latest checkpoint, else base. The EMA weights when the checkpoint has them (``ema``)."""
-    import torch
-    from safetensors.torch import load_file
-
-    from mmrl.checkpoint import latest_checkpoint
+    from mmrl.checkpoint import CheckpointError, latest_checkpoint, read_object, read_trainable
 
     value = options.checkpoint
     if value == "base" or (value is None and latest_checkpoint(run_dir / "checkpoints") is None):
@@ -721,10 +718,13 @@ def _resolve_checkpoint(options: EvalOptions, run_dir: Path) -> _Checkpoint:
             raise EvalError(f"checkpoint={path}: neither a checkpoint folder (trainable.safetensors) nor a run folder "
                             f"with complete checkpoints/")
         run = path
-    weights = load_file(str(ckpt / "trainable.safetensors"))
-    ema = (ckpt / "ema.pt").is_file() and options.ema
-    if ema:  # the EMA weights are what the run evaluated (as mmrl sample)
-        weights = torch.load(ckpt / "ema.pt", map_location="cpu", weights_only=False)["shadow"]
+    try:
+        weights = read_trainable(ckpt)
+        ema = (ckpt / "ema.pt").is_file() and options.ema
+        if ema:  # the EMA weights are what the run evaluated (as mmrl sample)
+            weights = read_object(ckpt, "ema")["shadow"]
+    except CheckpointError as exc:
+        raise EvalError(str(exc)) from None
     return _Checkpoint(ckpt, run, ema, weights, weights_sha256(weights))
 
 
