@@ -21,7 +21,10 @@ Two stages, one step counter (``step`` in ``metrics.jsonl`` and ``checkpoints/st
    ``lognorm(0, 1)``; or uniform / mode), the timestep ``scheduler.timesteps[int(u * 1000)]`` of a training copy
    of the pipeline's ``FlowMatchEulerDiscreteScheduler`` (so its ``shift`` is applied, sigma = shift t / (1 + (shift
    - 1) t)), ``x_t = (1 - sigma) x_0 + sigma noise``, target ``noise - x_0`` (the velocity), loss
-   ``mean(weighting * (v_pred - target)^2)`` with ``compute_loss_weighting_for_sd3`` (1 for logit-normal). The
+   ``mean(weighting * (v_pred - target)^2)`` with ``compute_loss_weighting_for_sd3`` (1 for logit-normal): the
+   script run with ``--precondition_outputs 0`` (its default, 1, predicts ``x_0 = x_t - sigma v`` against ``x_0``,
+   i.e. this loss times ``sigma^2`` per sample; diffusers added the flag because rectified flows train better
+   without it, PR #8917). The
    prompt is replaced by the empty prompt with probability ``train.cfg_dropout`` (classifier-free guidance, Ho &
    Salimans 2022; SD3 drops each text encoder's input independently at 46.3 %, mmrl drops the whole prompt, the
    rule the sampler's unconditional branch uses). An EMA of the transformer weights (``train.ema_decay`` with
