@@ -30,6 +30,10 @@ causal-LM cross-entropy of transformers' ``ForCausalLMLoss`` (logits at ``t`` pr
 ``ignore_index=-100``), summed over the completion tokens of an optimizer step and divided by their number
 (transformers ``Trainer``'s ``num_items_in_batch`` normalisation under gradient accumulation): the mean token
 cross-entropy of the completion tokens, which get the only gradient. :func:`completion_loss` is that function.
+TRL 1.16 applies ``num_items_in_batch`` to Qwen2-VL only: transformers marks Qwen2.5-VL and Qwen3-VL
+``accepts_loss_kwargs = False``, so for them TRL averages each micro-batch's token mean over the accumulation steps
+and its update depends on the split (20 % apart in gradient on a tiny Qwen2.5-VL, 2 x 2 with 51 / 116 completion
+tokens); mmrl keeps the step-total rule for every model (mmrl's rule: the split never changes the update).
 
 The completion is the target text's tokens followed by the end-of-turn token ``<|im_end|>``, the token the
 policy's rollouts stop on and the last one their completion mask covers (``pipelines/vlm/qwen.py``
@@ -176,7 +180,9 @@ class SFTTrainConfig:
     steps: int = opt(200, "Optimizer steps.")
     batch_size: int = opt(8, "Samples per forward pass on each process.")
     gradient_accumulation_steps: int = opt(1, "Forward passes per optimizer step; the loss is normalised by the "
-                                           "completion tokens of the whole step (transformers' num_items_in_batch).")
+                                           "completion tokens of the whole step (transformers' num_items_in_batch; TRL "
+                                           "1.16 uses it for Qwen2-VL only, averaging micro-batch means for "
+                                           "Qwen2.5-VL / Qwen3-VL).")
     lr: float = opt(1e-3, "Peak learning rate (a from-scratch tiny model: 1e-3; a pretrained 3B model: ~1e-5).")
     lr_scheduler: str = opt("cosine", "LR schedule after warmup.", choices=("constant", "linear", "cosine"))
     warmup_steps: int = opt(0, "Linear warmup optimizer steps.")
