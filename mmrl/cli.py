@@ -718,6 +718,10 @@ def quiet_libraries() -> None:
     real progress over the network), and so does mmrl's own training bar."""
     if os.environ.get("MMRL_VERBOSE", "").strip().lower() in ("1", "true", "yes", "on"):
         return
+    import warnings
+
+    # PEFT's get_peft_model reads transformers 5's deprecated `is_gradient_checkpointing`: nothing the user can act on
+    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     try:
         from transformers.utils import logging as transformers_logging
 
