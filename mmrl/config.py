@@ -480,6 +480,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
                     continue
                 key = self.construct_object(key_node, deep=deep)
+                if not isinstance(key, (str, int, float, bool)) and key is not None:
+                    continue  # an unhashable key is YAML's own error below
                 if key in seen:
                     raise yaml.constructor.ConstructorError(
                         None, None, f"duplicate key {key!r} (also on line {seen[key] + 1}): the later one would "
