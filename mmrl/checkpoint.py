@@ -157,6 +157,16 @@ def read_object(path: str | Path, name: str) -> Any:
         raise damaged(path, f"{name}.pt cannot be read ({type(exc).__name__}: {exc})") from None
 
 
+def evaluated_weights(path: str | Path, ema: bool = True) -> tuple[dict[str, torch.Tensor], bool]:
+    """``(weights, is_ema)``: what a run evaluates from checkpoint ``path``, the EMA weights when it has them and
+    ``ema`` is set (the run's own evaluations used them), else the trainable weights; :class:`CheckpointError` for a
+    damaged file."""
+    path = Path(path)
+    if ema and (path / "ema.pt").is_file():
+        return read_object(path, "ema")["shadow"], True
+    return read_trainable(path), False
+
+
 def load_checkpoint(path: str | Path, *, objects: tuple[str, ...] = (), state_keys: tuple[str, ...] = (),
                     ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     """``(trainable tensors, state, objects)`` of a complete checkpoint: every ``*.pt`` in it, which must include

@@ -242,14 +242,9 @@ def _vlm_items(args) -> list:
 
 
 def _load_weights(policy, ckpt: Path, no_ema: bool) -> None:
-    import torch
-    from safetensors.torch import load_file
+    from mmrl.checkpoint import evaluated_weights, load_trainable
 
-    weights = load_file(str(ckpt / "trainable.safetensors"))
-    if (ckpt / "ema.pt").is_file() and not no_ema:  # the EMA weights are what the run evaluated
-        weights = torch.load(ckpt / "ema.pt", map_location="cpu", weights_only=False)["shadow"]
-    from mmrl.checkpoint import load_trainable
-
+    weights, _ = evaluated_weights(ckpt, ema=not no_ema)  # the EMA weights are what the run evaluated
     try:
         load_trainable(policy.named_trainable_parameters(), weights, ckpt)
     except ValueError as exc:

@@ -680,7 +680,7 @@ class SFTRun:
         from accelerate import Accelerator
 
         from mmrl.build import build_reward_fn, build_vlm_policy
-        from mmrl.checkpoint import latest_checkpoint
+        from mmrl.checkpoint import latest_checkpoint, read_state
         from mmrl.data.vlm import VLMSampleSource
         from mmrl.trainer import build_lr_scheduler
 
@@ -697,7 +697,7 @@ class SFTRun:
                               f"it or choose another output_dir (nothing was overwritten)")
         self.saved_state = None
         if self.resume_from is not None:
-            self.saved_state = json.loads((self.resume_from / "state.json").read_text())
+            self.saved_state = read_state(self.resume_from)
             _fixed_changes(self.saved_state.get("config"), config_to_dict(c), self.resume_from)
         # data before any model: a bad line stops the run at once
         from mmrl.eval.vlm import _model_coord_format

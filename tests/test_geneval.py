@@ -519,6 +519,7 @@ def test_full_reward_positions_colours_and_aliases(tiny_mask2former):
         handle.remove()
     # [1, 1, 1]; [1, 1, 0, 1]; dog [1, 1 (red)], cat [0, 0]
     assert out["geneval"].tolist() == [1.0, 0.75, 0.5]
+    assert seen[-1][0] == "dog" and len(seen) == 2  # the dog's colour: classified once for both rules
     assert out["flow_grpo_strict"].tolist() == [1.0, 0.0, 0.0] and out["strict"].tolist() == [1.0, 0.0, 0.0]
     # the colour classifier saw the dog's masked crop: an 8x8 box (+-1 px of bilinear spread)
     assert seen and seen[0][0] == "dog" and all(6 <= s <= 10 for s in seen[0][1][0])

@@ -202,3 +202,21 @@ def test_values_only_the_model_or_a_reward_can_refuse_are_one_line(tmp_path, tin
     assert _train(tmp_path / "run", tiny_path, "train.steps=1", override) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mmrl: error: ") and message in err[0], err
+
+
+def test_evaluated_weights_prefer_ema_and_name_a_damaged_file(tmp_path):
+    """What `mmrl eval` and `mmrl sample` load: the EMA weights when the checkpoint has them (unless told not to), a
+    damaged file a CheckpointError naming the checkpoint and the previous complete one."""
+    from mmrl.checkpoint import CheckpointError, evaluated_weights, save_checkpoint
+
+    live, shadow = {"w": torch.ones(2)}, {"w": torch.full((2,), 3.0)}
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, trainable=live, state={"update": step}, objects={"ema": {"shadow": shadow}})
+    weights, is_ema = evaluated_weights(tmp_path / "step_2")
+    assert is_ema and torch.equal(weights["w"], shadow["w"])
+    weights, is_ema = evaluated_weights(tmp_path / "step_2", ema=False)
+    assert not is_ema and torch.equal(weights["w"], live["w"])
+    (tmp_path / "step_2" / "ema.pt").write_bytes(b"junk")
+    with pytest.raises(CheckpointError, match=rf"checkpoint .*step_2 is damaged: ema.pt cannot be read .*"
+                                              rf"resume={tmp_path / 'step_1'}"):
+        evaluated_weights(tmp_path / "step_2")

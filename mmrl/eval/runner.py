@@ -701,7 +701,7 @@ class _Checkpoint:
 def _resolve_checkpoint(options: EvalOptions, run_dir: Path) -> _Checkpoint:
     """The weights to evaluate: ``checkpoint=`` (a run folder's latest checkpoint, a checkpoint folder, ``base``), by
     default ``run_dir``'s latest checkpoint, else base. The EMA weights when the checkpoint has them (``ema``)."""
-    from mmrl.checkpoint import CheckpointError, latest_checkpoint, read_object, read_trainable
+    from mmrl.checkpoint import CheckpointError, evaluated_weights, latest_checkpoint
 
     value = options.checkpoint
     if value == "base" or (value is None and latest_checkpoint(run_dir / "checkpoints") is None):
@@ -719,10 +719,7 @@ def _resolve_checkpoint(options: EvalOptions, run_dir: Path) -> _Checkpoint:
                             f"with complete checkpoints/")
         run = path
     try:
-        weights = read_trainable(ckpt)
-        ema = (ckpt / "ema.pt").is_file() and options.ema
-        if ema:  # the EMA weights are what the run evaluated (as mmrl sample)
-            weights = read_object(ckpt, "ema")["shadow"]
+        weights, ema = evaluated_weights(ckpt, options.ema)  # as mmrl sample
     except CheckpointError as exc:
         raise EvalError(str(exc)) from None
     return _Checkpoint(ckpt, run, ema, weights, weights_sha256(weights))
