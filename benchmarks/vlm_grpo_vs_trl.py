@@ -148,7 +148,7 @@ def mmrl_config(args, output_dir: str):
         "algorithm.advantage_clamp=null", "algorithm.reward_combination=sum_then_normalize",
         "algorithm.per_prompt_stat_tracking=false", "algorithm.clip_low=0.2", "algorithm.clip_high=0.28",
         "algorithm.aggregation=dapo", "algorithm.ratio_level=token", f"algorithm.beta={args.beta}",
-        "algorithm.kl_bias_correction=true",  # TRL 1.16's default use_bias_correction_kl (the same loss with beta)
+        f"algorithm.kl_bias_correction={str(args.beta > 0).lower()}",  # TRL 1.16's default use_bias_correction_kl
         "algorithm.variants=[]",
         f"optim.lr={args.lr}", "optim.weight_decay=0.0", "optim.adam_eps=1.0e-8", "optim.max_grad_norm=1.0",
         "optim.lr_scheduler=constant", "optim.warmup_steps=0", "optim.ema=false",

@@ -727,6 +727,8 @@ def validate(config: Config, *, check_files: bool = True) -> None:
                                      "data.num_eval_prompts samples of data.dataset"),
         (a.advantage_clamp is None or a.advantage_clamp > 0, "algorithm.advantage_clamp must be > 0 (or null)"),
         (a.beta >= 0, "algorithm.beta must be >= 0"),
+        (not a.kl_bias_correction or a.beta > 0, "algorithm.kl_bias_correction weights the KL term: it needs "
+                                                 "algorithm.beta > 0 (with beta 0 there is no KL term to weight)"),
         (not (a.kl_bias_correction and a.ratio_level == "sequence" and t.timestep_chunk > 0),
          "algorithm.kl_bias_correction with ratio_level=sequence needs train.timestep_chunk: 0 (a chunked sequence "
          "ratio would weight each chunk's KL by the whole trajectory's ratio with only the chunk's gradient)"),
