@@ -47,6 +47,17 @@ dropout, the VAE posterior sample) is a seeded function of ``(seed, stage, step)
 checkpoint (weights, AdamW and LR-scheduler state, EMA, the step) continues exactly as the uninterrupted run would
 have (a test); the pool is rebuilt identically on resume.
 
+``init_from: PIPELINE`` (a ``pipeline/`` folder of an earlier run, or ``shapeworld:sd3``) continues from a saved
+pipeline instead of the seeded initialisation: its text encoders, VAE (with its latent statistics, which its
+transformer was trained on) and transformer are loaded strictly into the components this config builds (so the
+sizes must be the same, and its tokenizers must hold this config's vocabulary), and only the flow stage runs, with a
+fresh optimizer, schedule and EMA. ``data.shape_noise: p`` is a careless annotator, mmrl's own construction (as
+``grounding_loose`` is for the VLM): each object of a rendered scene is drawn, with probability ``p``, as another
+shape than the caption names (uniformly among the others, colour and box kept), from its own random stream, so the
+captions and scenes are those of the exact run. Together they make a base that is imperfect on purpose
+(``configs/shapes/pretrain_sd3_mislabeled.yaml``: the shipped base continued on mislabeled shapes), an error the
+ShapeWorld reward sees; what GRPO made of it is in the README.
+
 Outputs in ``output_dir``: ``config.yaml``, ``metrics.jsonl`` (one row every ``logging.log_every`` steps: the mean
 loss since the previous row, seconds per step), ``checkpoints/step_<k>/`` (atomic, :mod:`mmrl.checkpoint`),
 ``samples/step_<k>.png`` (a grid, rows = fixed prompts, columns = fixed seeds, drawn with the pipeline itself), and
@@ -98,6 +109,10 @@ class PretrainDataConfig:
                          "again would give (faster when steps x batch_size > N).")
     fixed_batch: bool = opt(False, "Debugging: every step sees the same images, prompts, noise and timesteps (an "
                             "overfitting check: the loss must fall).")
+    shape_noise: float = opt(0.0, "A careless annotator (mmrl's own construction, not a paper's): each object of a "
+                             "rendered scene is drawn, with this probability, as another shape than its caption "
+                             "names (uniformly among the others; colour and box kept), an error the ShapeWorld "
+                             "reward sees. 0 = exact captions.")
 
 
 @dataclass
@@ -211,6 +226,10 @@ class PretrainConfig:
     resume: str | None = opt("auto", "'auto' (continue from the latest checkpoint in output_dir, if any), a "
                              "checkpoint folder, or null (refuse an output_dir that holds checkpoints).")
     image_size: int = opt(32, "Image side in pixels (rendered and generated).")
+    init_from: str | None = opt(None, "Continue from a StableDiffusion3Pipeline folder (an earlier `mmrl pretrain`'s "
+                                "pipeline/, or shapeworld:sd3): its tokenizers, text encoders, VAE (latent "
+                                "statistics included) and transformer replace the seeded initialisation, and only "
+                                "the flow stage runs (vae.steps: 0). text / vae / transformer sizes must match it.")
     data: PretrainDataConfig = field(default_factory=PretrainDataConfig, metadata={"help": "The pairs."})
     text: TextConfig = field(default_factory=TextConfig, metadata={"help": "Text encoders."})
     vae: VAEConfig = field(default_factory=VAEConfig, metadata={"help": "The autoencoder (stage 1)."})
@@ -237,6 +256,9 @@ def validate_pretrain(config: PretrainConfig) -> None:
         (all(tag in GENEVAL_TAGS for tag in c.data.tags), f"data.tags must be among {list(GENEVAL_TAGS)}"),
         (c.data.max_prompts >= 0, "data.max_prompts must be >= 0 (0 = all)"),
         (c.data.pool_size >= 0, "data.pool_size must be >= 0 (0 = fresh scenes every step)"),
+        (0.0 <= c.data.shape_noise <= 1.0, "data.shape_noise must be in [0, 1]"),
+        (c.init_from is None or (v.steps == 0 and v.pretrained is None),
+         "init_from brings its own VAE: set vae.steps: 0 and leave vae.pretrained unset"),
         (t.max_length >= 4, "text.max_length must be >= 4"),
         (min(t.clip_hidden, t.clip_layers, t.clip_heads, t.clip_projection, t.t5_dim, t.t5_layers, t.t5_heads) >= 1,
          "text: every size must be >= 1"),
@@ -253,7 +275,8 @@ def validate_pretrain(config: PretrainConfig) -> None:
         (v.steps >= 0 and v.batch_size >= 1 and v.lr > 0 and v.kl_weight >= 0 and v.stats_images >= 2,
          "vae: steps >= 0, batch_size >= 1, lr > 0, kl_weight >= 0, stats_images >= 2"),
         (v.pretrained is None or v.steps == 0, "vae.pretrained replaces stage 1: set vae.steps: 0"),
-        (v.pretrained is not None or v.steps >= 1, "vae.steps must be >= 1 (or give vae.pretrained)"),
+        (v.pretrained is not None or c.init_from is not None or v.steps >= 1,
+         "vae.steps must be >= 1 (or give vae.pretrained or init_from)"),
         (min(x.num_layers, x.num_heads, x.head_dim, x.patch_size) >= 1, "transformer: every size must be >= 1"),
         (all(isinstance(i, int) and 0 <= i < x.num_layers for i in x.dual_attention_layers),
          "transformer.dual_attention_layers must be block indices below transformer.num_layers"),
@@ -414,6 +437,7 @@ class ShapeWorldPairs:
             raise ConfigError(f"data: no prompts in split {d.split!r} with tags {d.tags}")
         self.items = items
         self.seed, self.size, self.fixed = config.seed, config.image_size, d.fixed_batch
+        self.shape_noise = d.shape_noise
         tags = sorted({m.get("tag") for _, m in items}, key=lambda t: (GENEVAL_TAGS + (t,)).index(t))
         self.by_tag = [[it for it in items if it[1].get("tag") == t] for t in tags] if d.balance_tags else []
         self.pool_prompts: list[str] | None = None
@@ -430,13 +454,33 @@ class ShapeWorldPairs:
     def render(self, stage: int, step: int, n: int) -> tuple[list[str], torch.Tensor]:
         """``(prompts [n], images [n, 3, H, W] uint8)``: fresh scenes, a function of ``(seed, stage, step)``."""
         rng = np.random.default_rng(_step_seed(self.seed, stage, 0 if self.fixed else step))
+        # data.shape_noise draws from its own stream, so the scenes are those of the exact-caption run
+        noise = np.random.default_rng(_step_seed(self.seed, stage + 40, 0 if self.fixed else step))
         prompts, images = [], []
         for _ in range(n):
             prompt, metadata = self._draw(rng)
-            image = self.world.render(self.world.scene_for(metadata, rng, size=self.size)).convert("RGB")
+            scene = self.world.scene_for(metadata, rng, size=self.size)
+            if self.shape_noise:
+                scene = self.mislabel(scene, noise)
+            image = self.world.render(scene).convert("RGB")
             prompts.append(prompt)
             images.append(torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()))
         return prompts, torch.stack(images).permute(0, 3, 1, 2).contiguous()
+
+    def mislabel(self, scene, rng: np.random.Generator):
+        """``data.shape_noise``: each object, with that probability, becomes another shape drawn uniformly from the
+        others, colour and box kept. Uniformly: keeping the redrawn shapes off the held-out colour-shape pairings
+        (measured, README) taught the model that a colour rules its shape out, which is the held-out prompts'
+        pairing; the captions, which define which pairings a model has seen, are never changed."""
+        from dataclasses import replace
+
+        objects = []
+        for obj in scene.objects:
+            if rng.random() < self.shape_noise:
+                options = [s for s in self.world.SHAPES if s != obj.shape]
+                obj = replace(obj, shape=options[int(rng.integers(len(options)))])
+            objects.append(obj)
+        return self.world.Scene(tuple(objects), scene.size)
 
     def batch(self, stage: int, step: int, n: int) -> tuple[list[str], torch.Tensor]:
         """``(prompts [n], images [n, 3, H, W] in [-1, 1])``: from the pool when there is one, else fresh."""
@@ -524,9 +568,42 @@ def build_components(config: PretrainConfig, words: list[str]) -> dict[str, Any]
             pos_embed_max_size=4 * (latent // x.patch_size),  # lets the weights draw up to 4x the side
             dual_attention_layers=tuple(x.dual_attention_layers), qk_norm=x.qk_norm)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=config.train.shift)
-    return dict(tokenizer=tokenizer, tokenizer_2=build_tokenizers(words, t.max_length)[0], tokenizer_3=tokenizer_3,
-                text_encoder=encoders[0], text_encoder_2=encoders[1], text_encoder_3=text_encoder_3, vae=vae,
-                transformer=transformer, scheduler=scheduler)
+    components = dict(tokenizer=tokenizer, tokenizer_2=build_tokenizers(words, t.max_length)[0],
+                      tokenizer_3=tokenizer_3, text_encoder=encoders[0], text_encoder_2=encoders[1],
+                      text_encoder_3=text_encoder_3, vae=vae, transformer=transformer, scheduler=scheduler)
+    if config.init_from:
+        load_initial_pipeline(components, config.init_from)
+    return components
+
+
+def load_initial_pipeline(components: dict[str, Any], source: str) -> None:
+    """``init_from``: copy a saved pipeline's weights into the freshly built ``components`` (strictly: every tensor
+    must fit, so the config's sizes are the pipeline's) and take its VAE latent statistics; its tokenizers must hold
+    the vocabulary this config builds (the same word -> id map, or the text encoders would read other words)."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from mmrl.data.shapeworld import base_model_path
+
+    name = str(source)
+    try:
+        path = base_model_path(name.split(":", 1)[1]) if name.startswith("shapeworld:") else Path(name)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"init_from: {exc}") from None
+    if not (path / "model_index.json").is_file():
+        raise ConfigError(f"init_from={name!r}: {path} is not a StableDiffusion3Pipeline folder (no model_index.json)")
+    try:
+        pipe = StableDiffusion3Pipeline.from_pretrained(str(path), dtype=torch.float32)
+    except Exception as exc:  # noqa: BLE001 - any load failure is the folder's problem, said in one line
+        raise ConfigError(f"init_from={name!r}: cannot load the pipeline ({' '.join(str(exc).split())[:300]})") from None
+    for key in ("tokenizer", "tokenizer_2", "tokenizer_3"):
+        if getattr(pipe, key).get_vocab() != components[key].get_vocab():
+            raise ConfigError(f"init_from={name!r}: its {key} has another vocabulary than this config builds "
+                              f"(text.max_length, logging.sample_prompts and the ShapeWorld words must be the same)")
+    modules = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae", "transformer")
+    weights = {f"{key}.{k}": v for key in modules for k, v in getattr(pipe, key).state_dict().items()}
+    _load_state({key: components[key] for key in modules}, weights, path, what="init_from")
+    stats = {k: float(pipe.vae.config[k]) for k in ("shift_factor", "scaling_factor")}
+    components["vae"].register_to_config(**stats)
 
 
 def _state_of(modules: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
@@ -534,14 +611,15 @@ def _state_of(modules: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
     return {f"{name}.{k}": v.detach().clone() for name, m in modules.items() for k, v in m.state_dict().items()}
 
 
-def _load_state(modules: dict[str, torch.nn.Module], weights: dict[str, torch.Tensor], where: Path) -> None:
+def _load_state(modules: dict[str, torch.nn.Module], weights: dict[str, torch.Tensor], where: Path,
+                what: str = "checkpoint") -> None:
     for name, module in modules.items():
         prefix = f"{name}."
         part = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
         try:
             module.load_state_dict(part, strict=True)
         except RuntimeError as exc:
-            raise ConfigError(f"checkpoint {where}: its {name} weights do not fit this config "
+            raise ConfigError(f"{what} {where}: its {name} weights do not fit this config "
                               f"({' '.join(str(exc).split())[:300]})") from None
 
 
@@ -559,6 +637,8 @@ class Pretrainer:
         self.total = self.vae_steps + config.train.steps
         self.step = 0  # steps done, both stages
         self.latent_stats: dict[str, float] | None = None
+        if config.init_from:  # the pipeline's own normalisation: its transformer was trained on it
+            self.latent_stats = {k: float(self.c["vae"].config[k]) for k in ("shift_factor", "scaling_factor")}
         self.window: list[float] = []
         self.window_time = self.window_cpu = 0.0
         self.optimizer = self.lr_scheduler = self.ema = None
@@ -885,7 +965,7 @@ class Pretrainer:
                 self.pairs.build_pool(c.data.pool_size)
                 print(f"mmrl pretrain: rendered a pool of {c.data.pool_size} pairs in "
                       f"{time.perf_counter() - started:.1f} s", flush=True)
-            if self.step >= self.vae_steps and self.latent_stats is None:
+            if self.step >= self.vae_steps and self.optimizer is None:
                 self._begin_flow()
             elif self.step >= self.vae_steps:
                 self._encode_pool()  # resumed in the flow stage
@@ -936,7 +1016,8 @@ class Pretrainer:
         """Stage 1 -> 2: freeze the VAE, encode the pool, measure the latent statistics, start the transformer's
         optimizer."""
         self._encode_pool()
-        self.latent_stats = self.measure_latents()
+        if not self.config.init_from:
+            self.latent_stats = self.measure_latents()
         self._start_stage(self.FLOW_STAGE)
 
     def _encode_pool(self) -> None:

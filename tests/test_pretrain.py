@@ -243,3 +243,81 @@ def test_tokenizers_give_every_shapeworld_word_its_own_token():
     assert len(clip(longest).input_ids) <= 12 and len(t5(longest).input_ids) <= 12, longest
     a, b = clip("a photo of a red circle").input_ids, clip("a photo of a blue circle").input_ids
     assert len(a) == len(b) == 8 and sum(x != y for x, y in zip(a, b)) == 1
+
+
+def test_shape_noise_redraws_shapes_uniformly_at_its_rate_keeping_colour_and_box(tmp_path):
+    """``data.shape_noise``: the careless annotator changes each object's shape with its probability, to either other
+    shape equally often, keeps colour and box, and leaves the exact-caption stream untouched."""
+    import numpy as np
+
+    from mmrl.data import shapeworld
+    from mmrl.pretrain import ShapeWorldPairs
+
+    path = write_config(tmp_path / "c.yaml", tmp_path / "run", data={"tags": [], "shape_noise": 0.5})
+    pairs = ShapeWorldPairs(load_pretrain_config(path))
+    rng, noise = np.random.default_rng(0), np.random.default_rng(1)
+    changed = total = 0
+    to = {}
+    for _ in range(300):
+        _, metadata = pairs._draw(rng)
+        scene = shapeworld.scene_for(metadata, rng, size=32)
+        noisy = pairs.mislabel(scene, noise)
+        assert len(noisy.objects) == len(scene.objects)
+        for before, after in zip(scene.objects, noisy.objects):
+            assert (after.color, after.box) == (before.color, before.box)
+            total += 1
+            if after.shape != before.shape:
+                changed += 1
+                to[(before.shape, after.shape)] = to.get((before.shape, after.shape), 0) + 1
+    assert total > 400 and 0.42 < changed / total < 0.58
+    # uniform among the other two shapes: no colour or shape rules a replacement out
+    for shape in shapeworld.SHAPES:
+        counts = [n for (a, _), n in to.items() if a == shape]
+        assert len(counts) == 2 and min(counts) / sum(counts) > 0.3, (shape, to)
+
+    exact = write_config(tmp_path / "e.yaml", tmp_path / "run_e", data={"tags": ["single_object"]})
+    every = write_config(tmp_path / "n.yaml", tmp_path / "run_n", data={"tags": ["single_object"], "shape_noise": 1.0})
+    prompts_e, images_e = ShapeWorldPairs(load_pretrain_config(exact)).render(3, 0, 12)
+    prompts_n, images_n = ShapeWorldPairs(load_pretrain_config(every)).render(3, 0, 12)
+    assert prompts_n == prompts_e  # the captions (and the scenes' colours and boxes) are the exact run's
+    for a, b in zip(images_e, images_n):
+        assert not torch.equal(a, b)  # every single shape is drawn as another one
+    with pytest.raises(ConfigError, match="data.shape_noise"):
+        load_pretrain_config(exact, ["data.shape_noise=1.5"])
+
+
+def test_init_from_continues_a_saved_pipeline_and_refuses_one_that_does_not_fit(run_a, tmp_path, capsys):
+    """``init_from``: the saved pipeline's weights and latent statistics are the starting point (no VAE stage), the
+    flow stage trains from there; a config of other sizes or with a VAE stage is a one-line error."""
+    pipeline = run_a / "pipeline"
+    path = write_config(tmp_path / "ft.yaml", tmp_path / "ft", vae={"steps": 0}, train={"steps": 2})
+    data = yaml.safe_load(path.read_text())
+    data["init_from"] = str(pipeline)
+    data["data"]["shape_noise"] = 0.5
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+    trainer = Pretrainer(load_pretrain_config(path))
+    for component in ("transformer", "vae", "text_encoder", "text_encoder_3"):
+        saved = weights(pipeline, component)
+        live = trainer.c[component].state_dict()
+        assert all(torch.equal(live[k], v) for k, v in saved.items()), component
+    vae_config = json.loads((pipeline / "vae" / "config.json").read_text())
+    assert trainer.latent_stats == {k: pytest.approx(vae_config[k]) for k in ("shift_factor", "scaling_factor")}
+
+    out = run_pretrain(path)
+    rows = metrics_rows(tmp_path / "ft")
+    assert [r["stage"] for r in rows] == ["flow", "flow"]
+    # the statistics stay the pipeline's (its transformer was trained on them), the transformer moved
+    assert json.loads((out / "vae" / "config.json").read_text())["scaling_factor"] == \
+        pytest.approx(vae_config["scaling_factor"])
+    before, after = weights(pipeline, "transformer"), weights(out, "transformer")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.equal(a, b) for a, b in zip(weights(pipeline, "vae").values(), weights(out, "vae").values()))
+
+    with pytest.raises(ConfigError, match="init_from .*transformer weights do not fit"):
+        Pretrainer(load_pretrain_config(path, ["transformer.num_layers=2", "output_dir=" + str(tmp_path / "x")]))
+    with pytest.raises(ConfigError, match="init_from brings its own VAE"):
+        load_pretrain_config(path, ["vae.steps=3"])
+    capsys.readouterr()
+    assert main([str(path), "init_from=" + str(tmp_path), "output_dir=" + str(tmp_path / "y")]) == 2
+    one_error(capsys, "not a StableDiffusion3Pipeline folder")
