@@ -32,7 +32,7 @@ NAN = float("nan")
 
 
 def same(a: torch.Tensor, b: list[float]) -> bool:
-    return torch.allclose(a, torch.tensor(b, dtype=torch.float32), equal_nan=True, atol=1e-6)
+    return torch.allclose(a, torch.as_tensor(b, dtype=torch.float32), equal_nan=True, atol=1e-6)
 
 
 def answer(body: str) -> str:
