@@ -106,6 +106,24 @@ def _cmd_config(args) -> int:
         raise UsageError("mmrl config validate: a CONFIG path is required")
     if args.quick and (args.action != "validate" or args.no_check_files):
         raise UsageError("--quick goes with `mmrl config validate` (without --no-check-files)")
+    command = config_command_of(args.config)
+    if command != "train":  # an `mmrl pretrain` / `mmrl sft` config: validated by its own schema
+        if command == "pretrain":
+            from mmrl.pretrain import load_pretrain_config
+
+            config = load_pretrain_config(args.config, args.overrides)
+        else:
+            from mmrl.sft import load_sft_config
+
+            config = load_sft_config(args.config, args.overrides, check_files=not args.no_check_files)
+        if args.action == "validate":
+            unchecked = ", files not checked" if command == "sft" and args.no_check_files else ""
+            print(f"{args.config}: ok (an `mmrl {command}` config{unchecked})")
+        else:
+            import yaml
+
+            print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
+        return 0
     config = load_config(args.config, args.overrides, check_files=not args.no_check_files)
     if args.action == "validate":
         if args.no_check_files:
@@ -122,6 +140,32 @@ def _cmd_config(args) -> int:
 
         print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
     return 0
+
+
+#: Top-level keys only an `mmrl pretrain` config has, and `model` keys only an `mmrl sft` config has.
+PRETRAIN_KEYS = frozenset({"image_size", "init_from", "text", "vae", "transformer"})
+SFT_MODEL_KEYS = frozenset({"base", "init_seed", "hidden_size", "num_layers", "vision_depth"})
+
+
+def config_command_of(path) -> str:
+    """Which command a config file is for, by keys only that command's schema has: ``pretrain``, ``sft`` or
+    ``train`` (also for anything unreadable: ``load_config`` then says what is wrong with it)."""
+    from mmrl.config import ConfigError, read_config_file
+
+    if path is None:
+        return "train"
+    try:
+        _, data = read_config_file(Path(path))
+    except ConfigError:
+        return "train"
+    if not isinstance(data, dict):
+        return "train"
+    if PRETRAIN_KEYS & set(data):
+        return "pretrain"
+    model = data.get("model")
+    if isinstance(model, dict) and SFT_MODEL_KEYS & set(model):
+        return "sft"
+    return "train"
 
 
 # ---------------------------------------------------------------------------------------------- sample

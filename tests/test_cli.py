@@ -154,6 +154,28 @@ def test_validate_checks_every_data_line_and_lists_the_problems(tmp_path, capsys
     one_error(capsys, "--quick goes with `mmrl config validate` (without --no-check-files)")
 
 
+def test_config_validate_reads_pretrain_and_sft_configs_by_their_own_schema(capsys):
+    """`mmrl config validate` on an `mmrl pretrain` / `mmrl sft` config validates it with that command's schema
+    (their keys are not `mmrl train`'s), and a mistake in one is that schema's one-line error."""
+    from mmrl.cli import config_command_of
+
+    shapes = REPO / "configs" / "shapes"
+    assert config_command_of(shapes / "pretrain_sd3.yaml") == "pretrain"
+    assert config_command_of(shapes / "sft_qwen_vl.yaml") == "sft"
+    assert config_command_of(shapes / "flow_grpo.yaml") == "train"
+    assert config_command_of(None) == "train"
+    assert main(["config", "validate", str(shapes / "pretrain_sd3_mislabeled.yaml")]) == 0
+    assert capsys.readouterr().out.strip() == f"{shapes / 'pretrain_sd3_mislabeled.yaml'}: ok (an `mmrl pretrain` config)"
+    assert main(["config", "validate", "--no-check-files", str(shapes / "sft_qwen_vl.yaml")]) == 0
+    assert "ok (an `mmrl sft` config, files not checked)" in capsys.readouterr().out
+    assert main(["config", "validate", str(shapes / "pretrain_sd3.yaml"), "transformer.num_layerz=2"]) == 2
+    one_error(capsys, "unknown config key 'transformer.num_layerz'", "did you mean 'transformer.num_layers'?")
+    assert main(["config", "validate", str(shapes / "sft_qwen_vl.yaml"), "data.train=/no/such.jsonl"]) == 2
+    one_error(capsys, "data.train: file not found")
+    assert main(["config", "show", str(shapes / "pretrain_sd3.yaml")]) == 0
+    assert "image_size: 32" in capsys.readouterr().out
+
+
 def test_train_with_overrides_and_no_config(monkeypatch):
     seen = {}
 
