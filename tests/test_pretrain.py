@@ -290,7 +290,7 @@ def test_init_from_continues_a_saved_pipeline_and_refuses_one_that_does_not_fit(
     """``init_from``: the saved pipeline's weights and latent statistics are the starting point (no VAE stage), the
     flow stage trains from there; a config of other sizes or with a VAE stage is a one-line error."""
     pipeline = run_a / "pipeline"
-    path = write_config(tmp_path / "ft.yaml", tmp_path / "ft", vae={"steps": 0}, train={"steps": 2})
+    path = write_config(tmp_path / "ft.yaml", tmp_path / "ft", vae={"steps": 0}, train={"steps": 4})
     data = yaml.safe_load(path.read_text())
     data["init_from"] = str(pipeline)
     data["data"]["shape_noise"] = 0.5
@@ -306,13 +306,23 @@ def test_init_from_continues_a_saved_pipeline_and_refuses_one_that_does_not_fit(
 
     out = run_pretrain(path)
     rows = metrics_rows(tmp_path / "ft")
-    assert [r["stage"] for r in rows] == ["flow", "flow"]
+    assert [r["stage"] for r in rows] == ["flow"] * 4
     # the statistics stay the pipeline's (its transformer was trained on them), the transformer moved
     assert json.loads((out / "vae" / "config.json").read_text())["scaling_factor"] == \
         pytest.approx(vae_config["scaling_factor"])
     before, after = weights(pipeline, "transformer"), weights(out, "transformer")
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert all(torch.equal(a, b) for a, b in zip(weights(pipeline, "vae").values(), weights(out, "vae").values()))
+
+    # a run stopped after step 2 and resumed ends exactly where the uninterrupted one did
+    import shutil
+
+    shutil.rmtree(out)
+    shutil.rmtree(tmp_path / "ft" / "checkpoints" / "step_4")
+    assert run_pretrain(path) == out
+    assert [r["loss"] for r in metrics_rows(tmp_path / "ft")] == [r["loss"] for r in rows]
+    resumed = weights(out, "transformer")
+    assert all(torch.equal(after[k], resumed[k]) for k in after)
 
     with pytest.raises(ConfigError, match="init_from .*transformer weights do not fit"):
         Pretrainer(load_pretrain_config(path, ["transformer.num_layers=2", "output_dir=" + str(tmp_path / "x")]))
