@@ -455,12 +455,13 @@ class ShapeWorldPairs:
         """``(prompts [n], images [n, 3, H, W] uint8)``: fresh scenes, a function of ``(seed, stage, step)``."""
         rng = np.random.default_rng(_step_seed(self.seed, stage, 0 if self.fixed else step))
         # data.shape_noise draws from its own stream, so the scenes are those of the exact-caption run
-        noise = np.random.default_rng(_step_seed(self.seed, stage + 40, 0 if self.fixed else step))
+        noise = np.random.default_rng(_step_seed(self.seed, stage + 40, 0 if self.fixed else step)) \
+            if self.shape_noise else None
         prompts, images = [], []
         for _ in range(n):
             prompt, metadata = self._draw(rng)
             scene = self.world.scene_for(metadata, rng, size=self.size)
-            if self.shape_noise:
+            if noise is not None:
                 scene = self.mislabel(scene, noise)
             image = self.world.render(scene).convert("RGB")
             prompts.append(prompt)

@@ -839,18 +839,19 @@ class GenEval(Reward):
     def _classify_colors(self, image: Image.Image):
         """The colour classifier of one image's objects; each object is classified once per class name, however
         many rules ask (GenEval's verdict and Flow-GRPO's graded score read the same objects)."""
-        known: dict[tuple[str, int], str | None] = {}
+        # keyed by identity; each entry holds its object, so no id is reused while the cache lives
+        known: dict[tuple[str, int], tuple[Detection, str | None]] = {}
 
         def classify(classname: str, objects: Sequence[Detection]) -> list[str]:
             todo = [obj for obj in objects if (classname, id(obj)) not in known]
             crops = [color_crop(image, obj, self.bgcolor, self.crop) for obj in todo]
             ok = [k for k, c in enumerate(crops) if c.width > 0 and c.height > 0]
             for obj in todo:
-                known[classname, id(obj)] = None  # an empty crop has no colour (never matches)
+                known[classname, id(obj)] = (obj, None)  # an empty crop has no colour (never matches)
             if ok:
                 for k, c in zip(ok, self.color_classifier([crops[k] for k in ok], classname)):
-                    known[classname, id(todo[k])] = c
-            return [known[classname, id(obj)] for obj in objects]
+                    known[classname, id(todo[k])] = (todo[k], c)
+            return [known[classname, id(obj)][1] for obj in objects]
         return classify
 
     def _detect(self, images: list[Image.Image], classes: list[list[str]], min_score: float):
