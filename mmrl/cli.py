@@ -57,6 +57,19 @@ class UsageError(ValueError):
 # ---------------------------------------------------------------------------------------------- train / config
 
 
+def reward_trend(history: list[dict]) -> str:
+    """``"reward A -> B"``: the mean training reward of the first and of the last ``k`` updates, ``k`` a quarter of
+    the run (1 to 10), so a run whose updates draw different prompts is not judged by two single updates."""
+    rewards = [h["reward/mean"] for h in history if "reward/mean" in h]
+    if not rewards:
+        return "no reward logged"
+    k = max(1, min(10, len(rewards) // 4))
+    if k == 1:
+        return f"reward {rewards[0]:.4g} -> {rewards[-1]:.4g}"
+    return (f"reward {sum(rewards[:k]) / k:.4g} -> {sum(rewards[-k:]) / k:.4g} (mean of the first and of the last "
+            f"{k} updates)")
+
+
 def _cmd_train(args) -> int:
     from mmrl.build import build_trainer, cpu_threads_default
 
@@ -72,9 +85,7 @@ def _cmd_train(args) -> int:
         for name, path in trainer.outputs().items():
             print(f"  {name + ':':<11} {path}")
     if trainer.accelerator.is_main_process and history:
-        first, last = history[0], history[-1]
-        print(f"done: {len(history)} updates, reward {first['reward/mean']:.4g} -> {last['reward/mean']:.4g}; "
-              f"outputs in {config.output_dir}")
+        print(f"done: {len(history)} updates, {reward_trend(history)}; outputs in {config.output_dir}")
         held = sorted(set(trainer.eval_headlines.values()))
         for key in held:  # the headline metric of each benchmark, first -> last evaluation
             values = [h[key] for h in history if key in h]

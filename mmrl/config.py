@@ -29,7 +29,8 @@ import yaml
 logger = logging.getLogger(__name__)
 
 
-#: The embedded default run (`mmrl train` with no config): tiny SD3 on CPU. configs/tiny/flow_grpo.yaml is a copy.
+#: The embedded default run (`mmrl train` with no config): Flow-GRPO on the mislabeled ShapeWorld SD3 base, on CPU.
+#: configs/shapes/flow_grpo_mislabeled.yaml is a copy.
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "default.yaml"
 
 
@@ -559,10 +560,10 @@ def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None, *
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None, *, check_files: bool = True) -> Config:
-    """Read YAML (``None``: the embedded default, the tiny CPU Flow-GRPO run), apply overrides, validate.
+    """Read YAML (``None``: the embedded default, the ShapeWorld CPU Flow-GRPO run), apply overrides, validate.
 
     Keys a config file leaves out take the dataclass defaults (``mmrl config show --help-fields``), which are
-    the SD3.5-Medium / Flow-GRPO GPU settings, not the tiny CPU ones of the embedded default
+    the SD3.5-Medium / Flow-GRPO GPU settings, not the CPU ones of the embedded default
     (``mmrl/default.yaml``). Relative paths in the config are resolved from the working directory.
     ``check_files=False`` skips the checks that depend on this machine: that input files exist and that
     optional packages the config asks for (wandb) are installed."""
@@ -896,8 +897,8 @@ def validate(config: Config, *, check_files: bool = True) -> None:
 #: The header of ``mmrl config show --help-fields`` (YAML comments, so the whole listing parses as YAML).
 FIELDS_HEADER = (
     "# Every config field with its default and what it does. Keys a config file leaves out take these defaults,\n"
-    "# which are the SD3.5-Medium / Flow-GRPO GPU settings, NOT the tiny CPU run: `mmrl train` without a CONFIG\n"
-    "# uses the embedded mmrl/default.yaml (a copy: configs/tiny/flow_grpo.yaml), which sets its own values.\n"
+    "# which are the SD3.5-Medium / Flow-GRPO GPU settings, NOT the CPU run: `mmrl train` without a CONFIG uses\n"
+    "# the embedded mmrl/default.yaml (a copy: configs/shapes/flow_grpo_mislabeled.yaml), which sets its own values.\n"
     "# Values are YAML literals (null, true, false, [lists]): the listing parses as YAML to exactly these values.\n"
     "# Relative paths in a config are resolved from the working directory."
 )

@@ -114,7 +114,7 @@ def test_help_fields_print_yaml_that_parses_back_to_the_defaults(capsys):
     assert yaml.safe_load(out) == config_to_dict(Config())
     header = " ".join(line.lstrip("# ") for line in out.splitlines() if line.startswith("#"))
     assert "Keys a config file leaves out take these defaults" in header
-    assert "SD3.5-Medium / Flow-GRPO GPU settings, NOT the tiny CPU run" in header
+    assert "SD3.5-Medium / Flow-GRPO GPU settings, NOT the CPU run" in header
     assert "resolution: 512  #" in out and "revision: null  #" in out and "use_lora: true  #" in out
 
 
@@ -506,3 +506,14 @@ def test_credit_curves_writes_to_out_not_to_the_committed_results(tmp_path, monk
     with pytest.raises(SystemExit):
         module.main(["--seconds", "0"])
     assert (results.read_bytes() if results.exists() else None) == before
+
+
+def test_the_done_line_reports_the_reward_of_the_first_and_last_quarter_of_the_run():
+    from mmrl.cli import reward_trend
+
+    rows = [{"reward/mean": r} for r in (0.0, 1.0, 0.2, 0.4, 0.6, 0.8, 0.1, 0.3)]
+    # a quarter of 8 updates is 2: (0 + 1) / 2 and (0.1 + 0.3) / 2, not the last single update's 0.3
+    assert reward_trend(rows) == "reward 0.5 -> 0.2 (mean of the first and of the last 2 updates)"
+    assert reward_trend(rows * 10).endswith("(mean of the first and of the last 10 updates)")  # at most 10
+    assert reward_trend(rows[:3]) == "reward 0 -> 0.2"
+    assert reward_trend([{"loss": 1.0}]) == "no reward logged"

@@ -231,7 +231,7 @@ def test_help_fields_are_yaml_literals_that_parse_back_to_the_defaults():
     assert all(line.startswith("# ") for line in FIELDS_HEADER.splitlines())
     header = " ".join(FIELDS_HEADER.split())
     assert "Keys a config file leaves out take these defaults" in header
-    assert "SD3.5-Medium / Flow-GRPO GPU settings, NOT the tiny CPU run" in header
+    assert "SD3.5-Medium / Flow-GRPO GPU settings, NOT the CPU run" in header
     assert "mmrl/default.yaml" in header
 
 
@@ -243,7 +243,7 @@ def test_help_fields_with_values_show_a_configs_values():
 def test_load_config_documents_where_defaults_come_from():
     doc = " ".join(load_config.__doc__.split())
     assert "Keys a config file leaves out take the dataclass defaults" in doc
-    assert "SD3.5-Medium / Flow-GRPO GPU settings, not the tiny CPU ones" in doc
+    assert "SD3.5-Medium / Flow-GRPO GPU settings, not the CPU ones" in doc
 
 
 def test_yaml_errors_are_one_line_with_line_and_column(tmp_path):

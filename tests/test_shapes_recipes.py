@@ -78,6 +78,36 @@ def test_the_shipped_sd3_base_records_the_recipe_that_made_it():
         dataclasses.asdict(load_pretrain_config(SHAPES / "pretrain_sd3.yaml"))
 
 
+def test_the_mislabeled_base_records_its_recipe_and_draws_the_named_shape_less_often_than_the_shipped_base(tmp_path):
+    """shapeworld:sd3_mislabeled is configs/shapes/pretrain_sd3_mislabeled.yaml's model (continued from shapeworld:sd3
+    with shape_noise 0.5): on the shape prompts (single object, colours; training prompts, held-out seeds) it is
+    clearly worse than the shipped base, the error its GRPO recipe (the embedded default) corrects, and still far
+    above a random model."""
+    import dataclasses
+
+    import yaml
+
+    from mmrl.pretrain import pretrain_config_from_dict
+
+    folder = base_model_path("sd3_mislabeled")
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    assert size < 10 * 2 ** 20, f"the shipped base is {size / 2 ** 20:.1f} MiB"
+    recipe = load_pretrain_config(SHAPES / "pretrain_sd3_mislabeled.yaml")
+    shipped = yaml.safe_load((folder / "mmrl_pretrain.yaml").read_text())
+    assert dataclasses.asdict(pretrain_config_from_dict(shipped)) == dataclasses.asdict(recipe)
+    assert recipe.init_from == "shapeworld:sd3" and recipe.data.shape_noise == 0.5
+    benchmark = "shapeworld@test:single_object+colors"
+    args = [f"benchmarks=[{benchmark}]", "images_per_prompt=2", "num_steps=20", "resolution=32", "progress=false"]
+    recipe_file = SHAPES / "flow_grpo_mislabeled.yaml"
+    assert load_config(recipe_file).model.pretrained == "shapeworld:sd3_mislabeled"
+    results = {}
+    for name, extra in (("mislabeled", []), ("shipped", ["model.pretrained=shapeworld:sd3"])):
+        assert main(["eval", str(recipe_file), "checkpoint=base", *args, f"output_dir={tmp_path / name}", *extra]) == 0
+        results[name] = json.loads((tmp_path / name / "summary.json").read_text())["benchmarks"][benchmark]["metrics"]
+    mislabeled, shipped = results["mislabeled"]["image_accuracy"], results["shipped"]["image_accuracy"]
+    assert shipped >= 0.8 and 0.2 <= mislabeled <= shipped - 0.25, results
+
+
 def test_the_shipped_vlm_base_loads_by_name_and_beats_a_random_model_on_held_out_videos(tmp_path):
     folder = base_model_path("qwen_vl")
     assert (folder / "config.json").is_file() and (folder / "mmrl_sft.yaml").is_file()

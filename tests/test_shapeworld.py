@@ -451,6 +451,55 @@ def test_shapeworld_prompt_spec_reads_the_split_with_metadata(tmp_path, monkeypa
         load_config(TINY_RECIPE, ["data.prompts=shapeworld:val"])
 
 
+def test_shapeworld_category_subsets_keep_the_split_order_and_refuse_unknown_categories(tmp_path, monkeypatch):
+    from mmrl.config import ConfigError, load_config
+    from mmrl.data.prompts import DataError, read_prompts
+    from mmrl.eval.runner import EvalError, EvalOptions, parse_benchmark
+
+    monkeypatch.setenv("MMRL_CACHE", str(tmp_path / "cache"))
+    train = prompt_set("train")
+    # any spelling order; the subset is the split's prompts of those categories, in the split's own order
+    for tags in (("colors", "single_object"), ("single_object", "colors")):
+        subset = prompt_set("train", tags)
+        assert subset == [(p, m) for p, m in train if m["tag"] in ("single_object", "colors")]
+        assert Counter(m["tag"] for _, m in subset) == {"single_object": 2, "colors": 12}
+    assert prompt_set("heldout", ["position"]) == [(p, m) for p, m in prompt_set("heldout") if m["tag"] == "position"]
+    items = read_prompts("shapeworld:train:colors+single_object")
+    assert [(i.prompt, i.metadata["tag"]) for i in items] == [(p, m["tag"]) for p, m in prompt_set("train", tags)]
+    assert sw.prompts_file("train", ["colors"]).name.startswith("shapeworld-train-colors-")
+    assert sw.prompts_file("train", ["colors"]) != sw.prompts_file("train")
+    for bad, what in (("shapeworld:train:shapes", "unknown GenEval category 'shapes'"),
+                      ("shapeworld:train:", "unknown GenEval categories \\(none given\\)"),
+                      ("shapeworld:val:colors", "unknown ShapeWorld split 'val'")):
+        with pytest.raises(DataError, match=what):
+            read_prompts(bad)
+        with pytest.raises(ConfigError, match=what):
+            load_config(TINY_RECIPE, [f"data.prompts='{bad}'", "data.prompt_list=[]"])
+    # the benchmark takes the same subsets: the spec's prompt set is the split and the categories, checked
+    assert parse_benchmark("shapeworld@test:colors+single_object", EvalOptions()).prompt_set == \
+        "test:single_object+colors"
+    assert parse_benchmark("shapeworld", EvalOptions()).prompt_set == "heldout"
+    for bad, what in (("shapeworld@test:dogs", "unknown GenEval category 'dogs'"),
+                      ("shapeworld:colors", "expected shapeworld, shapeworld@train"),
+                      ("shapeworld@val:colors", "unknown ShapeWorld split 'val'")):
+        with pytest.raises(EvalError, match=what):
+            parse_benchmark(bad, EvalOptions())
+
+
+def test_mmrl_eval_shapeworld_category_subset_scores_only_those_categories(config_file, tmp_path):
+    from mmrl.cli import main
+
+    out = tmp_path / "out"
+    assert main(["eval", str(config_file), "benchmarks=[shapeworld@test:single_object+colors]", "resolution=32",
+                 "num_steps=2", "images_per_prompt=1", f"output_dir={out}", "progress=false"]) == 0
+    result = json.loads((out / "summary.json").read_text())["benchmarks"]["shapeworld@test:single_object+colors"]
+    metrics = result["metrics"]
+    assert metrics["counts"] == {"single_object": 2, "colors": 12} and metrics["num_images"] == 14
+    assert metrics["overall"] == pytest.approx((metrics["per_tag"]["single_object"] + metrics["per_tag"]["colors"]) / 2)
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == [p for p, _ in prompt_set("train", ["single_object", "colors"])]
+
+
 def test_shapeworld_base_spelling_names_what_is_missing(monkeypatch, tmp_path):
     from mmrl.pipelines.flow.loading import ModelLoadError, resolve_pretrained
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fixtures import TINY_RECIPE
+from fixtures import TINY_RECIPE, metrics_rows
 from mmrl.checkpoint import latest_checkpoint, list_checkpoints
 from mmrl.cli import main
 from mmrl.config import load_config
@@ -229,20 +229,28 @@ def test_two_process_gloo_run_keeps_replicas_in_sync(tmp_path, tiny_path):
     assert metrics[0]["samples/informative"] + metrics[0]["samples/zero_advantage"] == 8
 
 
-def test_embedded_default_is_the_shipped_tiny_recipe(tmp_path):
+def test_embedded_default_is_the_shipped_shapeworld_recipe(tmp_path):
     repo = Path(__file__).parents[1]
-    assert (repo / "configs/tiny/flow_grpo.yaml").read_text() == (repo / "mmrl/default.yaml").read_text()
-    config = load_config(TINY_RECIPE)
-    assert config.model.pretrained == "tiny:sd3" and config.rewards == {"brightness": 1.0}
-    # `mmrl train` with no config file runs it (shortened here)
+    recipe = repo / "configs/shapes/flow_grpo_mislabeled.yaml"
+    assert recipe.read_text() == (repo / "mmrl/default.yaml").read_text()
+    config = load_config(None)
+    assert config.model.pretrained == "shapeworld:sd3_mislabeled" and config.rewards == {"shapeworld_partial": 1.0}
+    assert config.data.prompts == "shapeworld:train:single_object+colors"
+    assert config.eval.benchmarks == ["shapeworld@test:single_object+colors"] and config.eval.every == 20
+    # `mmrl train` with no config file runs it (shortened here: one small update and the benchmark on 2 prompts)
     os.environ["MMRL_CACHE"] = str(tmp_path / "cache")
     try:
-        assert main(["train", TINY_RECIPE, f"output_dir={tmp_path / 'run'}", "train.steps=1", "data.prompts_per_step=1",
-                     "train.batch_size=8", "logging.eval_every=0", "logging.progress_bar=false"]) == 0
+        assert main(["train", f"output_dir={tmp_path / 'run'}", "train.steps=1", "data.prompts_per_step=1",
+                     "data.group_size=4", "train.batch_size=4", "train.gradient_accumulation_steps=1",
+                     "sampling.num_steps=3", "logging.eval_every=0", "logging.progress_bar=false",
+                     "eval.every=1", "eval.limit=2", "eval.options={images_per_prompt: 1, num_steps: 2}"]) == 0
     finally:
         del os.environ["MMRL_CACHE"]
     assert (tmp_path / "run" / "checkpoints" / "step_1" / "state.json").is_file()
-    assert (tmp_path / "cache" / "tiny-sd3-v2").is_dir()
+    assert (tmp_path / "run" / "report.html").is_file()
+    rows = metrics_rows(tmp_path / "run")
+    key = "eval/shapeworld@test:single_object+colors/overall"
+    assert [r["step"] for r in rows if key in r] == [0, 1] and all(0 <= r[key] <= 1 for r in rows if key in r)
 
 
 def test_existing_run_is_never_overwritten(tmp_path, tiny_path, capsys):

@@ -52,7 +52,8 @@ __all__ = [
     "HELDOUT_PAIRINGS", "PROMPTS_VERSION", "VLM_TASKS", "EXTRA_VLM_TASKS", "VIDEO_FRAMES", "VIDEO_FPS", "Obj", "Scene",
     "shape_mask",
     "render", "render_array", "is_heldout", "prompt_set", "scene_for", "write_prompts", "write_vlm_dataset",
-    "write_video", "split_rng", "prompts_file", "check_prompts_spec", "resolve_prompts_spec", "PROMPTS_SPEC_PREFIX",
+    "write_video", "split_rng", "prompts_file", "parse_split_and_tags", "check_prompts_spec", "resolve_prompts_spec",
+    "PROMPTS_SPEC_PREFIX",
     "BASE_MODELS", "base_model_path", "VLM_SPEC", "check_vlm_spec", "resolve_vlm_spec",
 ]
 
@@ -277,31 +278,46 @@ def _all_prompts() -> dict[str, list[tuple[str, dict, bool]]]:
     return out
 
 
-def prompt_set(split: str) -> list[tuple[str, dict]]:
+def _check_tags(tags: Sequence[str] | None) -> tuple[str, ...] | None:
+    """``tags`` as a tuple in :data:`TAGS` order (None: every category); a ValueError naming the categories for an
+    unknown or empty one."""
+    if tags is None:
+        return None
+    tags = tuple(tags)
+    unknown = [t for t in tags if t not in TAGS]
+    if unknown or not tags:
+        raise ValueError(f"unknown GenEval categor{'y' if len(unknown) == 1 else 'ies'} "
+                         f"{', '.join(map(repr, unknown)) or '(none given)'}; expected some of {', '.join(TAGS)}")
+    return tuple(t for t in TAGS if t in tags)
+
+
+def prompt_set(split: str, tags: Sequence[str] | None = None) -> list[tuple[str, dict]]:
     """The ``(prompt, metadata)`` pairs of ``split`` (``"train"`` or ``"heldout"``, disjoint; ``"test"`` has the
-    ``train`` prompts: it holds out seeds, not prompts).
+    ``train`` prompts: it holds out seeds, not prompts), of the GenEval categories ``tags`` only when given (any
+    order; the result keeps :data:`TAGS` order).
 
     ``metadata`` is GenEval's ``{"tag", "include", "exclude"?, "prompt"}`` (a fresh copy each call). Order: round
     robin over the tags in :data:`TAGS` order (prompt k of every tag, then k + 1, ...), so the first ``6 m`` prompts
     hold ``m`` of every tag that has that many (an ``mmrl eval ... limit=6`` sees all six categories)."""
     _check_split(split)
+    wanted = _check_tags(tags) or TAGS
     held = split == "heldout"
-    per_tag = [[(p, m) for p, m, h in items if h == held] for items in _all_prompts().values()]
+    per_tag = [[(p, m) for p, m, h in items if h == held] for tag, items in _all_prompts().items() if tag in wanted]
     ordered: list[tuple[str, dict]] = []
     for k in range(max(len(v) for v in per_tag)):
         ordered += [v[k] for v in per_tag if k < len(v)]
     return [(p, json.loads(json.dumps(m))) for p, m in ordered]
 
 
-def write_prompts(path: str | os.PathLike, split: str) -> Path:
-    """Write ``split``'s prompts as ``.jsonl``, one ``{"prompt": ..., "tag", "include", "exclude"?}`` object a line:
+def write_prompts(path: str | os.PathLike, split: str, tags: Sequence[str] | None = None) -> Path:
+    """Write ``split``'s prompts (of the categories ``tags`` when given, :func:`prompt_set`) as ``.jsonl``, one ``{"prompt": ..., "tag", "include", "exclude"?}`` object a line:
     what ``mmrl train``'s ``data.prompts`` (:func:`mmrl.data.prompts.read_prompts`) and ``mmrl eval``'s
     ``prompts=FILE`` read, the metadata going to the rewards. Written atomically; returns the path."""
     path = Path(path)
     if path.suffix.lower() != ".jsonl":
         raise ValueError(f"{path}: a ShapeWorld prompt file must end in .jsonl (read_prompts takes metadata only "
                          f"from .jsonl)")
-    lines = [json.dumps({"prompt": p, **m}, ensure_ascii=False) for p, m in prompt_set(split)]
+    lines = [json.dumps({"prompt": p, **m}, ensure_ascii=False) for p, m in prompt_set(split, tags)]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -309,23 +325,27 @@ def write_prompts(path: str | os.PathLike, split: str) -> Path:
     return path
 
 
-#: ``data.prompts`` / ``prompts=`` spelling of a split's prompt file: ``shapeworld:train`` or ``shapeworld:heldout``.
+#: ``data.prompts`` / ``prompts=`` spelling of a split's prompt file: ``shapeworld:train`` or ``shapeworld:heldout``,
+#: optionally of some GenEval categories only: ``shapeworld:train:single_object+colors``.
 PROMPTS_SPEC_PREFIX = "shapeworld:"
 
 
-def prompts_file(split: str) -> Path:
-    """``split``'s prompt file in the cache (``$MMRL_CACHE/eval-prompts/shapeworld-<split>-<sha256[:16]>.jsonl``,
-    default ``~/.cache/mmrl``): written once, atomically, named by its content's sha256, so a changed world is a
-    new file and never a silently different one."""
+def prompts_file(split: str, tags: Sequence[str] | None = None) -> Path:
+    """``split``'s prompt file (of the categories ``tags`` when given) in the cache
+    (``$MMRL_CACHE/eval-prompts/shapeworld-<split>[-<tag>+<tag>]-<sha256[:16]>.jsonl``, default ``~/.cache/mmrl``):
+    written once, atomically, named by its content's sha256, so a changed world is a new file and never a silently
+    different one."""
     import hashlib
 
     split = _check_split(split)
+    tags = _check_tags(tags)
+    stem = f"shapeworld-{split}" + (f"-{'+'.join(tags)}" if tags else "")
     env = os.environ.get("MMRL_CACHE")
     folder = (Path(env).expanduser() if env else Path.home() / ".cache" / "mmrl") / "eval-prompts"
-    scratch = folder / f".shapeworld-{split}-{os.getpid()}.jsonl"
-    write_prompts(scratch, split)
+    scratch = folder / f".{stem}-{os.getpid()}.jsonl"
+    write_prompts(scratch, split, tags)
     data = scratch.read_bytes()
-    target = folder / f"shapeworld-{split}-{hashlib.sha256(data).hexdigest()[:16]}.jsonl"
+    target = folder / f"{stem}-{hashlib.sha256(data).hexdigest()[:16]}.jsonl"
     if target.is_file() and target.read_bytes() == data:
         scratch.unlink()
     else:
@@ -333,30 +353,48 @@ def prompts_file(split: str) -> Path:
     return target
 
 
-def check_prompts_spec(value: str) -> str | None:
-    """None if ``value`` (starting ``shapeworld:``) names a split's prompts, else what is wrong with it."""
-    split = value[len(PROMPTS_SPEC_PREFIX):]
+def parse_split_and_tags(text: str, *, what: str) -> tuple[str, tuple[str, ...] | None]:
+    """``"<split>"`` or ``"<split>:<tag>+<tag>..."`` -> ``(split, tags or None)``; a ValueError that names ``what``
+    (the whole spelling the user wrote), the splits and the categories."""
+    split, sep, body = text.partition(":")
     if split not in SPLITS:
-        return (f"{value!r}: unknown ShapeWorld split {split!r}; write shapeworld:train, shapeworld:heldout or "
-                f"shapeworld:test")
+        raise ValueError(f"{what!r}: unknown ShapeWorld split {split!r}; splits: {', '.join(SPLITS)}")
+    if not sep:
+        return split, None
+    tags = tuple(t.strip() for t in body.split("+"))
+    try:
+        return split, _check_tags(tags if all(tags) else ())
+    except ValueError as exc:
+        raise ValueError(f"{what!r}: {exc}") from None
+
+
+def check_prompts_spec(value: str) -> str | None:
+    """None if ``value`` (``shapeworld:<split>[:<tag>+<tag>...]``) names a split's prompts, else what is wrong."""
+    try:
+        parse_split_and_tags(value[len(PROMPTS_SPEC_PREFIX):], what=value)
+    except ValueError as exc:
+        return (f"{exc} (write shapeworld:train, shapeworld:heldout or shapeworld:test, optionally with "
+                f":<category>+<category>)")
     return None
 
 
 def resolve_prompts_spec(path: str | os.PathLike) -> str | os.PathLike:
-    """``shapeworld:<split>`` -> :func:`prompts_file` of that split (a ValueError naming the splits for another
-    split); any other path unchanged. What ``data.prompts`` goes through (:func:`mmrl.data.prompts.read_prompts`)."""
+    """``shapeworld:<split>[:<tag>+<tag>...]`` -> :func:`prompts_file` of that split and those categories (a
+    ValueError naming the splits and categories for a wrong one); any other path unchanged. What ``data.prompts``
+    goes through (:func:`mmrl.data.prompts.read_prompts`)."""
     text = str(path)
     if not text.startswith(PROMPTS_SPEC_PREFIX):
         return path
     problem = check_prompts_spec(text)
     if problem:
         raise ValueError(problem)
-    return prompts_file(text[len(PROMPTS_SPEC_PREFIX):])
+    return prompts_file(*parse_split_and_tags(text[len(PROMPTS_SPEC_PREFIX):], what=text))
 
 
 #: The shipped base models (``model.pretrained: shapeworld:<name>``): ``name -> (folder under assets/shapeworld/,
 #: the command that makes it)``, each trained by mmrl itself (README, "ShapeWorld and base models").
 BASE_MODELS = {"sd3": ("sd3_base", "mmrl pretrain configs/shapes/pretrain_sd3.yaml"),
+               "sd3_mislabeled": ("sd3_mislabeled_base", "mmrl pretrain configs/shapes/pretrain_sd3_mislabeled.yaml"),
                "qwen_vl": ("qwen_vl_base", "mmrl sft configs/shapes/sft_qwen_vl.yaml"),
                "qwen_vl_grounding": ("qwen_vl_grounding_base", "mmrl sft configs/shapes/sft_qwen_vl_grounding.yaml"),
                "qwen_vl_grounding_loose": ("qwen_vl_grounding_loose_base",

@@ -1,10 +1,11 @@
-"""ShapeWorld in ``mmrl eval``: benchmark ``shapeworld[@heldout|@train]`` (mmrl's own; GitHub issue 11).
+"""ShapeWorld in ``mmrl eval``: benchmark ``shapeworld[@heldout|@train|@test][:<tag>+<tag>...]`` (mmrl's own; GitHub
+issue 11).
 
     mmrl eval CONFIG benchmarks=[shapeworld@heldout] [limit=N] [images_per_prompt=K] [resolution=32] ...
 
 Prompts: :func:`mmrl.data.shapeworld.prompt_set` of the split (``shapeworld`` alone is ``@heldout``), GenEval's six
 categories with GenEval's templates and metadata, in round-robin tag order (``limit=6`` takes one prompt of every
-category). They are generated, not shipped: :func:`load_items` writes them once into
+category); ``shapeworld@test:single_object+colors`` keeps those categories only (``overall`` is then their mean). They are generated, not shipped: :func:`load_items` writes them once into
 ``$MMRL_CACHE/eval-prompts/shapeworld-<split>-<sha256[:16]>.jsonl`` (default ``~/.cache/mmrl``), the file the
 protocol's ``prompts_sha256`` records, so a change of the prompt set is a change of protocol.
 
@@ -38,23 +39,25 @@ _SOURCE = ("mmrl's ShapeWorld benchmark (mmrl.data.shapeworld, GitHub issue 11):
 
 
 def _split(name: str) -> str:
-    from mmrl.data.shapeworld import SPLITS
+    """``shapeworld[@<split>[:<tag>+<tag>...]]`` -> ``"<split>[:<tags>]"`` (the spec's ``prompt_set``), checked."""
+    from mmrl.data.shapeworld import parse_split_and_tags
 
-    head, _, split = name.partition("@")
-    if head != _NAME or ":" in name:
+    head, _, rest = name.partition("@")
+    if head != _NAME or (":" in name and not rest):
         raise EvalError(f"benchmark {name!r}: expected shapeworld, shapeworld@train, shapeworld@heldout or "
-                        f"shapeworld@test")
-    split = split or "heldout"
-    if split not in SPLITS:
-        raise EvalError(f"benchmark {name!r}: unknown ShapeWorld split {split!r}; splits: {', '.join(SPLITS)}")
-    return split
+                        f"shapeworld@test, optionally of some GenEval categories: shapeworld@test:colors+position")
+    try:
+        split, tags = parse_split_and_tags(rest or "heldout", what=name)
+    except ValueError as exc:
+        raise EvalError(f"benchmark {exc}") from None
+    return split + (f":{'+'.join(tags)}" if tags else "")
 
 
 # --------------------------------------------------------------------------------------------------- plug-in API
 
 
 def benchmark(name: str, options: EvalOptions) -> BenchmarkSpec:
-    """Check ``shapeworld[@train|@heldout]`` (nothing to load)."""
+    """Check ``shapeworld[@<split>][:<tag>+<tag>...]`` (nothing to load)."""
     return BenchmarkSpec(name, _NAME, _split(name))
 
 
@@ -62,8 +65,9 @@ def load_items(spec: BenchmarkSpec, options: EvalOptions) -> tuple[list[EvalItem
     """One :class:`EvalItem` per prompt of the split (category = GenEval tag); the file read is the written prompt
     file (no pinned sha256: it is generated)."""
     from mmrl.data.prompts import read_prompts
+    from mmrl.data.shapeworld import parse_split_and_tags
 
-    path = prompts_file(spec.prompt_set)
+    path = prompts_file(*parse_split_and_tags(spec.prompt_set, what=spec.name))
     items = []
     for i, p in enumerate(read_prompts(path)):
         meta = {**p.metadata, "prompt": p.prompt}
