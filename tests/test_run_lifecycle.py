@@ -116,7 +116,7 @@ def test_health_rules_by_hand():
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_at_an_update_boundary_with_a_checkpoint_that_resumes_exactly(tmp_path, tiny_path, sig):
-    common = ["train", f"model.pretrained={tiny_path}", *TINY, "logging.save_every=0"]
+    common = ["train", TINY_RECIPE, f"model.pretrained={tiny_path}", *TINY, "logging.save_every=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     run = tmp_path / "stopped"
     proc = subprocess.Popen([sys.executable, "-m", "mmrl.cli", *common, f"output_dir={run}", "train.steps=400"],
