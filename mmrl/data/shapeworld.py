@@ -310,9 +310,10 @@ def prompt_set(split: str, tags: Sequence[str] | None = None) -> list[tuple[str,
 
 
 def write_prompts(path: str | os.PathLike, split: str, tags: Sequence[str] | None = None) -> Path:
-    """Write ``split``'s prompts (of the categories ``tags`` when given, :func:`prompt_set`) as ``.jsonl``, one ``{"prompt": ..., "tag", "include", "exclude"?}`` object a line:
-    what ``mmrl train``'s ``data.prompts`` (:func:`mmrl.data.prompts.read_prompts`) and ``mmrl eval``'s
-    ``prompts=FILE`` read, the metadata going to the rewards. Written atomically; returns the path."""
+    """Write ``split``'s prompts (of the categories ``tags`` when given, :func:`prompt_set`) as ``.jsonl``, one
+    ``{"prompt": ..., "tag", "include", "exclude"?}`` object a line: what ``mmrl train``'s ``data.prompts``
+    (:func:`mmrl.data.prompts.read_prompts`) and ``mmrl eval``'s ``prompts=FILE`` read, the metadata going to the
+    rewards. Written atomically; returns the path."""
     path = Path(path)
     if path.suffix.lower() != ".jsonl":
         raise ValueError(f"{path}: a ShapeWorld prompt file must end in .jsonl (read_prompts takes metadata only "

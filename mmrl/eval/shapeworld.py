@@ -5,9 +5,10 @@ issue 11).
 
 Prompts: :func:`mmrl.data.shapeworld.prompt_set` of the split (``shapeworld`` alone is ``@heldout``), GenEval's six
 categories with GenEval's templates and metadata, in round-robin tag order (``limit=6`` takes one prompt of every
-category); ``shapeworld@test:single_object+colors`` keeps those categories only (``overall`` is then their mean). They are generated, not shipped: :func:`load_items` writes them once into
-``$MMRL_CACHE/eval-prompts/shapeworld-<split>-<sha256[:16]>.jsonl`` (default ``~/.cache/mmrl``), the file the
-protocol's ``prompts_sha256`` records, so a change of the prompt set is a change of protocol.
+category); ``shapeworld@test:single_object+colors`` keeps those categories only (``overall`` is then their mean).
+They are generated, not shipped: :func:`load_items` writes them once into
+``$MMRL_CACHE/eval-prompts/shapeworld-<split>[-<tag>+<tag>]-<sha256[:16]>.jsonl`` (default ``~/.cache/mmrl``), the
+file the protocol's ``prompts_sha256`` records, so a change of the prompt set is a change of protocol.
 
 Scoring: each image is judged by the ``shapeworld`` reward (:mod:`mmrl.rewards.shapeworld`: a weightless detector --
 colour segmentation, connected components, template shape classification -- and GenEval's rules of
