@@ -13,6 +13,11 @@ alongside; it warns (``logging`` warning on ``mmrl.health``, printed on the main
 * ``health/kl_spike`` and ``health/grad_norm_spike``: 1 when the KL or the gradient norm exceeds
   :data:`SPIKE_FACTOR` times the median of the previous :data:`HISTORY` updates (after :data:`MIN_HISTORY` of
   them; the KL also needs to exceed :data:`KL_FLOOR`).
+* ``health/no_turning_point_streak`` (only in runs that log ``credit/turning_points``, the ``turning_point``
+  variant): consecutive updates without a single turning point. Warned from :data:`TURNING_POINT_STREAK` updates
+  on: the variant is then plain step-gain credit. Under TP-GRPO's consistency filter a reward that only takes the
+  values 0 and 1 (a single-clause GenEval prompt) never has one, since ``sign(d_t) sign(R_n - R_{t+1}) > 0`` needs
+  room above a gain and below a loss.
 * ``health/warnings``: how many warnings this update raised.
 
 The thresholds are mmrl's own rules of thumb, not an anchor's; they only warn, never change training.
@@ -33,6 +38,7 @@ SPIKE_FACTOR = 10.0
 HISTORY = 10
 MIN_HISTORY = 3
 KL_FLOOR = 1e-3
+TURNING_POINT_STREAK = 5
 
 
 def _samples(metrics: dict[str, float]) -> float:
@@ -62,6 +68,7 @@ class RunHealth:
         self.warn = warn or logger.warning
         self.no_signal = 0
         self.nan_streak = 0
+        self.no_turning_point = 0
         self.kl: deque[float] = deque(maxlen=HISTORY)
         self.grad_norm: deque[float] = deque(maxlen=HISTORY)
 
@@ -114,6 +121,17 @@ class RunHealth:
             self.kl.append(kl)
         if math.isfinite(grad):
             self.grad_norm.append(grad)
-        return {"health/no_signal_streak": float(self.no_signal), "health/nan_reward_streak": float(self.nan_streak),
-                "health/clipfrac_high": float(clip_high), "health/kl_spike": float(kl_spike),
-                "health/grad_norm_spike": float(grad_spike), "health/warnings": float(warnings)}
+        out = {"health/no_signal_streak": float(self.no_signal), "health/nan_reward_streak": float(self.nan_streak),
+               "health/clipfrac_high": float(clip_high), "health/kl_spike": float(kl_spike),
+               "health/grad_norm_spike": float(grad_spike)}
+        if "credit/turning_points" in metrics:
+            none = metrics["credit/turning_points"] == 0
+            self.no_turning_point = self.no_turning_point + 1 if none else 0
+            out["health/no_turning_point_streak"] = float(self.no_turning_point)
+            if self.no_turning_point == TURNING_POINT_STREAK:
+                warnings += 1
+                self.warn(f"update {step}: {TURNING_POINT_STREAK} updates in a row without a turning point "
+                          f"(credit/turning_points 0): turning_point credit is step-gain credit here. Under the "
+                          f"consistency filter a reward that is only 0 or 1 never has one; use a graded reward "
+                          f"(e.g. shapeworld_partial on multi-clause prompts) or consistency_filter: false")
+        return {**out, "health/warnings": float(warnings)}

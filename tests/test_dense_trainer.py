@@ -39,6 +39,9 @@ def test_each_credit_mode_trains(tmp_path, tiny_path, credit, intermediate):
     assert math.isfinite(first["reward/ode_baseline"])
     if credit == "turning_point":
         assert "credit/turning_points" in first
+        assert first["health/no_turning_point_streak"] == float(first["credit/turning_points"] == 0)
+    else:
+        assert "health/no_turning_point_streak" not in first
 
 
 def test_adaptive_noise_is_logged_and_resumed(tmp_path, tiny_path):

@@ -114,6 +114,26 @@ def test_health_rules_by_hand():
     assert "do not vary within any group" in no_signal_cause({**nan, "samples/nan_reward": 0.0})
 
 
+def test_a_turning_point_run_without_turning_points_is_warned_once_per_episode():
+    from mmrl.core.credit import turning_points
+    from mmrl.health import TURNING_POINT_STREAK
+
+    # why it happens: with 0/1 step rewards the consistency filter never finds a turning point, whatever the path
+    paths = torch.tensor([[0, 1, 0, 1, 1], [1, 0, 0, 1, 0], [0, 0, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.float32)
+    assert not turning_points(paths).any()
+    assert turning_points(torch.tensor([[0.2, 0.6, 0.4, 0.9]])).tolist() == [[True, False, False]]  # graded: step 0
+    warnings = []
+    health = RunHealth(warn=warnings.append)
+    base = {"samples/trained": 8.0, "samples/informative": 8.0}
+    assert "health/no_turning_point_streak" not in health.check({**base, "step": 1})  # not a turning-point run
+    streaks = [health.check({**base, "step": s, "credit/turning_points": 0.0})["health/no_turning_point_streak"]
+               for s in range(1, TURNING_POINT_STREAK + 3)]
+    assert streaks == [float(k) for k in range(1, TURNING_POINT_STREAK + 3)]
+    assert len(warnings) == 1 and "turning_point credit is step-gain credit here" in warnings[0]
+    out = health.check({**base, "step": 99, "credit/turning_points": 3.0})
+    assert out["health/no_turning_point_streak"] == 0.0 and out["health/warnings"] == 0.0
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_at_an_update_boundary_with_a_checkpoint_that_resumes_exactly(tmp_path, tiny_path, sig):
     common = ["train", TINY_RECIPE, f"model.pretrained={tiny_path}", *TINY, "logging.save_every=0"]
