@@ -809,8 +809,6 @@ class Trainer:
             self._warn(f"the benchmarks at update {self.update} failed ({type(exc).__name__}: {exc}); training goes "
                        f"on, eval/failed = 1 is logged")
             return {"eval/failed": 1.0}
-        if self.update > 0:
-            self._write_run_report()
         metrics = training_metrics(summary)
         for name, result in summary.get("benchmarks", {}).items():
             headline = str(result.get("headline") or "")  # e.g. "acc@0.5", "overall", "brightness.mean"
@@ -971,6 +969,8 @@ class Trainer:
                 history.append(metrics)
                 if self.logger is not None:
                     self.logger.log(metrics)
+                if metrics.get("eval/failed") == 0.0 and acc.is_main_process:
+                    self._write_run_report()  # after the log line: its curves end at this update
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix(reward=f"{metrics['reward/mean']:.4g}", loss=f"{metrics.get('loss', 0):.3g}")

@@ -82,6 +82,24 @@ def test_the_run_report_compares_every_evaluation_with_the_untrained_model(runs,
     assert f"checkpoint: {with_eval / 'checkpoints' / 'step_2'}" in out
 
 
+def test_the_run_report_is_written_after_its_update_is_logged_so_its_curves_end_there(tiny_path, tmp_path,
+                                                                                      monkeypatch):
+    import mmrl.trainer
+
+    written = []
+    original = mmrl.trainer.Trainer._write_run_report
+
+    def spy(self):
+        # what the report's curves read: the run's metrics.jsonl as it is when the report is written
+        written.append((self.update, max(r["step"] for r in _metrics(self.output_dir))))
+        original(self)
+
+    monkeypatch.setattr(mmrl.trainer.Trainer, "_write_run_report", spy)
+    assert _train(tmp_path / "run", tiny_path, *EVAL) == 0
+    assert written == [(1, 1), (2, 2)]
+    assert (tmp_path / "run" / "report.html").is_file()
+
+
 def test_the_end_of_a_run_prints_each_benchmarks_headline_from_update_0_to_the_last(runs):
     with_eval, _ = runs
     printed = (with_eval.parent / "with.stdout").read_text()
