@@ -469,7 +469,8 @@ def test_shapeworld_category_subsets_keep_the_split_order_and_refuse_unknown_cat
     assert sw.prompts_file("train", ["colors"]).name.startswith("shapeworld-train-colors-")
     assert sw.prompts_file("train", ["colors"]) != sw.prompts_file("train")
     for bad, what in (("shapeworld:train:shapes", "unknown GenEval category 'shapes'"),
-                      ("shapeworld:train:", "unknown GenEval categories \\(none given\\)"),
+                      ("shapeworld:train:", "an empty GenEval category"),
+                      ("shapeworld:train:colors+", "an empty GenEval category"),
                       ("shapeworld:val:colors", "unknown ShapeWorld split 'val'")):
         with pytest.raises(DataError, match=what):
             read_prompts(bad)

@@ -363,8 +363,11 @@ def parse_split_and_tags(text: str, *, what: str) -> tuple[str, tuple[str, ...] 
     if not sep:
         return split, None
     tags = tuple(t.strip() for t in body.split("+"))
+    if not all(tags):
+        raise ValueError(f"{what!r}: an empty GenEval category; categories: "
+                         f"{', '.join(TAGS)}")
     try:
-        return split, _check_tags(tags if all(tags) else ())
+        return split, _check_tags(tags)
     except ValueError as exc:
         raise ValueError(f"{what!r}: {exc}") from None
 
