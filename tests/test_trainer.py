@@ -160,9 +160,9 @@ def test_bad_inputs_give_one_clear_error(tmp_path, tiny_path, capsys):
 
 
 #: Shipped configs of the other commands (their own schemas), by file name.
-OTHER_COMMANDS = {"pretrain_sd3.yaml": "pretrain", "pretrain_sd3_mislabeled.yaml": "pretrain", "sft_qwen_vl.yaml": "sft",
-                  "sft_qwen_vl_grounding.yaml": "sft", "sft_qwen_vl_grounding_crop.yaml": "sft",
-                  "sft_qwen_vl_grounding_loose.yaml": "sft"}
+OTHER_COMMANDS = {"pretrain_sd3.yaml": "pretrain", "pretrain_sd3_mislabeled.yaml": "pretrain",
+                  "sft_qwen_vl.yaml": "sft", "sft_qwen_vl_grounding.yaml": "sft",
+                  "sft_qwen_vl_grounding_crop.yaml": "sft", "sft_qwen_vl_grounding_loose.yaml": "sft"}
 
 
 @pytest.mark.parametrize("path", sorted(str(p) for p in Path(__file__).parents[1].glob("configs/**/*.yaml")))
