@@ -57,6 +57,39 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
+def current_umask() -> int:
+    """The process's file-creation mask (read from ``/proc`` where it is there: setting it to read it would race
+    with other threads creating files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(root: str | Path) -> None:
+    """Give ``root`` and everything under it the modes a plain ``open`` / ``mkdir`` would have: files
+    ``0o666 & ~umask``, folders ``0o777 & ~umask`` (executable files keep their execute bits). Atomic writers call it
+    on their temporary folder before renaming it into place, because safetensors (0.8) writes its files 0600 and
+    ``tempfile.mkdtemp`` makes folders 0700: a checkpoint or base model would otherwise be unreadable by the rest of a
+    group that shares the run folder."""
+    mask = current_umask()
+    root = Path(root)
+    paths = [root, *root.rglob("*")] if root.is_dir() else [root]
+    for path in paths:
+        if path.is_symlink():
+            continue
+        if path.is_dir():
+            os.chmod(path, 0o777 & ~mask)
+        elif path.is_file():
+            executable = os.stat(path).st_mode & 0o111
+            os.chmod(path, (0o777 if executable else 0o666) & ~mask)
+
+
 def latest_checkpoint(directory: str | Path) -> Path | None:
     found = list_checkpoints(directory)
     return found[-1] if found else None
@@ -92,6 +125,7 @@ def save_checkpoint(
     for name, folder in (folders or {}).items():
         os.replace(folder, tmp / name)
     (tmp / COMPLETE_MARKER).write_text(json.dumps(state, indent=2))
+    apply_umask(tmp)
     for path in tmp.rglob("*"):
         if path.is_file():
             with open(path, "rb") as handle:

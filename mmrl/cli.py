@@ -128,8 +128,16 @@ def _cmd_config(args) -> int:
 
             config = load_sft_config(args.config, args.overrides, check_files=not args.no_check_files)
         if args.action == "validate":
+            if command == "pretrain" and args.quick:
+                raise UsageError("--quick: an `mmrl pretrain` config renders its images; it has no data lines to "
+                                 "check (validate it without --quick)")
             unchecked = ", files not checked" if command == "sft" and args.no_check_files else ""
             print(f"{args.config}: ok (an `mmrl {command}` config{unchecked})")
+            if command == "sft" and not args.no_check_files:
+                from mmrl.sft import check_sft_data
+
+                for line in check_sft_data(config, media=not args.quick):
+                    print(f"  data {line}")
         else:
             import yaml
 

@@ -906,6 +906,8 @@ class Pretrainer:
 
     def save_pipeline(self) -> Path:
         """``output_dir/pipeline`` (``save_pretrained``; EMA weights), written beside it and renamed into place."""
+        from mmrl.checkpoint import apply_umask
+
         final = self.output_dir / "pipeline"
         tmp = self.output_dir / f".pipeline.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -915,6 +917,7 @@ class Pretrainer:
         with self.ema_weights():
             self.pipeline().save_pretrained(tmp, safe_serialization=True)
         dump_config(self.config, tmp / "mmrl_pretrain.yaml")
+        apply_umask(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -396,13 +396,14 @@ def policy_config(config: SFTConfig, pretrained: str, dataset: str, *, check_fil
 # ================================================================================================ data
 
 
-def read_sft_data(path: str | Path, target_field: str, *, skip_bad: bool = False) -> list:
-    """The lines of a VLM JSONL (:func:`mmrl.data.vlm.read_vlm_jsonl`: fields, media files and their structure
-    checked) whose ``target_field`` is a non-empty string (kept in ``sample.metadata[target_field]``). A line
-    without it is a :class:`DataError` ``"<file>:<line>: ..."`` (with ``skip_bad``: skipped and counted)."""
+def read_sft_data(path: str | Path, target_field: str, *, skip_bad: bool = False, verify_media: bool = True) -> list:
+    """The lines of a VLM JSONL (:func:`mmrl.data.vlm.read_vlm_jsonl`: fields, media files and, with
+    ``verify_media``, their structure checked) whose ``target_field`` is a non-empty string (kept in
+    ``sample.metadata[target_field]``). A line without it is a :class:`DataError` ``"<file>:<line>: ..."`` (with
+    ``skip_bad``: skipped and counted)."""
     from mmrl.data.vlm import SampleList, read_vlm_jsonl
 
-    samples = read_vlm_jsonl(path, skip_bad=skip_bad, verify_images=True, verify_videos=True)
+    samples = read_vlm_jsonl(path, skip_bad=skip_bad, verify_images=verify_media, verify_videos=verify_media)
     kept, problems = [], list(samples.problems)
     for sample in samples:
         target = sample.metadata.get(target_field)
@@ -419,6 +420,33 @@ def read_sft_data(path: str | Path, target_field: str, *, skip_bad: bool = False
     if not kept:
         raise DataError(f"{path}: no line with a {target_field!r} field")
     return SampleList(kept, problems)
+
+
+def check_sft_data(config: SFTConfig, *, media: bool = True) -> list[str]:
+    """``mmrl config validate`` of an ``mmrl sft`` config: every line of ``data.train`` and ``data.eval`` checked
+    as ``mmrl train`` checks its data (:func:`mmrl.data.validate.check_data`: fields, media files, and with
+    ``media`` every image and the video frames training reads decoded), then each line's ``data.target_field``.
+    Returns one summary per set; raises :class:`DataError` listing the problems (unless
+    ``data.skip_bad_samples``). A ``shapeworld:`` set is written by the run itself and is not read here."""
+    from mmrl.data.validate import check_data
+    from mmrl.data.vlm import read_vlm_jsonl
+
+    lines = []
+    for role, spec in (("train", config.data.train), ("eval", config.data.eval)):
+        if spec is None:
+            continue
+        if spec.startswith("shapeworld:"):
+            lines.append(f"{role}: {spec} (written by the run)")
+            continue
+        report = check_data(policy_config(config, "tiny:qwen2_5_vl", spec, check_files=False), media=media)
+        targets = read_sft_data(spec, config.data.target_field, skip_bad=config.data.skip_bad_samples,
+                                verify_media=False)
+        parsed = read_vlm_jsonl(spec, skip_bad=True, verify_images=False, verify_videos=False)
+        head = report.summary().partition("\n")[0]
+        missing = len(parsed) - len(targets)
+        lines.append(f"{role}: {head}" + (f"; {missing} without {config.data.target_field!r} skipped" if missing > 0
+                                          else ""))
+    return lines
 
 
 def resolve_sft_data(spec: str, directory: str | Path, *, coord_format: str | None, seed: int = 0) -> str:
@@ -478,6 +506,7 @@ def build_base_model(m: SFTModelConfig, outdir: str | Path) -> Path:
     ``save_pretrained`` (model + processor) into ``outdir`` atomically. Returns ``outdir``."""
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, GenerationConfig as HFGen
 
+    from mmrl.checkpoint import apply_umask
     from mmrl.pipelines.flow.tiny import _seeded
     from mmrl.pipelines.vlm.tiny import ensure_tiny_vlm
 
@@ -499,6 +528,7 @@ def build_base_model(m: SFTModelConfig, outdir: str | Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     AutoProcessor.from_pretrained(source).save_pretrained(tmp)
+    apply_umask(tmp)
     shutil.rmtree(outdir, ignore_errors=True)
     os.replace(tmp, outdir)
     return outdir
@@ -796,6 +826,8 @@ class SFTRun:
     def save_final(self) -> Path:
         """``output_dir/model``: ``save_pretrained`` model + processor, written into a temporary folder and renamed
         into place; plus ``mmrl_train.yaml``, the sections a ``mmrl train`` config needs to load it."""
+        from mmrl.checkpoint import apply_umask
+
         final = self.output_dir / "model"
         acc = self.accelerator
         acc.wait_for_everyone()
@@ -803,6 +835,7 @@ class SFTRun:
             tmp = self.output_dir / f".model.tmp-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             self.policy.export(str(tmp))
+            apply_umask(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             snippet = {"model": {"family": "qwen_vl", "pretrained": str(final), "dtype": self.config.model.dtype},

@@ -240,3 +240,35 @@ def test_evaluated_weights_prefer_ema_and_name_a_damaged_file(tmp_path):
     with pytest.raises(CheckpointError, match=rf"checkpoint .*step_2 is damaged: ema.pt cannot be read .*"
                                               rf"resume={tmp_path / 'step_1'}"):
         evaluated_weights(tmp_path / "step_2")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_checkpoint_files_take_the_umask_not_safetensors_0600(tmp_path, umask):
+    """safetensors (0.8) writes its files 0600 and a temporary folder is 0700: a checkpoint (weights, export) reads
+    like anything else the user writes, 0644 / 0755 under umask 022, and stays private under 077."""
+    from mmrl.checkpoint import current_umask, save_checkpoint
+    from mmrl.pipelines.flow.tiny import ensure_built
+    from safetensors.torch import save_file
+
+    def export(directory):
+        os.makedirs(directory)
+        save_file({"w": torch.zeros(2)}, os.path.join(directory, "adapter.safetensors"))
+        script = Path(directory) / "run.sh"
+        script.write_text("#!/bin/sh\n")
+        script.chmod(0o700)
+
+    old = os.umask(umask)
+    try:
+        assert current_umask() == umask
+        final = save_checkpoint(tmp_path, 1, trainable={"w": torch.ones(2)}, state={"update": 1}, objects={},
+                                export=export)
+        cached = ensure_built("tiny-mode-v1", lambda path: save_file({"w": torch.zeros(1)}, f"{path}/w.safetensors"),
+                              tmp_path / "cache")
+    finally:
+        os.umask(old)
+    modes = {str(p.relative_to(final)): p.stat().st_mode & 0o777 for p in [final, *final.rglob("*")]}
+    assert modes == {".": 0o777 & ~umask, "trainable.safetensors": 0o666 & ~umask, "state.json": 0o666 & ~umask,
+                     "export": 0o777 & ~umask, "export/adapter.safetensors": 0o666 & ~umask,
+                     "export/run.sh": 0o777 & ~umask}
+    assert cached.stat().st_mode & 0o777 == 0o777 & ~umask  # the model cache: a mkdtemp folder renamed into place
+    assert (cached / "w.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask

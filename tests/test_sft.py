@@ -327,3 +327,35 @@ def test_vision_position_std_puts_absolute_position_into_the_image_tokens_of_a_t
         load_sft_config(_config(tmp_path / "d.yaml", "x.jsonl", model={"base": "tiny:qwen3_vl",
                                                                         "vision_position_std": 0}),
                         check_files=False)
+
+
+def test_config_validate_checks_the_sft_data_lines(tmp_path, capsys, data):
+    """`mmrl config validate` on an `mmrl sft` config reads every line of its data as `mmrl train` validation does
+    (media decoded unless --quick) and each line's target field; `--quick` on a pretrain config, which has no data
+    lines, is a usage error rather than a flag that does nothing."""
+    from mmrl.cli import main as cli
+
+    cfg = tmp_path / "sft.yaml"
+    assert cli(["config", "validate", str(_config(cfg, data))]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"{cfg}: ok (an `mmrl sft` config)",
+                   f"  data train: {data}: 4 line(s), 4 usable, 0 bad; 4 image(s) and 0 video(s) decoded"]
+    good, _, missing, _ = [json.loads(line) for line in data.read_text().splitlines()]
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    rows = [good | {"image": str(data.parent / good["image"])}, good | {"image": "images/bad.png"},
+            {k: v for k, v in missing.items() if k != "sft_target"} | {"image": str(data.parent / missing["image"])}]
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli(["config", "validate", str(_config(cfg, broken))]) == 2
+    err = capsys.readouterr().err
+    assert f"{broken}:2:" in err and "bad.png" in err  # the decode found the damaged image
+    assert cli(["config", "validate", "--quick", str(_config(cfg, broken))]) == 2  # not decoded: the target is next
+    assert capsys.readouterr().err.startswith(f"mmrl: error: {broken}:3: field 'sft_target'")
+    assert cli(["config", "validate", "--quick", str(_config(cfg, broken, data={"skip_bad_samples": True}))]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        f"  data train: {broken}: 3 line(s), 3 usable, 0 bad; 3 image(s) and 0 video(s) found (not decoded: quick "
+        f"check); 1 without 'sft_target' skipped")
+    pretrain = Path(__file__).parents[1] / "configs" / "shapes" / "pretrain_sd3.yaml"
+    assert cli(["config", "validate", "--quick", str(pretrain)]) == 2
+    assert "an `mmrl pretrain` config renders its images; it has no data lines" in capsys.readouterr().err

@@ -448,6 +448,8 @@ def ensure_built(name: str, builder, cache_dir: str | Path | None = None) -> Pat
     and set-aside folders that killed builds left behind (older than :data:`STALE_AFTER_S`, builder gone)
     are removed when building.
     """
+    from mmrl.checkpoint import apply_umask
+
     parent = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir()
     final = parent / name
     if (final / _COMPLETE_MARKER).is_file():
@@ -459,9 +461,9 @@ def ensure_built(name: str, builder, cache_dir: str | Path | None = None) -> Pat
         _remove_stale_siblings(parent, final.name)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=parent))
         try:
-            os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache entry should read like a normal dir
             builder(tmp)
             (tmp / _COMPLETE_MARKER).write_text(f"mmrl {name} seed=0\n")
+            apply_umask(tmp)  # mkdtemp makes it 0700 and safetensors its files 0600: read like a normal folder
             if (final / _COMPLETE_MARKER).is_file():
                 return final  # a builder that takes no lock (an older mmrl) finished first: use its build
             if final.exists() or final.is_symlink():
