@@ -105,12 +105,16 @@ class SamplingConfig:
                            "of steps 0..T-2, one subset per update), "
                            "'random_window' (Flow-GRPO-Fast: a random window in the first half, ODE elsewhere), "
                            "'sliding_window' (MixGRPO: a window that moves one step every window_shift_every "
-                           "updates, ODE elsewhere), 'entropy_merge' (E-GRPO: consecutive low-entropy SDE steps merged "
+                           "updates, ODE elsewhere; it always spans W of steps 0..T-2 and wraps after T-W positions, "
+                           "mmrl's rule: MixGRPO's own window is cut at step T-3, shrinks at the end of the schedule, "
+                           "is empty for one position and wraps after T-1), 'entropy_merge' (E-GRPO: consecutive low-entropy SDE steps merged "
                            "into one SDE step each, every merged step trained, ODE on the last step; set "
                            "merge_threshold or merge_groups).",
                            choices=("fraction", "random_fraction", "random_window", "sliding_window", "entropy_merge"))
     timestep_fraction: float = opt(0.99, "Fraction of the T steps trained for 'fraction' / 'random_fraction' "
-                                   "(0.99 -> steps 0..T-2; DanceGRPO uses 0.6 of the T-1 steps).")
+                                   "(0.99 -> steps 0..T-2; DanceGRPO uses 0.6 of the T-1 steps). The last step "
+                                   "(to sigma 0) is never trained: 1.0 trains T-1 steps where Flow-GRPO's script "
+                                   "would train all T (mmrl's rule); a fraction that trains no step is an error.")
     window_size: int = opt(2, "SDE window length W for the window modes (Flow-GRPO-Fast 2-3, MixGRPO 4).")
     window_shift_every: int = opt(1, "MixGRPO: the window moves forward one step every this many updates.")
     merge_threshold: float | None = opt(None, "entropy_merge: entropy per dimension (nats) a merged step must reach; "
@@ -768,6 +772,12 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         if s.window_size > trainable:
             raise ConfigError(f"sampling.window_size={s.window_size} is longer than the {trainable} trainable steps "
                               f"of a {s.num_steps}-step schedule (the last step is never trained)")
+    if s.train_steps in ("fraction", "random_fraction") and config.model.family != "qwen_vl":
+        base = s.num_steps if s.train_steps == "fraction" else s.num_steps - 1
+        if int(base * s.timestep_fraction) < 1:
+            raise ConfigError(f"sampling.timestep_fraction={s.timestep_fraction} trains int({base} x "
+                              f"{s.timestep_fraction}) = 0 of the {s.num_steps} steps (train_steps={s.train_steps}): "
+                              f"raise it to at least {1 / base:.4g}")
     if s.train_steps == "entropy_merge":
         if (s.merge_threshold is None) == (s.merge_groups is None):
             raise ConfigError("sampling.train_steps=entropy_merge needs exactly one of sampling.merge_threshold "

@@ -85,6 +85,8 @@ _PREFIX = re.compile(
 _WHOLE_LETTER = re.compile(r"\(?([A-Za-z])\)?[.)]?")
 _LEADING_LETTER = re.compile(r"\(?([A-Z])\)?(?=$|[\s.,:;)\]])")
 _ANYWHERE = re.compile(r"(?i:answer|option|choice)\s*(?i:is|:)?\s*\(?([A-Z])\)?(?![A-Za-z])")
+#: A second letter listed right after the one found (``B, C`` / ``B or C`` / ``(B)/(C)``), ending the phrase: a hedge.
+_ALSO = re.compile(r"\)?\s*(?:,|/|&|\bor\b|\band\b)\s*\(?([A-Za-z])\)?(?=\s*$|\s*[.,;:!?)\]]|\s+(?:or|and)\b)")
 
 
 def _valid_letters(choices: Sequence[str] | None) -> str:
@@ -107,29 +109,41 @@ def parse_choice(answer: str, choices: Sequence[str] | None = None) -> str:
     2. the answer repeats an option's text (``choices`` given; case and punctuation ignored);
     3. ``answer is B`` / ``option: (B)`` anywhere in the answer (upper-case letter);
     4. the answer starts with an upper-case letter token: ``B. red car``, ``(B) red car``, ``B, because``.
+
+    A letter found by 3 or 4 and followed by another valid one in a list (``B, C``, ``answer is B or C``,
+    ``B/C.``) is a hedge: :class:`Unparseable`, not the first letter (mmrl's rule: Video-R1 compares the whole
+    answer with the solution, so a hedge scores 0 there too; a reward that took the first letter would pay for
+    listing options).
     """
     if not isinstance(answer, str) or not answer.strip():
         raise Unparseable("empty answer")
     valid = _valid_letters(choices)
     body = _PREFIX.sub("", answer.strip(), count=1).strip()
-    candidates: list[str] = []
+    candidates: list[tuple[str, str | None]] = []  # (letter, a second letter listed right after it)
+
+    def listed_after(text: str, end: int) -> str | None:
+        also = _ALSO.match(text, end)
+        return also.group(1).upper() if also and also.group(1).upper() in valid else None
+
     whole = _WHOLE_LETTER.fullmatch(body)
     if whole:
-        candidates.append(whole.group(1).upper())
+        candidates.append((whole.group(1).upper(), None))
     if choices:
         norm = _norm(body)
         for letter, text in zip(valid, choices):
             if isinstance(text, str) and norm and _norm(text) == norm:
-                candidates.append(letter)
-    candidates += [m.group(1) for m in _ANYWHERE.finditer(answer)]
+                candidates.append((letter, None))
+    candidates += [(m.group(1), listed_after(answer, m.end())) for m in _ANYWHERE.finditer(answer)]
     leading = _LEADING_LETTER.match(body)
     if leading:
-        candidates.append(leading.group(1))
-    for letter in candidates:
+        candidates.append((leading.group(1), listed_after(body, leading.end())))
+    for letter, also in candidates:
         if letter in valid:
+            if also is not None and also != letter:
+                raise Unparseable(f"the answer names more than one choice ({letter} and {also})")
             return letter
     if candidates:
-        raise Unparseable(f"letter {candidates[0]!r} is not one of the options {valid[0]}-{valid[-1]}")
+        raise Unparseable(f"letter {candidates[0][0]!r} is not one of the options {valid[0]}-{valid[-1]}")
     raise Unparseable("no choice letter in the answer")
 
 

@@ -117,7 +117,7 @@ def _as_box(box: Any) -> tuple[float, float, float, float] | None:
         return None
     try:
         values = tuple(float(v) for v in box)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     if len(values) != 4 or not all(math.isfinite(v) for v in values):
         return None
@@ -392,7 +392,7 @@ def parse_boxes(answer: str) -> list[list[float]]:
 def _size(value: Any, key: str) -> tuple[float, float]:
     try:
         w, h = (float(v) for v in value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise Unjudgeable(f"metadata {key!r} must be [W, H], got {value!r}") from None
     if not (w > 0 and h > 0 and math.isfinite(w) and math.isfinite(h)):
         raise Unjudgeable(f"metadata {key!r} must be positive [W, H], got {value!r}")
@@ -795,7 +795,7 @@ class BoxSalienceIoU(_BoxReward):
         if weights is not None:
             try:
                 weights = [float(w) for w in weights]
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 raise Unjudgeable(f"metadata 'salience' must be a list of numbers, got {weights!r}") from None
             if len(weights) != len(gt_probe) or any(not (w >= 0 and math.isfinite(w)) for w in weights):
                 raise Unjudgeable(
@@ -823,7 +823,7 @@ def temporal_iou(pred: Sequence[float], gt: Sequence[float]) -> float:
     try:
         ps, pe = (float(v) for v in pred)
         gs, ge = (float(v) for v in gt)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return 0.0
     if not all(math.isfinite(v) for v in (ps, pe, gs, ge)) or pe <= ps or ge <= gs:
         return 0.0
@@ -873,7 +873,7 @@ def parse_timestamps(text: str) -> tuple[float, float]:
             if start is not None and end is not None:
                 try:
                     return _time_value(start), _time_value(end)
-                except (TypeError, ValueError):
+                except (TypeError, ValueError, OverflowError):
                     raise Unparseable(f"start/end values {start!r}, {end!r} are not times") from None
     matches = list(_SPAN.finditer(body))
     if not matches:
@@ -921,7 +921,7 @@ def _gt_span(meta: Mapping, reward: str) -> tuple[float, float]:
     raw = require(meta, "timestamps", reward)
     try:
         s, e = (float(v) for v in raw)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise Unjudgeable(f"metadata 'timestamps' must be [start, end] in seconds, got {raw!r}") from None
     if not (math.isfinite(s) and math.isfinite(e)) or e <= s:
         raise Unjudgeable(f"metadata 'timestamps' {raw!r} is not a span with end > start")
@@ -942,14 +942,19 @@ class _SpanReward(TextReward):
     def _scale(self, meta: Mapping) -> float:
         if self.time_unit == "seconds":
             return 1.0
-        duration = require(meta, "duration", f"{self.name} with time_unit='fraction'")
-        try:
-            d = float(duration)
-        except (TypeError, ValueError):
-            d = math.nan
-        if not (d > 0 and math.isfinite(d)):
-            raise Unjudgeable(f"metadata 'duration' must be a positive number of seconds, got {duration!r}")
-        return d
+        return _duration(meta, f"{self.name} with time_unit='fraction'")
+
+
+def _duration(meta: Mapping, needed_by: str) -> float:
+    """The line's ``duration`` in seconds, a positive finite number; else :class:`Unjudgeable`."""
+    duration = require(meta, "duration", needed_by)
+    try:
+        d = float(duration)
+    except (TypeError, ValueError, OverflowError):
+        d = math.nan
+    if not (d > 0 and math.isfinite(d)):
+        raise Unjudgeable(f"metadata 'duration' must be a positive number of seconds, got {duration!r}")
+    return d
 
 
 @register_reward("temporal_iou")
@@ -960,27 +965,46 @@ class TemporalIoU(_SpanReward):
     Extra keys ``r1@0.3``, ``r1@0.5``, ``r1@0.7``: 1 when ``tIoU > m`` (their batch means are R1@m).
 
     ``hit_threshold=m`` makes the score the benchmark's hit instead, 1 when ``tIoU > m`` (strict, as
-    R1@m) and 0 otherwise: the metric itself as the reward (mmrl's option; Time-R1 trains on the tIoU).
-    The extra key ``raw_tiou`` always holds the continuous value.
+    R1@m) and 0 otherwise: the metric itself as the reward (mmrl's option).
+
+    ``boundary_penalty=True`` is Time-R1's timestamp-aware IoU (Wang et al. 2025, arXiv 2503.13377; the reward
+    its RL scripts train with, ``main.py`` ``iou_timestamp_reward_v2``, ``--reward_funcs iou_v2 format``):
+    ``tIoU * (1 - |s - s_gt| / d) * (1 - |e - e_gt| / d)`` with ``d`` the line's ``duration`` (seconds), so of
+    two answers with the same overlap the one with the nearer boundaries scores higher. As in Time-R1 the factors
+    are not clipped (a boundary more than ``d`` away makes the score negative). It needs ``duration``; R1@m and
+    ``raw_tiou`` stay the plain tIoU. With ``hit_threshold`` the hit is taken on the plain tIoU, so the two
+    options do not combine.
+    The extra key ``raw_tiou`` always holds the continuous, plain tIoU.
     """
 
     extra_keys = ("r1@0.3", "r1@0.5", "r1@0.7", "raw_tiou")
     unparseable_extras = {"r1@0.3": 0.0, "r1@0.5": 0.0, "r1@0.7": 0.0, "raw_tiou": 0.0}
 
     def __init__(self, require_tags: bool = True, time_unit: str = "seconds",
-                 hit_threshold: float | None = None) -> None:
+                 hit_threshold: float | None = None, boundary_penalty: bool = False) -> None:
         super().__init__(require_tags, time_unit)
         self.hit_threshold = None if hit_threshold is None else _check_threshold(hit_threshold)
+        if not isinstance(boundary_penalty, bool):
+            raise ValueError(f"boundary_penalty must be true or false, got {boundary_penalty!r}")
+        if boundary_penalty and hit_threshold is not None:
+            raise ValueError("temporal_iou: boundary_penalty (Time-R1's timestamp-aware IoU) and hit_threshold "
+                             "(the R1@m hit) are two different scores; set one")
+        self.boundary_penalty = boundary_penalty
 
     def _score_one(self, text, prompt, meta):
         gt = _gt_span(meta, self.name)
         scale = self._scale(meta)
+        duration = _duration(meta, f"{self.name} with boundary_penalty") if self.boundary_penalty else None
         try:
             s, e = parse_timestamps(answer_or_text(text, self.require_tags))
         except Unparseable as exc:
             raise Unparseable(exc.reason, self.unparseable_extras) from None
-        tiou = temporal_iou((s * scale, e * scale), gt)
-        score = tiou if self.hit_threshold is None else float(tiou > self.hit_threshold)
+        s, e = s * scale, e * scale
+        tiou = temporal_iou((s, e), gt)
+        if duration is not None:
+            score = tiou * (1.0 - abs(s - gt[0]) / duration) * (1.0 - abs(e - gt[1]) / duration)
+        else:
+            score = tiou if self.hit_threshold is None else float(tiou > self.hit_threshold)
         return {self.name: score, **{f"r1@{m}": float(tiou > m) for m in (0.3, 0.5, 0.7)}, "raw_tiou": tiou}
 
 

@@ -95,6 +95,18 @@ def test_parse_choice_tolerant_forms(answer, letter):
     assert parse_choice(answer, ["w", "x", "y", "z"]) == letter
 
 
+@pytest.mark.parametrize("answer,second", [
+    ("B, C", "C"), ("B or C", "C"), ("The answer is B or C.", "C"), ("(B)/(C)", "C"), ("B and D", "D"),
+    ("B, C, D", "C"),
+])
+def test_parse_choice_refuses_a_hedge(answer, second):
+    """Two letters listed as the answer are not the first one: a reward that read "B, C" as B pays for listing."""
+    with pytest.raises(Unparseable, match=f"more than one choice \\(B and {second}\\)"):
+        parse_choice(answer, ["w", "x", "y", "z"])
+    assert parse_choice("The answer is B, since C is wrong", ["w", "x", "y", "z"]) == "B"  # an argument, no list
+    assert parse_choice("B, I think", ["w", "x", "y", "z"]) == "B"
+
+
 def test_parse_choice_without_choices():
     assert parse_choice("I think the answer is C") == "C"   # not the pronoun "I"
     assert parse_choice("B. The answer is unclear") == "B"  # "answer is u..." names no letter

@@ -412,6 +412,39 @@ def test_temporal_iou_reward_hit_threshold():
         [answer("15 to 25")], None, [{"timestamps": [10, 20]}])["temporal_iou"], [1.0])
 
 
+def test_temporal_iou_boundary_penalty_is_time_r1_iou_v2():
+    """Time-R1's RL reward (main.py iou_timestamp_reward_v2): tIoU * (1 - |ds| / d) * (1 - |de| / d), unclipped;
+    values worked by hand from that formula."""
+    r = build_reward("temporal_iou", boundary_penalty=True)
+    meta = {"timestamps": [10, 20], "duration": 30}
+    out = r([answer("12.5 to 25.0"), answer("10 to 20"), answer("0 to 75"), answer("soon"), answer("10 to 20")],
+            None, [meta] * 4 + [{"timestamps": [10, 20]}])
+    # 0.5 * (1 - 2.5/30) * (1 - 5/30); exact; (2/15) * (1 - 10/30) * (1 - 55/30) < 0 as in Time-R1; no duration: NaN
+    assert same(out["temporal_iou"], [0.5 * (27.5 / 30) * (25 / 30), 1.0, (2 / 15) * (20 / 30) * (-25 / 30), 0.0, NAN])
+    assert same(out["raw_tiou"], [0.5, 1.0, 2 / 15, 0.0, NAN]) and same(out["r1@0.3"], [1, 1, 0, 0, NAN])
+    assert r.last_info["num_unparseable"] == 1 and "duration" in r.last_info["nan_samples"][4]
+    frac = build_reward("temporal_iou", boundary_penalty=True, time_unit="fraction")  # fractions scaled first
+    assert same(frac([answer("0.25 to 0.5")], None, [{"timestamps": [10, 20], "duration": 40}])["temporal_iou"],
+                [1.0])
+    with pytest.raises(ValueError, match="set one"):
+        build_reward("temporal_iou", boundary_penalty=True, hit_threshold=0.5)
+    with pytest.raises(ValueError, match="boundary_penalty must be true or false"):
+        build_reward("temporal_iou", boundary_penalty="yes")
+
+
+def test_numbers_too_large_for_a_float_are_unparseable_not_scorer_failures():
+    """A 400-digit integer (JSON or bare) overflows float(): a counted, unparseable 0, not a NaN 'scorer failed'."""
+    big = "1" + "0" * 400
+    iou = build_reward("iou", coord_format="absolute")
+    out = iou([answer(f"[{big}, 0, 5, 5]"), answer('{"bbox_2d": [' + big + ', 0, 5, 5]}')], None,
+              [{"boxes": [[0, 0, 5, 5]]}] * 2)
+    assert same(out["iou"], [0.0, 0.0]) and iou.last_info["num_nan"] == 0
+    span = build_reward("temporal_iou")
+    out = span([answer('{"start": ' + big + ', "end": 15}')], None, [{"timestamps": [10, 20]}])
+    assert same(out["temporal_iou"], [0.0]) and span.last_info["num_unparseable"] == 1
+    assert span.last_info["num_nan"] == 0
+
+
 def test_temporal_dual_reward():
     r = build_reward("temporal_dual")
     completions = [

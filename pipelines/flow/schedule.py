@@ -108,6 +108,10 @@ def plan_steps(
         high = max(0, s // 2 - window_size)
         start = int(torch.randint(0, high + 1, (1,), generator=generator).item())
     else:
+        # MixGRPO's progressive window, always whole: W of the trainable steps 0..S-2, wrapping after S-W positions.
+        # mmrl's rule. MixGRPO (grpo_states.py, --prog_overlap --roll_back) steps its start through 0..S-2 and
+        # trains range(start, min(start + W, S - 2)): never step S-2, a shrinking window at the end and an empty
+        # one (an update that trains nothing) at start S-2, wrapping after S-1 positions.
         start = (update // shift_every) % (trainable - window_size + 1)
     train = torch.arange(start, start + window_size)
     sde = torch.zeros(s, dtype=torch.bool)
