@@ -228,6 +228,9 @@ class AlgorithmConfig:
                                          "by sampling group.")
     clip_low: float = opt(1e-4, "Clip range below 1 (Flow-GRPO 1e-4, Fast/TP-GRPO 1e-5, TRL 0.2).")
     clip_high: float | None = opt(None, "Clip range above 1 (DAPO clip-higher); null = clip_low.")
+    delta: float | None = opt(None, "Two-sided clipping (INTELLECT-2, arXiv 2505.07291; TRL's `delta`): the "
+                              "unclipped ratio of the surrogate is capped at delta, so a negative advantage cannot "
+                              "drive a token whose ratio has run away; must exceed 1 + clip_high. null = off.")
     aggregation: str = opt("grpo", "Loss aggregation: grpo | bnpo | dr_grpo | dapo (TRL definitions).",
                            choices=("grpo", "bnpo", "dr_grpo", "dapo"))
     ratio_level: str = opt("token", "Importance ratio per action ('token') or per sample ('sequence', GSPO).",
@@ -749,6 +752,9 @@ def validate(config: Config, *, check_files: bool = True) -> None:
                                                                      "train.gradient_accumulation_steps must be >= 1"),
         (t.timestep_chunk >= 0, "train.timestep_chunk must be >= 0"),
         (a.clip_low > 0 and (a.clip_high is None or a.clip_high > 0), "algorithm.clip_low/clip_high must be > 0"),
+        (a.delta is None or a.delta > 1.0 + (a.clip_low if a.clip_high is None else a.clip_high),
+         "algorithm.delta (two-sided clipping) must be > 1 + clip_high (the clip range's upper end); INTELLECT-2 "
+         "uses 4 with 0.2"),
         (a.eps >= 0, "algorithm.eps must be >= 0"),
         (config.logging.keep_last >= 1, "logging.keep_last must be >= 1"),
         (config.optim.ema_update_interval >= 1 and 0.0 <= config.optim.ema_decay <= 1.0,

@@ -663,7 +663,7 @@ class Trainer:
                                 batch_action_count=local_items.to(device),
                                 sequence_log_ratio=None if sequence_log_ratio is None else sequence_log_ratio.to(device),
                                 surrogate=self._surrogate(surrogates[0], idx, rollout) if surrogates else None,
-                                kl_ratio_weight=a.kl_bias_correction,
+                                kl_ratio_weight=a.kl_bias_correction, delta=a.delta,
                             )
                         loss = result.loss
                         if not torch.isfinite(loss):

@@ -112,6 +112,18 @@ def test_vlm_kl_bias_correction_changes_the_update_and_keeps_the_layout_knobs(tm
                                   "train.gradient_accumulation_steps=2", "train.timestep_chunk=3"), whole)
 
 
+def test_vlm_delta_two_sided_clipping_changes_the_update_and_keeps_the_layout_knobs(tmp_path, vlm_cache):
+    """``algorithm.delta`` (TRL's two-sided clipping) caps the unclipped ratio: with a clip range of 0.01 and delta
+    1.02, the second inner epoch (ratios off 1 at lr 1e-2) gets another gradient than without it, and token chunks
+    and accumulation still give the same update."""
+    common = ["algorithm.clip_low=0.01", "algorithm.clip_high=0.01", "algorithm.aggregation=bnpo", "train.batch_size=8"]
+    whole = vlm_update(tmp_path / "a", *common, "algorithm.delta=1.02", "train.gradient_accumulation_steps=1")
+    plain = vlm_update(tmp_path / "p", *common, "train.gradient_accumulation_steps=1")
+    assert whole[1][0].equal(plain[1][0])  # first step: every ratio is 1, below delta
+    assert (whole[1][1] - plain[1][1]).norm() > 1e-4 * plain[1][1].norm()  # second epoch: capped tokens drop out
+    assert_same_update(vlm_update(tmp_path / "c", *common, "algorithm.delta=1.02", "train.timestep_chunk=5"), whole)
+
+
 @pytest.mark.parametrize("ratio_level", ["token", "sequence"])
 def test_vlm_first_optimizer_step_reads_old_logprobs_from_its_live_forward(tmp_path, vlm_cache, monkeypatch,
                                                                            ratio_level):

@@ -203,3 +203,49 @@ def test_dapo_clamps_the_global_count_before_dividing_by_processes():
     l = _per_action(logps.detach(), old, old, adv, 0.2, 0.2, 0.0)
     out = policy_loss(logps, old, adv, one, clip_low=0.2, aggregation="dapo", num_items_in_batch=1, num_processes=4)
     assert out.loss.item() == pytest.approx(l[0, 0].item() * 4, rel=1e-12)
+
+
+def test_delta_two_sided_clipping_is_trls():
+    """``delta`` = TRL's two-sided clipping (INTELLECT-2): ``coef_2 = clamp(r, 1-eps_low, 1+eps_high)``, then
+    ``coef_1 = clamp(r, max=delta)``, ``l = -min(coef_1 A, coef_2 A)``; value and gradient against that formula, on
+    log-ratios wide enough that some ratios pass delta."""
+    g = torch.Generator().manual_seed(3)
+    old = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    logps = (old + 1.2 * torch.randn(6, 5, generator=g, dtype=torch.float64)).requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.3], dtype=torch.float64)
+    mask = (torch.rand(6, 5, generator=g) > 0.2).to(torch.float64)
+    delta = 2.0
+    assert ((logps.detach() - old).exp() > delta).any()  # the cap is reached
+    out = policy_loss(logps, old, adv, mask, clip_low=0.2, clip_high=0.28, aggregation="bnpo", delta=delta)
+    out.loss.backward()
+    ref = logps.detach().clone().requires_grad_(True)
+    coef_1 = torch.exp(ref - old)
+    coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.28)
+    coef_1 = torch.clamp(coef_1, max=delta)
+    per = -torch.min(coef_1 * adv[:, None], coef_2 * adv[:, None])
+    want = (per * mask).sum() / mask.sum()
+    want.backward()
+    assert out.loss.item() == pytest.approx(want.item(), rel=1e-12)
+    torch.testing.assert_close(logps.grad, ref.grad, rtol=1e-10, atol=1e-12)
+    plain = logps.detach().clone().requires_grad_(True)
+    without = policy_loss(plain, old, adv, mask, clip_low=0.2, clip_high=0.28, aggregation="bnpo")
+    without.loss.backward()
+    capped = ((logps.detach() - old).exp() > delta) & (adv[:, None] < 0) & (mask > 0)
+    assert capped.any() and without.loss.item() > out.loss.item()  # the capped negative-advantage terms shrink
+    assert torch.all(logps.grad[capped] == 0) and torch.all(plain.grad[capped] != 0)
+    torch.testing.assert_close(logps.grad[~capped], plain.grad[~capped], rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="replaces that surrogate"):
+        policy_loss(logps, old, adv, mask, delta=delta, surrogate=lambda *a: a[0])
+
+
+def test_delta_config_is_checked():
+    from fixtures import TINY_RECIPE
+
+    from mmrl.algorithms.base import VariantError
+    from mmrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"algorithm.delta .* must be > 1 \+ clip_high"):
+        load_config(TINY_RECIPE, ["algorithm.clip_low=0.2", "algorithm.delta=1.1"])
+    assert load_config(TINY_RECIPE, ["algorithm.clip_low=0.2", "algorithm.delta=4"]).algorithm.delta == 4.0
+    with pytest.raises((ConfigError, VariantError), match="replaces the surrogate"):
+        load_config(TINY_RECIPE, ["algorithm.clip_low=0.2", "algorithm.delta=4", "algorithm.variants=[gvpo]"])

@@ -66,6 +66,7 @@ def policy_loss(
     sequence_log_ratio: Tensor | None = None,
     surrogate=None,
     kl_ratio_weight: bool = False,
+    delta: float | None = None,
 ) -> PolicyLossOutput:
     """Clipped surrogate loss over ``[N, T]`` actions.
 
@@ -104,6 +105,9 @@ def policy_loss(
             ``-min(ratio A, clip(ratio) A)`` (an algorithm variant's ``surrogate`` stage, :mod:`mmrl.algorithms`);
             the KL term and the aggregation below apply to it unchanged; the clip metrics (``clip_ratio/*``,
             ``clipfrac``, which describe the configured clip) are then not reported.
+        delta: two-sided clipping (INTELLECT-2, arXiv 2505.07291; TRL's ``delta``): the unclipped term uses
+            ``min(ratio, delta)``, so ``l = -min(min(r, delta) A, clip(r) A)``: with a negative advantage a ratio
+            above ``delta`` no longer grows the loss (nor has a gradient). ``None``: off. Not with ``surrogate``.
         kl_ratio_weight: multiply the KL term by the importance ratio, gradient kept (TRL 1.16's
             ``use_bias_correction_kl``, its default; earlier TRL, EasyR1 / verl and Flow-GRPO add the plain KL).
             With ``ratio_level="sequence"`` the sample's ratio weights each of its actions' KL, as TRL broadcasts it;
@@ -139,8 +143,12 @@ def policy_loss(
         log_ratio = part.unsqueeze(-1)
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    if surrogate is not None and delta is not None:
+        raise ValueError("delta (two-sided clipping) caps the clipped surrogate's ratio; a variant's own surrogate "
+                         "replaces that surrogate")
     if surrogate is None:
-        per_action = -torch.min(ratio * advantages, clipped * advantages)
+        unclipped = ratio if delta is None else torch.clamp(ratio, max=float(delta))
+        per_action = -torch.min(unclipped * advantages, clipped * advantages)
     else:
         per_action = surrogate(logps, old_logps.detach(), log_ratio, ratio, advantages, mask, clip_low, clip_high)
         if per_action.shape != logps.shape and per_action.shape != (n_rows := logps.shape[0], 1):
