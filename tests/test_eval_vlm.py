@@ -360,6 +360,12 @@ def test_metrics_match_numbers_worked_out_by_hand(tmp_path, fixed_answers):
     tg = tz["benchmarks"]["temporal_grounding"]["metrics"]
     assert (tg["r1@0.3"], tg["r1@0.5"], tg["r1@0.7"]) == (1.0, 0.75, 0.5) and tg["n"] == 4
     assert tg["miou"] == pytest.approx((1 + 1 / 3 + 0.5 + 1) / 4) and tg["num_gt_clipped"] == 0
+    # Time-R1's (eval_all.py): tIoU > m and no clipping: t2's 0.5 is no hit at 0.5, t3 unclipped is 1
+    tr = run_eval(GROUNDING, [f"data={data}", "benchmarks=[temporal_grounding]", "tg_convention=time_r1",
+                              f"output_dir={tmp_path / 'tr'}", "progress=false"], echo=quiet)
+    tg = tr["benchmarks"]["temporal_grounding"]["metrics"]
+    assert (tg["r1@0.3"], tg["r1@0.5"], tg["r1@0.7"]) == (1.0, 0.5, 0.5) and tg["n"] == 4
+    assert tg["miou"] == pytest.approx((1 + 1 / 3 + 0.5 + 1) / 4) and tg["num_gt_clipped"] == 0
 
 
 def test_a_sample_that_cannot_be_answered_is_counted_not_a_crash(tmp_path):
@@ -448,4 +454,7 @@ def test_timezero_convention_reads_answers_with_timezeros_parse():
     assert judge("temporal_grounding", "12.0 to 19.0", meta, tz).pred == [12.0, 19.0]  # untagged: TimeZero reads it
     assert judge("temporal_grounding", "12.0 to 19.0", meta, tan).pred is None  # mmrl: no answer block
     assert judge("temporal_grounding", "<answer>[12, 19]</answer>", meta, tz).pred is None
+    tr = {"require_tags": True, "convention": "time_r1"}  # Time-R1's evaluate.py extract_answer: the same parse
+    assert judge("temporal_grounding", "12.0 to 19.0", meta, tr).pred == [12.0, 19.0]
+    assert judge("temporal_grounding", "<answer>[12, 19]</answer>", meta, tr).pred is None
     assert judge("temporal_grounding", "<answer>[12, 19]</answer>", meta, tan).pred == [12.0, 19.0]

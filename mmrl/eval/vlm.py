@@ -3,7 +3,7 @@
     mmrl eval CONFIG [checkpoint=PATH|base] [benchmarks=[rec,multi_object,temporal_grounding,multiple_choice,
                      numeric,charades_sta]] [data=FILE] [video_dir=DIR] [output_dir=DIR] [limit=N] [batch_size=B]
                      [greedy=true] [seed=S] [max_new_tokens=T] [blind=false] [coord_format=qwen2|qwen25|absolute]
-                     [require_tags=true] [tg_convention=2d_tan|timezero] [ema=true] [progress=true]
+                     [require_tags=true] [tg_convention=2d_tan|timezero|time_r1] [ema=true] [progress=true]
                      [dotted.config=override ...]
 
 :func:`run_vlm_eval` is what :func:`mmrl.eval.runner.run_eval` calls for a ``qwen_vl`` CONFIG. The policy answers
@@ -23,7 +23,8 @@ benchmark              samples                         metrics (headline first)
 ``temporal_grounding`` task ``temporal_grounding``     ``r1@0.5``, ``r1@0.3``, ``r1@0.7``, ``miou``:
                                                        :func:`~mmrl.eval.scoring.charades_sta_scores` (2D-TAN
                                                        ``lib/core/eval.py``; TimeZero ``evaluate.py`` with
-                                                       ``tg_convention=timezero``)
+                                                       ``tg_convention=timezero``; Time-R1 ``eval_all.py``
+                                                       with ``tg_convention=time_r1``)
 ``charades_sta``       the shipped Charades-STA test   as ``temporal_grounding``; the videos come from the user's
                        annotations (3720 queries)      ``video_dir=`` (``<video_id>.mp4``, not shipped)
 ``multiple_choice``    task ``multiple_choice`` / mc   ``accuracy``: :func:`~mmrl.eval.scoring.choice_accuracy`
@@ -121,7 +122,8 @@ VLM_EVAL_KEYS: dict[str, str] = {
     "require_tags": "read answers only from their <answer>...</answer> block (default true, as VLM-R1's "
                     "test_rec_r1.py); false reads an untagged answer whole",
     "tg_convention": "temporal grounding: 2d_tan (default: R1@m counts tIoU > m, ground-truth ends clipped to the "
-                     "video duration) or timezero (tIoU >= m, no clipping)",
+                     "video duration), timezero (tIoU >= m, no clipping) or time_r1 (tIoU > m, no clipping); both "
+                     "read the last 'a to|and b' of the whole output",
     "ema": FLOW_EVAL_KEYS["ema"],
     "progress": FLOW_EVAL_KEYS["progress"],
 }
@@ -156,7 +158,9 @@ _REC_SOURCE = ("om-ai-lab/VLM-R1 src/eval/test_rec_r1.py: IoU(answer box, ground
 _TG_SOURCE = ("microsoft/2D-TAN lib/core/eval.py eval() (R1@m: tIoU > m) and lib/datasets/charades.py (ground-truth "
               "end clipped to the duration); www-Ye/TimeZero evaluate.py process_work_items() with "
               "tg_convention=timezero (tIoU >= m, no clipping, the answer read by its parse_timestamp_output: the "
-              "last '<a> to|and <b>' anywhere in the output; an unparsed span scores 0)")
+              "last '<a> to|and <b>' anywhere in the output; an unparsed span scores 0); xiaomi-research/time-r1 "
+              "src/vllm_inference/eval_all.py with tg_convention=time_r1 (tIoU > m, no clipping, the same parse as "
+              "evaluate.py extract_answer; an unparsed span scores 0)")
 #: Benchmark name -> its scoring.
 VLM_BENCHMARKS: dict[str, _Metric] = {
     "rec": _Metric("acc@0.5", "iou", ("iou", "acc@0.5"), "mmrl.eval.scoring.rec_scores", _REC_SOURCE),
@@ -178,7 +182,8 @@ VLM_BENCHMARKS: dict[str, _Metric] = {
 _KIND = {"charades_sta": "temporal_grounding"}
 _JSONL_BENCHMARKS = ("rec", "multi_object", "temporal_grounding", "multiple_choice", "numeric")
 _TG_CONVENTIONS = {"2d_tan": {"strict": True, "clip_gt_to_duration": True},
-                   "timezero": {"strict": False, "clip_gt_to_duration": False}}
+                   "timezero": {"strict": False, "clip_gt_to_duration": False},
+                   "time_r1": {"strict": True, "clip_gt_to_duration": False}}
 
 #: The blind control's canvas colour.
 GREY = (128, 128, 128)
@@ -493,8 +498,8 @@ def judge(kind: str, answer: str | None, meta: Mapping, settings: Mapping[str, A
                 raise Unparseable("the answer has no box")
             else:
                 pred = boxes[0]  # the first box, as VLM-R1's training reward (test_rec_r1.py's greedy regex: the last)
-        elif kind == "temporal_grounding" and settings.get("convention") == "timezero":
-            pred = list(parse_timezero_span(answer))  # TimeZero's evaluate.py reads the whole output
+        elif kind == "temporal_grounding" and settings.get("convention") in ("timezero", "time_r1"):
+            pred = list(parse_timezero_span(answer))  # TimeZero's and Time-R1's evaluate.py read the whole output
         elif kind == "temporal_grounding":
             pred = list(parse_timestamps(answer_or_text(answer, require_tags)))
         elif kind == "multiple_choice":
