@@ -107,8 +107,8 @@ class SamplingConfig:
                            "'sliding_window' (MixGRPO: a window that moves one step every window_shift_every "
                            "updates, ODE elsewhere; it always spans W of steps 0..T-2 and wraps after T-W positions, "
                            "mmrl's rule: MixGRPO's own window is cut at step T-3, shrinks at the end of the schedule, "
-                           "is empty for one position and wraps after T-1), 'entropy_merge' (E-GRPO: consecutive low-entropy SDE steps merged "
-                           "into one SDE step each, every merged step trained, ODE on the last step; set "
+                           "is empty for one position and wraps after T-1), 'entropy_merge' (E-GRPO: consecutive "
+                           "low-entropy SDE steps merged into one SDE step each, every merged step trained, ODE on the last step; set "
                            "merge_threshold or merge_groups).",
                            choices=("fraction", "random_fraction", "random_window", "sliding_window", "entropy_merge"))
     timestep_fraction: float = opt(0.99, "Fraction of the T steps trained for 'fraction' / 'random_fraction' "

@@ -396,14 +396,20 @@ def policy_config(config: SFTConfig, pretrained: str, dataset: str, *, check_fil
 # ================================================================================================ data
 
 
-def read_sft_data(path: str | Path, target_field: str, *, skip_bad: bool = False, verify_media: bool = True) -> list:
-    """The lines of a VLM JSONL (:func:`mmrl.data.vlm.read_vlm_jsonl`: fields, media files and, with
-    ``verify_media``, their structure checked) whose ``target_field`` is a non-empty string (kept in
-    ``sample.metadata[target_field]``). A line without it is a :class:`DataError` ``"<file>:<line>: ..."`` (with
-    ``skip_bad``: skipped and counted)."""
-    from mmrl.data.vlm import SampleList, read_vlm_jsonl
+def read_sft_data(path: str | Path, target_field: str, *, skip_bad: bool = False) -> list:
+    """The lines of a VLM JSONL (:func:`mmrl.data.vlm.read_vlm_jsonl`: fields, media files and their structure
+    checked) whose ``target_field`` is a non-empty string (kept in ``sample.metadata[target_field]``). A line
+    without it is a :class:`DataError` ``"<file>:<line>: ..."`` (with ``skip_bad``: skipped and counted)."""
+    from mmrl.data.vlm import read_vlm_jsonl
 
-    samples = read_vlm_jsonl(path, skip_bad=skip_bad, verify_images=verify_media, verify_videos=verify_media)
+    samples = read_vlm_jsonl(path, skip_bad=skip_bad, verify_images=True, verify_videos=True)
+    return _with_target(samples, path, target_field, skip_bad=skip_bad)
+
+
+def _with_target(samples, path: str | Path, target_field: str, *, skip_bad: bool):
+    """The samples whose ``target_field`` is a non-empty string (:func:`read_sft_data`'s rule)."""
+    from mmrl.data.vlm import SampleList
+
     kept, problems = [], list(samples.problems)
     for sample in samples:
         target = sample.metadata.get(target_field)
@@ -439,9 +445,9 @@ def check_sft_data(config: SFTConfig, *, media: bool = True) -> list[str]:
             lines.append(f"{role}: {spec} (written by the run)")
             continue
         report = check_data(policy_config(config, "tiny:qwen2_5_vl", spec, check_files=False), media=media)
-        targets = read_sft_data(spec, config.data.target_field, skip_bad=config.data.skip_bad_samples,
-                                verify_media=False)
+        # the lines check_data read (its problems raised unless skip_bad_samples), media checked already
         parsed = read_vlm_jsonl(spec, skip_bad=True, verify_images=False, verify_videos=False)
+        targets = _with_target(parsed, spec, config.data.target_field, skip_bad=config.data.skip_bad_samples)
         head = report.summary().partition("\n")[0]
         missing = len(parsed) - len(targets)
         lines.append(f"{role}: {head}" + (f"; {missing} without {config.data.target_field!r} skipped" if missing > 0

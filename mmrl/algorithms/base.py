@@ -413,7 +413,7 @@ def build_variants(config: Any) -> list[Variant]:
             raise VariantError(f"algorithm.variants: {' and '.join(owners)} both replace the {stage!r} stage; "
                                f"choose one")
     replacing = [v.name for v in variants if "surrogate" in v.stages()]
-    if replacing and getattr(config.algorithm, "delta", None) is not None:
+    if replacing and config.algorithm.delta is not None:
         raise VariantError(f"algorithm.delta (two-sided clipping of the clipped surrogate) does not apply with "
                            f"{replacing[0]}, which replaces the surrogate; drop one")
     growing = [v.name for v in variants if v.trained_rows_per_sample > 1]
