@@ -73,7 +73,8 @@ CLIP_H_VISION = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers
 
 #: the recipes estimated: the real-size model each is built for, its file and (VLMs) a typical prompt length in
 #: tokens: a RefCOCO image (640 x 480 at Qwen2.5-VL's 28 px per merged token: 391) plus the question, and a
-#: 30 s Charades-STA clip at 2 fps (30 frame pairs of 128 tokens at video_max_pixels 100352) plus the question
+#: 30 s Charades-STA clip at 2 fps under Time-R1's video budget (total 3584 x 28 x 28 pixels: at most 3584 video
+#: tokens; a 640 x 360 clip gets 30 frame pairs of 8 x 14 = 112) plus Time-R1's prompt, about 106 tokens
 RECIPES = {
     "sd35m_flow_grpo_pickscore": ("sd35m", "configs/gpu/sd35m_flow_grpo_pickscore.yaml", None),
     "sd35m_flow_grpo_fast": ("sd35m", "configs/gpu/sd35m_flow_grpo_fast.yaml", None),
@@ -81,7 +82,7 @@ RECIPES = {
     "sd35m_tp_grpo": ("sd35m", "configs/gpu/sd35m_tp_grpo.yaml", None),
     "flux_dance_grpo_hps": ("flux_dev", "configs/gpu/flux_dance_grpo_hps.yaml", None),
     "qwen25vl3b_rec_grpo": ("qwen25vl_3b", "configs/gpu/qwen25vl3b_rec_grpo.yaml", 450),
-    "qwen25vl7b_video_tg_grpo": ("qwen25vl_7b", "configs/gpu/qwen25vl7b_video_tg_grpo.yaml", 3940),
+    "qwen25vl7b_video_tg_grpo": ("qwen25vl_7b", "configs/gpu/qwen25vl7b_video_tg_grpo.yaml", 3690),
 }
 FLOW_SIZES = ("sd35m", "flux_dev")
 #: FLUX.1-dev's transformer (black-forest-labs/FLUX.1-dev, transformer/config.json)

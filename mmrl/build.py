@@ -97,8 +97,8 @@ def vlm_media(config: Config, processor):
     min_pixels = g.min_pixels or size.get("shortest_edge")
     max_pixels = g.max_pixels or size.get("longest_edge")
     image_factor = image_processor.patch_size * image_processor.merge_size
-    video_max = g.video_max_pixels or video_processor.size.get("longest_edge")
     video_factor = video_processor.patch_size * video_processor.merge_size
+    video_budget = video_pixel_budget(config, processor)
 
     def media(sample):
         images = []
@@ -106,11 +106,46 @@ def vlm_media(config: Config, processor):
             images = load_images(sample, min_pixels=min_pixels, max_pixels=max_pixels, factor=image_factor)
         video = None
         if sample.video_path is not None:
-            video = load_video(sample, **frames, max_pixels=video_max, factor=video_factor,
+            video = load_video(sample, **frames, **video_budget, factor=video_factor,
                                temporal_patch_size=video_processor.temporal_patch_size)
         return images, video
 
     return media
+
+
+def video_pixel_budget(config: Config, processor) -> dict:
+    """``read_video``'s pixel-budget arguments for the policy's processor.
+
+    Qwen2/2.5-VL (its video processor's ``size`` bounds each frame): qwen-vl-utils' ``fetch_video`` budget, the
+    frames then passed at their final size (``do_resize=False``, as Qwen's README does after qwen-vl-utils, so the
+    processor does not resize them again, to its own minimum). Per-frame minimum ``generation.video_min_pixels`` or
+    the processor's ``shortest_edge`` (qwen-vl-utils' ``VIDEO_MIN_PIXELS``, 128 x 28 x 28, in the real checkpoints'
+    video processor); per-frame cap the processor's ``longest_edge`` (``VIDEO_MAX_PIXELS``, 768 x 28 x 28); total
+    ``generation.video_total_pixels`` or 0.9 x ``max_video_tokens`` x 28 x 28 (``VIDEO_TOTAL_PIXELS``); then at most
+    ``generation.video_max_pixels``. Qwen3-VL's video processor budgets the whole clip and resizes the frames
+    itself: only ``video_max_pixels`` applies to them beforehand, and the other two are a :class:`ConfigError`."""
+    from transformers import Qwen2VLVideoProcessor
+
+    from mmrl.data.video import VIDEO_CONTEXT_TOKENS
+
+    g, video_processor = config.generation, processor.video_processor
+    size = video_processor.size
+    if not isinstance(video_processor, Qwen2VLVideoProcessor):
+        if g.video_min_pixels is not None or g.video_total_pixels is not None:
+            raise ConfigError(f"generation.video_min_pixels / video_total_pixels set qwen-vl-utils' per-frame budget "
+                              f"for Qwen2/2.5-VL; {type(video_processor).__name__} budgets the whole clip itself "
+                              f"(its size.shortest_edge / longest_edge): leave them null, or bound each frame with "
+                              f"generation.video_max_pixels")
+        return {"max_pixels": g.video_max_pixels or size.get("longest_edge")}
+    factor = video_processor.patch_size * video_processor.merge_size
+    frame_max = size.get("longest_edge") or 768 * factor * factor
+    min_pixels = g.video_min_pixels or size.get("shortest_edge") or 128 * factor * factor
+    if g.video_min_pixels is None and g.video_max_pixels is not None:
+        min_pixels = min(min_pixels, g.video_max_pixels)
+    tokens = getattr(video_processor, "max_video_tokens", None) or VIDEO_CONTEXT_TOKENS
+    total = g.video_total_pixels if g.video_total_pixels is not None else tokens * factor * factor * 0.9
+    return {"min_pixels": min_pixels, "max_pixels": g.video_max_pixels, "total_pixels": total,
+            "frame_max_pixels": frame_max}
 
 
 def build_vlm_policy(config: Config, device: torch.device | str = "cpu"):

@@ -172,6 +172,13 @@ class GenerationConfig:
     video_nframes: int | None = opt(None, "Fixed number of video frames (rounded to even).")
     video_max_frames: int = opt(768, "Upper bound on sampled video frames.")
     video_max_pixels: int | None = opt(None, "Per-frame pixel budget for videos (Video-R1: 128 x 28 x 28).")
+    video_min_pixels: int | None = opt(None, "Qwen2/2.5-VL: per-frame pixel floor for videos (qwen-vl-utils' "
+                                       "min_pixels; Time-R1: 16 x 28 x 28); null: the video processor's shortest_edge "
+                                       "(128 x 28 x 28 in the released checkpoints).")
+    video_total_pixels: int | None = opt(None, "Qwen2/2.5-VL: pixel budget of a whole video (qwen-vl-utils' "
+                                         "total_pixels: each frame gets at most total / frames x 2, at least 1.05 x "
+                                         "the floor; Time-R1: 3584 x 28 x 28); null: 0.9 x the processor's "
+                                         "max_video_tokens x 28 x 28 (qwen-vl-utils' default, 90316800).")
     tools: list = opt([], "Image tools the policy may call mid-completion as <tool>name(numbers)</tool> (multi-turn "
                           "rollouts, mmrl.pipelines.vlm.tools): built-in crop, rotate, contrast, or "
                           "'package.module:function'; empty: plain single-turn rollouts.")
@@ -829,6 +836,12 @@ def validate(config: Config, *, check_files: bool = True) -> None:
             (g.video_max_frames >= 2, "generation.video_max_frames must be >= 2"),
             (g.video_max_pixels is None or g.video_max_pixels >= 1,
              "generation.video_max_pixels must be >= 1 (or null)"),
+            (g.video_min_pixels is None or g.video_min_pixels >= 1,
+             "generation.video_min_pixels must be >= 1 (or null)"),
+            (g.video_total_pixels is None or g.video_total_pixels >= 1,
+             "generation.video_total_pixels must be >= 1 (or null)"),
+            (g.video_min_pixels is None or g.video_max_pixels is None or g.video_min_pixels <= g.video_max_pixels,
+             "generation.video_min_pixels must be <= generation.video_max_pixels"),
         ]
         for ok, message in generation_checks:
             if not ok:

@@ -247,3 +247,36 @@ def test_probe_video_errors_name_the_file(tmp_path):
 ])
 def test_decord_reasons_read_cleanly(raw, expected):
     assert _reason(RuntimeError(raw)) == expected
+
+
+def test_frame_pixel_budget_hand_cases():
+    from mmrl.data.video import frame_pixel_budget
+
+    # Time-R1 (train_rl.sh): min 16 x 28 x 28, total 3584 x 28 x 28; 60 frames: 2809856 / 60 * 2 = 93661.87
+    low, high = frame_pixel_budget(60, min_pixels=12544, frame_max_pixels=602112, total_pixels=2809856)
+    assert low == 12544 and high == pytest.approx(2809856 / 60 * 2, rel=1e-15)
+    # 768 frames: 7317.3 is below the floor int(12544 * 1.05) = 13171
+    assert frame_pixel_budget(768, min_pixels=12544, frame_max_pixels=602112, total_pixels=2809856)[1] == 13171
+    # qwen-vl-utils' default total 128000 x 784 x 0.9: 400 frames -> 451584, 4 frames -> the cap 602112
+    total = 128000 * 28 * 28 * 0.9
+    assert frame_pixel_budget(400, min_pixels=100352, frame_max_pixels=602112, total_pixels=total)[1] == 451584
+    assert frame_pixel_budget(4, min_pixels=100352, frame_max_pixels=602112, total_pixels=total)[1] == 602112
+    # an explicit max_pixels comes last, below the floor too
+    assert frame_pixel_budget(60, min_pixels=12544, frame_max_pixels=602112, total_pixels=2809856,
+                              max_pixels=10000)[1] == 10000
+    with pytest.raises(ValueError, match="num_frames"):
+        frame_pixel_budget(0, min_pixels=1, frame_max_pixels=1, total_pixels=1)
+
+
+def test_read_video_with_a_total_budget(tmp_path):
+    # a 180 x 320 clip, 4 frames sampled; total 12544 -> max(min(602112, 12544 / 4 * 2), int(3136 * 1.05)) = 6272:
+    # beta = sqrt(57600 / 6272) = 3.030, floor(180 / 3.030 / 28) = 2, floor(320 / 3.030 / 28) = 3 -> 56 x 84
+    path = write_video(tmp_path / "wide.mp4", num_frames=8, width=320, height=180, fps=8)
+    clip = read_video(path, nframes=4, min_pixels=3136, frame_max_pixels=602112, total_pixels=12544)
+    assert clip.frames.shape == (4, 3, 56, 84) and clip.final_size
+    assert [nearest_frame(f, 8) for f in clip.frames] == clip.indices
+    # Time-R1's budget on a 360 x 640 Charades-like clip at 60 frames would be 224 x 392 (87808 < 128 x 28 x 28, the
+    # processor's own floor, which is why the processor must not resize again); a per-frame budget alone is not final
+    assert not read_video(path, nframes=4, max_pixels=3136).final_size
+    with pytest.raises(ValueError, match="needs min_pixels"):
+        read_video(path, nframes=4, total_pixels=12544)

@@ -347,3 +347,43 @@ def test_prompt_sharing_steps_aside_where_it_cannot_apply(model_path):
         assert seen == [(3, rollout.prompt_ids.shape[1] + rollout.completion_ids.shape[1])]
     with pytest.raises(ConfigError, match="share_prompt_prefix applies to VLM"):
         load_config(None, ["model.share_prompt_prefix=false"])
+
+
+# ------------------------------------------------------------- 7. video frames at qwen-vl-utils' pixel budget
+
+
+def _video_prompt_grid(policy, path, **generation):
+    cfg = Config()
+    cfg.generation.video_nframes = 4
+    for key, value in generation.items():
+        setattr(cfg.generation, key, value)
+    policy.media = vlm_media(cfg, policy.processor)
+    sample = VLMSample("v", "when does it change?", "[0.5, 1.0]", video_path=str(path), source="t.jsonl:1")
+    _, vision, kept = policy.encode_prompts([sample])
+    assert kept == [0]
+    return vision[0].video_grid_thw.tolist()
+
+
+def test_video_frames_reach_the_model_at_qwen_vl_utils_total_budget(model_path, tmp_path):
+    """qwen-vl-utils fetch_video: per-frame max = max(min(frame cap, total / frames x 2), int(1.05 x min)), then
+    smart_resize; the processor must not resize the frames again (Qwen's README passes do_resize=False)."""
+    from fixtures import write_video
+
+    from mmrl.config import ConfigError
+
+    path = write_video(tmp_path / "clip.mp4", num_frames=8, width=160, height=96, fps=4)
+    policy = make_policy(model_path, lora=None)
+    if "qwen3_vl" in model_path:  # its video processor budgets the whole clip: the per-frame options are refused
+        with pytest.raises(ConfigError, match="video_min_pixels / video_total_pixels"):
+            _video_prompt_grid(policy, path, video_total_pixels=4704)
+        return
+    # tiny Qwen2/2.5-VL video processor: shortest_edge 3136, longest_edge 12544, patch 14 (factor 28).
+    # total 4704 over 4 frames: max(min(12544, 4704 / 4 * 2), int(784 * 1.05)) = 2352 per frame; 96 x 160 is over
+    # it, beta = sqrt(15360 / 2352) = 2.556: floor(96 / 2.556 / 28) = 1, floor(160 / 2.556 / 28) = 2 -> 28 x 56,
+    # 1568 pixels: below the processor's own 3136 floor, which would have made it 56 x 84 (grid [2, 4, 6]).
+    assert _video_prompt_grid(policy, path, video_min_pixels=784, video_total_pixels=4704) == [[2, 2, 4]]
+    # defaults: floor 3136, cap 12544, total 0.9 x 128000 x 784 (no bind): beta = sqrt(15360 / 12544) = 1.107,
+    # floor(3.10) = 3, floor(5.16) = 5 -> 84 x 140
+    assert _video_prompt_grid(policy, path) == [[2, 6, 10]]
+    # video_max_pixels is the last bound: min(2000, 12544) -> beta = sqrt(15360 / 2000) = 2.771: 28 x 56
+    assert _video_prompt_grid(policy, path, video_max_pixels=2000) == [[2, 2, 4]]

@@ -16,7 +16,11 @@ was trained with:
   temporal grid step spans, passed to the model for its time-aligned position ids.
 
 Frames are resized per video to a pixel budget with Qwen's ``smart_resize`` (transformers' own): each side
-a multiple of ``factor`` (28 for Qwen2/2.5-VL, 32 for Qwen3-VL), ``H * W <= max_pixels``, aspect kept.
+a multiple of ``factor`` (28 for Qwen2/2.5-VL, 32 for Qwen3-VL), aspect kept. With a total budget
+(``total_pixels``) the per-frame bounds are qwen-vl-utils' ``fetch_video``'s (:func:`frame_pixel_budget`):
+the maximum is an even share of the total per temporal patch, at most ``frame_max_pixels`` and at least
+``1.05 * min_pixels``, then at most the given ``max_pixels``; ``smart_resize`` takes those bounds as they are.
+Without one, ``H * W <= max_pixels`` always holds (:func:`budget_size`).
 
 :func:`probe_video` is the cheap check run on every video when a data set is read for training: open with
 decord, read the metadata (frame count, frame rate, size) and decode the first frame only. It costs about one
@@ -39,6 +43,10 @@ from mmrl.data.prompts import DataError
 FRAME_FACTOR = 2
 DEFAULT_FPS = 2.0
 IMAGE_FACTOR = 28
+#: qwen-vl-utils' default total video budget is 90 % of this many tokens' pixels (``VIDEO_TOTAL_PIXELS`` =
+#: 128000 x 28 x 28 x 0.9 for Qwen2.5-VL, ``MODEL_SEQ_LEN`` x 32 x 32 x 0.9 for Qwen3-VL); transformers' Qwen2-VL
+#: video processor calls it ``max_video_tokens``.
+VIDEO_CONTEXT_TOKENS = 128000
 
 
 def _is_number(value) -> bool:
@@ -166,13 +174,26 @@ def budget_size(height: int, width: int, *, min_pixels: int | None = None, max_p
     return new_h, new_w
 
 
+def frame_pixel_budget(num_frames: int, *, min_pixels: int, frame_max_pixels: int, total_pixels: float,
+                       max_pixels: int | None = None, temporal_patch_size: int = FRAME_FACTOR) -> tuple[int, float]:
+    """``(min_pixels, max_pixels)`` for each of ``num_frames`` sampled frames under a total video budget: qwen-vl-utils
+    ``fetch_video`` (Qwen2.5-VL's and Qwen3-VL's alike), ``max = max(min(frame_max_pixels, total_pixels / num_frames
+    * 2), int(1.05 * min_pixels))``, then ``min(max_pixels, max)`` when ``max_pixels`` is given (its
+    ``max_pixels`` entry). The maximum may be fractional, as there; ``smart_resize`` takes it so."""
+    if num_frames <= 0:
+        raise ValueError(f"num_frames must be >= 1, got {num_frames}")
+    cap = max(min(frame_max_pixels, total_pixels / num_frames * temporal_patch_size), int(min_pixels * 1.05))
+    return int(min_pixels), cap if max_pixels is None else min(int(max_pixels), cap)
+
+
 @dataclass
 class VideoClip:
     """Decoded frames of one video.
 
     ``frames``: uint8 ``[T, 3, H, W]`` (channels first, RGB, as qwen-vl-utils returns and the transformers
     video processors accept); ``indices``: the decoded frame numbers; ``duration``: seconds of the whole
-    video (``total_frames / video_fps``), against which timestamps are given.
+    video (``total_frames / video_fps``), against which timestamps are given; ``final_size``: the frames are at the
+    size the model takes (qwen-vl-utils' total budget applied), so the processor must not resize them again.
     """
 
     path: str
@@ -184,6 +205,7 @@ class VideoClip:
     video_fps: float
     total_frames: int
     original_size: tuple[int, int]  # (width, height) as stored in the file
+    final_size: bool = False
 
     @property
     def frame_times(self) -> list[float]:
@@ -244,14 +266,19 @@ def probe_video(path: str | Path) -> VideoInfo:
 
 def read_video(path: str | Path, *, fps: float | None = None, nframes: float | None = None, min_frames: int = 4,
                max_frames: int = 768, max_pixels: int | None = None, min_pixels: int | None = None,
+               total_pixels: float | None = None, frame_max_pixels: int | None = None,
                start: float | None = None, end: float | None = None, factor: int = IMAGE_FACTOR,
                temporal_patch_size: int = 2) -> VideoClip:
     """Decode the frames :func:`plan_frames` picks with ``decord`` and resize them to the pixel budget.
 
     ``max_pixels``/``min_pixels`` bound each frame (``smart_resize``, bicubic with antialiasing as
-    qwen-vl-utils); with neither the frames keep their stored size. ``start``/``end`` (seconds) restrict the
-    sampled range. A missing, unreadable or too-short video is a :class:`DataError` naming the file.
+    qwen-vl-utils); with neither the frames keep their stored size. With ``total_pixels`` (which needs
+    ``min_pixels`` and ``frame_max_pixels``) the bounds are :func:`frame_pixel_budget`'s for the number of frames
+    sampled. ``start``/``end`` (seconds) restrict the sampled range. A missing, unreadable or too-short video is a
+    :class:`DataError` naming the file.
     """
+    if total_pixels is not None and (min_pixels is None or frame_max_pixels is None):
+        raise ValueError("read_video: total_pixels needs min_pixels and frame_max_pixels")
     path = Path(path)
     reader, total_frames, video_fps = _open_video(path)
     try:
@@ -268,7 +295,18 @@ def read_video(path: str | Path, *, fps: float | None = None, nframes: float | N
         del reader
     frames = torch.from_numpy(array).permute(0, 3, 1, 2).contiguous()
     height, width = frames.shape[-2:]
-    new_h, new_w = budget_size(height, width, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor)
+    if total_pixels is None:
+        new_h, new_w = budget_size(height, width, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor)
+    else:
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        low, high = frame_pixel_budget(len(plan.indices), min_pixels=min_pixels, frame_max_pixels=frame_max_pixels,
+                                       total_pixels=total_pixels, max_pixels=max_pixels,
+                                       temporal_patch_size=temporal_patch_size)
+        try:
+            new_h, new_w = smart_resize(height, width, factor=factor, min_pixels=low, max_pixels=high)
+        except ValueError as exc:  # an aspect ratio over 200
+            raise DataError(f"video {path}: {exc}") from None
     if (new_h, new_w) != (height, width):
         from torchvision.transforms import InterpolationMode
         from torchvision.transforms.functional import resize
@@ -276,7 +314,8 @@ def read_video(path: str | Path, *, fps: float | None = None, nframes: float | N
         frames = resize(frames, [new_h, new_w], interpolation=InterpolationMode.BICUBIC, antialias=True)
     return VideoClip(path=str(path), frames=frames, indices=plan.indices, sample_fps=plan.sample_fps,
                      second_per_grid_ts=plan.second_per_grid_ts, duration=total_frames / video_fps,
-                     video_fps=video_fps, total_frames=total_frames, original_size=(int(width), int(height)))
+                     video_fps=video_fps, total_frames=total_frames, original_size=(int(width), int(height)),
+                     final_size=total_pixels is not None)
 
 
 _DECORD_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+?:\d+: ")

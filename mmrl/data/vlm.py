@@ -533,6 +533,7 @@ def load_images(sample: VLMSample, *, min_pixels: int | None = None, max_pixels:
 
 def load_video(sample: VLMSample, *, fps: float | None = None, nframes: float | None = None, min_frames: int = 4,
                max_frames: int = 768, min_pixels: int | None = None, max_pixels: int | None = None,
+               total_pixels: float | None = None, frame_max_pixels: int | None = None,
                start: float | None = None, end: float | None = None, factor: int = IMAGE_FACTOR,
                temporal_patch_size: int = 2) -> VideoClip:
     """Decode the sample's video with :func:`mmrl.data.video.read_video` (frame rule and budget there).
@@ -544,7 +545,8 @@ def load_video(sample: VLMSample, *, fps: float | None = None, nframes: float | 
         raise DataError(f"{sample.source}: the sample has no video")
     try:
         clip = read_video(sample.video_path, fps=fps, nframes=nframes, min_frames=min_frames, max_frames=max_frames,
-                          min_pixels=min_pixels, max_pixels=max_pixels, start=start, end=end, factor=factor,
+                          min_pixels=min_pixels, max_pixels=max_pixels, total_pixels=total_pixels,
+                          frame_max_pixels=frame_max_pixels, start=start, end=end, factor=factor,
                           temporal_patch_size=temporal_patch_size)
     except DataError as exc:
         raise DataError(f"{sample.source}: {exc}") from None

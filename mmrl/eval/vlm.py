@@ -357,7 +357,8 @@ def _generation(cfg, options: VLMEvalOptions, name: str) -> dict[str, Any]:
            "top_k": None if options.greedy else g.top_k, "max_prompt_length": g.max_prompt_length,
            "system_prompt": g.system_prompt, "question_template": g.question_template, "min_pixels": g.min_pixels,
            "max_pixels": g.max_pixels, "video_fps": g.video_fps, "video_nframes": g.video_nframes,
-           "video_max_frames": g.video_max_frames, "video_max_pixels": g.video_max_pixels}
+           "video_max_frames": g.video_max_frames, "video_max_pixels": g.video_max_pixels,
+           "video_min_pixels": g.video_min_pixels, "video_total_pixels": g.video_total_pixels}
     if name == "charades_sta":
         out["question"] = CHARADES_QUESTION
     return out

@@ -508,6 +508,8 @@ class QwenVLPolicy:
             kwargs["video_metadata"] = [{"fps": clip.sample_fps, "total_num_frames": len(clip.frames),
                                          "frames_indices": list(range(len(clip.frames)))} for clip in clips]
             kwargs["do_sample_frames"] = False
+            if all(clip.final_size for clip in clips):  # sized by qwen-vl-utils' budget: as Qwen's README passes them
+                kwargs["videos_kwargs"] = {"do_resize": False}
         inputs = self.processor(**kwargs) if texts else None
         if inputs is None:
             return {}, [], kept
@@ -549,6 +551,8 @@ class QwenVLPolicy:
                                        "video_backend": "mmrl", "do_sample_frames": False})
         if media:
             request["multi_modal_data"] = media
+        if video is not None and video.final_size:  # the frames are at the model's size, as in training
+            request["mm_processor_kwargs"] = {"videos_kwargs": {"do_resize": False}}
         return request
 
     def _skip(self, reason: str, message: str) -> None:
