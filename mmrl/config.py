@@ -238,6 +238,11 @@ class AlgorithmConfig:
     delta: float | None = opt(None, "Two-sided clipping (INTELLECT-2, arXiv 2505.07291; TRL's `delta`): the "
                               "unclipped ratio of the surrogate is capped at delta, so a negative advantage cannot "
                               "drive a token whose ratio has run away; must exceed 1 + clip_high. null = off.")
+    mask_truncated_completions: bool = opt(False, "VLM: leave completions that hit generation.max_new_tokens "
+                                           "without their end-of-turn token out of the loss (TRL's option of this "
+                                           "name; DAPO's overlong filtering, arXiv 2503.14476): they are still "
+                                           "scored and count in their group's statistics, and a `grpo` mean still "
+                                           "divides by them, as TRL's does.")
     aggregation: str = opt("grpo", "Loss aggregation: grpo | bnpo | dr_grpo | dapo (TRL definitions).",
                            choices=("grpo", "bnpo", "dr_grpo", "dapo"))
     ratio_level: str = opt("token", "Importance ratio per action ('token') or per sample ('sequence', GSPO).",
@@ -763,6 +768,9 @@ def validate(config: Config, *, check_files: bool = True) -> None:
          "algorithm.delta (two-sided clipping) must be > 1 + clip_high (the clip range's upper end); INTELLECT-2 "
          "uses 4 with 0.2"),
         (a.eps >= 0, "algorithm.eps must be >= 0"),
+        (config.model.family == "qwen_vl" or not a.mask_truncated_completions,
+         "algorithm.mask_truncated_completions applies to VLM completions (model.family: qwen_vl); a flow "
+         "trajectory always has its sampling.num_steps steps"),
         (config.logging.keep_last >= 1, "logging.keep_last must be >= 1"),
         (config.optim.ema_update_interval >= 1 and 0.0 <= config.optim.ema_decay <= 1.0,
          "optim.ema_update_interval must be >= 1 and optim.ema_decay in [0, 1]"),

@@ -422,7 +422,11 @@ class Trainer:
 
     def _advantages(self, rollout, scores: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         """Gather rewards from every process, compute group-relative advantages globally, keep this process's rows:
-        the loop's group normalisation, or the ``advantages`` stage of a variant that replaces it."""
+        the loop's group normalisation, or the ``advantages`` stage of a variant that replaces it. Rows left out of
+        the loss (a variant's ``drop``, ``algorithm.mask_truncated_completions``) get a zero mask."""
+        truncated_rows = getattr(self.policy, "truncated", None)
+        if truncated_rows is not None:  # from the masks as sampled, before any row is left out below
+            rollout.extras["truncated"] = truncated_rows(rollout)
         acc, a = self.accelerator, self.config.algorithm
         weights = self.advantage_weights
         local = {k: scores[k].to(acc.device) for k in weights}
@@ -454,6 +458,8 @@ class Trainer:
         if drop is not None:  # left out of the loss: no action of these samples is trained
             local_drop = drop[start:start + n_local].to(torch.bool)
             rollout.mask = rollout.mask * (~local_drop).to(rollout.mask.dtype).unsqueeze(1)
+        if a.mask_truncated_completions:  # scored and in their groups' statistics above, left out of the loss here
+            rollout.mask = rollout.mask * (~rollout.extras["truncated"]).to(rollout.mask.dtype).unsqueeze(1)
         nan_rows = torch.zeros(len(adv), dtype=torch.bool)
         for v in gathered.values():
             nan_rows |= ~torch.isfinite(v if v.dim() == 1 else v.sum(-1))
@@ -1238,6 +1244,10 @@ class Trainer:
             lengths = rollout.extras["completion_length"].float().to(acc.device)
             metrics["completions/mean_length"] = float(acc.gather(lengths).mean() if acc.num_processes > 1
                                                        else lengths.mean())
+        if "truncated" in rollout.extras:  # TRL's completions/clipped_ratio: cut off by generation.max_new_tokens
+            clipped = rollout.extras["truncated"].float().to(acc.device)
+            metrics["completions/clipped_ratio"] = float(acc.gather(clipped).mean() if acc.num_processes > 1
+                                                         else clipped.mean())
         for key in ("tool_calls", "tool_errors"):  # tool rollouts (generation.tools): per completion, mean
             if key in rollout.extras:
                 values = rollout.extras[key].float().to(acc.device)

@@ -162,3 +162,69 @@ def test_single_optimizer_step_skips_the_old_logprob_pass(tmp_path, monkeypatch)
                  f"output_dir={run}"]) == 0
     m = _metrics(run)[0]
     assert calls["old"] == 0 and m["ratio/min"] == 1.0 and m["ratio/max"] == 1.0 and m["grad_norm"] > 0
+
+
+def test_truncated_completions_are_those_without_an_end_of_turn_token():
+    from types import SimpleNamespace
+
+    from mmrl.pipelines.vlm.qwen import QwenVLPolicy
+
+    eos, pad = 7, 0
+    ids = torch.tensor([[3, 4, eos, pad], [3, 4, 5, 6], [3, eos, pad, pad], [3, 4, 5, eos], [pad, pad, pad, pad],
+                        [3, 9, 9, 4]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0],
+                         [1, 0, 0, 1]], dtype=torch.float32)  # last row: a tool rollout, a response between turns
+    policy = SimpleNamespace(eos_ids=[eos, 8])
+    rollout = SimpleNamespace(mask=mask, completion_ids=ids)
+    assert QwenVLPolicy.truncated(policy, rollout).tolist() == [False, True, False, False, False, True]
+
+
+def _with_end_tokens_on_even_rows(trainer):
+    """Even rows end with the end-of-turn token after 3 + i tokens, odd rows keep the whole budget (truncated): a
+    random tiny model never writes its end token itself."""
+    policy = trainer.policy
+    original = policy.rollout
+
+    def rollout(*args, **kwargs):
+        r = original(*args, **kwargs)
+        for i in range(0, len(r), 2):
+            keep = 3 + i
+            r.completion_ids[i, keep - 1] = policy.eos_ids[0]
+            r.completion_ids[i, keep:] = policy.pad_id
+            r.mask[i, keep:] = 0
+        r.completions = policy.tokenizer.batch_decode(r.completion_ids, skip_special_tokens=True)
+        return r
+
+    policy.rollout = rollout
+
+
+@pytest.mark.parametrize("aggregation", ["grpo", "dapo"])
+def test_mask_truncated_completions_leaves_them_out_of_the_loss_only(tmp_path, aggregation):
+    from layout import one_update
+
+    def update(name, *extra, prepare=None):
+        config = load_config(REPO / "configs/tiny/vlm_grounding.yaml", [
+            f"output_dir={tmp_path / name}", *FAST, "train.steps=1", "logging.eval_every=0", "algorithm.beta=0.0",
+            "rewards={test_short_answer: 1.0}", f"algorithm.aggregation={aggregation}", "train.inner_epochs=1",
+            "train.batch_size=8", *extra])
+        return one_update(config, prepare)
+
+    # all 8 completions run to the 12-token budget: nothing is left to train on
+    metrics, grads, _ = update("all_on", "algorithm.mask_truncated_completions=true")
+    assert metrics["completions/clipped_ratio"] == 1.0
+    assert metrics["loss"] == 0.0 and all(g.abs().max() == 0 for g in grads)
+    off, off_grads, _ = update("all_off")
+    assert off["completions/clipped_ratio"] == 1.0 and off_grads[0].norm() > 0
+    # half of them end: their gradient alone, the truncated half still in the group statistics
+    on, on_grads, _ = update("half_on", "algorithm.mask_truncated_completions=true", prepare=_with_end_tokens_on_even_rows)
+    off, off_grads, _ = update("half_off", prepare=_with_end_tokens_on_even_rows)
+    assert on["completions/clipped_ratio"] == off["completions/clipped_ratio"] == 0.5
+    assert on["advantages/abs_mean"] == off["advantages/abs_mean"] > 0
+    assert on_grads[0].norm() > 0 and not torch.allclose(on_grads[0], off_grads[0])
+
+
+def test_mask_truncated_completions_is_refused_for_flows():
+    from mmrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="mask_truncated_completions applies to VLM"):
+        load_config(REPO / "configs/tiny/flow_grpo.yaml", ["algorithm.mask_truncated_completions=true"])

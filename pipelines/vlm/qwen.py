@@ -1052,6 +1052,16 @@ class QwenVLPolicy:
         per_channel = ((0.5 - mean) / std).repeat_interleave(pixel_values.shape[-1] // channels)
         return per_channel.to(pixel_values.dtype).expand_as(pixel_values).clone()
 
+    def truncated(self, rollout: VLMRollout) -> Tensor:
+        """``[N]`` bool: the completions the token budget cut off, whose last token the model wrote (``mask``, so a
+        tool rollout's responses are not counted) is none of the end-of-turn tokens (TRL's ``is_truncated``, its
+        ``completions/clipped_ratio``). A row without any written token is not truncated."""
+        mask = rollout.mask > 0
+        width = mask.shape[1]
+        last = width - 1 - mask.flip(-1).to(torch.uint8).argmax(-1)  # index of the last written token
+        token = rollout.completion_ids.gather(1, last.unsqueeze(1)).squeeze(1)
+        return mask.any(-1) & ~torch.isin(token, torch.tensor(self.eos_ids, dtype=token.dtype))
+
     def span_mask(self, rollout: VLMRollout, spans: list) -> Tensor:
         """``[N, T]`` mask of the sampled tokens inside each sample's character ``spans`` of its completion text
         (:func:`mmrl.pipelines.vlm.spans.spans_to_token_mask`)."""
