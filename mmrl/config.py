@@ -243,6 +243,17 @@ class AlgorithmConfig:
                                            "name; DAPO's overlong filtering, arXiv 2503.14476): they are still "
                                            "scored and count in their group's statistics, and a `grpo` mean still "
                                            "divides by them, as TRL's does.")
+    sampler_correction: str | None = opt(None, "VLM rollouts sampled by vLLM (generation.engine: vllm): "
+                                         "importance correction of the engine / trainer log-prob gap, TRL 1.16's "
+                                         "vllm_importance_sampling_mode: token_truncate | token_mask | "
+                                         "sequence_truncate | sequence_mask, or none; null: sequence_mask with vLLM "
+                                         "(TRL's default), nothing with HF generate (no gap to correct).",
+                                         choices=(None, "none", "token_truncate", "token_mask", "sequence_truncate",
+                                                  "sequence_mask"))
+    sampler_correction_max: float | None = opt(3.0, "sampler_correction's upper bound C_max (TRL's "
+                                               "vllm_importance_sampling_clip_max, 3.0); null: none.")
+    sampler_correction_min: float | None = opt(None, "sampler_correction's lower bound C_min (TRL's "
+                                               "vllm_importance_sampling_clip_min); null: none.")
     aggregation: str = opt("grpo", "Loss aggregation: grpo | bnpo | dr_grpo | dapo (TRL definitions).",
                            choices=("grpo", "bnpo", "dr_grpo", "dapo"))
     ratio_level: str = opt("token", "Importance ratio per action ('token') or per sample ('sequence', GSPO).",
@@ -768,6 +779,16 @@ def validate(config: Config, *, check_files: bool = True) -> None:
          "algorithm.delta (two-sided clipping) must be > 1 + clip_high (the clip range's upper end); INTELLECT-2 "
          "uses 4 with 0.2"),
         (a.eps >= 0, "algorithm.eps must be >= 0"),
+        (a.sampler_correction_max is None or a.sampler_correction_max > 0,
+         "algorithm.sampler_correction_max must be > 0 (or null)"),
+        (a.sampler_correction_min is None or a.sampler_correction_max is None
+         or 0 <= a.sampler_correction_min <= a.sampler_correction_max,
+         "algorithm.sampler_correction_min must be in [0, sampler_correction_max]"),
+        ((config.model.family == "qwen_vl" and config.generation.engine == "vllm")
+         or (a.sampler_correction is None and a.sampler_correction_max == 3.0 and a.sampler_correction_min is None),
+         "algorithm.sampler_correction / sampler_correction_max / sampler_correction_min correct the gap between vLLM's "
+         "log-probs and the trained model's: they need model.family: qwen_vl with generation.engine: vllm (HF generate "
+         "samples from the trained model itself)"),
         (config.model.family == "qwen_vl" or not a.mask_truncated_completions,
          "algorithm.mask_truncated_completions applies to VLM completions (model.family: qwen_vl); a flow "
          "trajectory always has its sampling.num_steps steps"),

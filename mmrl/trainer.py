@@ -33,7 +33,7 @@ from mmrl.config import Config, ConfigError, config_to_dict, dump_config
 from mmrl.algorithms import (AdvantageContext, Intermediate, RewardContext, Rewards, SelectContext, SurrogateContext,
                              TransformContext, build_variants)
 from mmrl.core.advantages import PerPromptStatTracker, combine_rewards
-from mmrl.core.losses import policy_loss
+from mmrl.core.losses import policy_loss, sampler_importance_weights
 from mmrl.distributed import (broadcast_from_main, check_engine, configure_deepspeed, deepspeed_engine,
                               deepspeed_stage, full_model_state, full_optimizer_state, full_tensor, is_dtensor,
                               is_zero3, load_full_optimizer_state)
@@ -515,6 +515,26 @@ class Trainer:
             total += diff.sum(-1)
         return total / counts.clamp(min=1.0)
 
+    def _sampler_correction(self, rollout) -> str | None:
+        """The importance correction this rollout's sampler log-probs get (``algorithm.sampler_correction``; unset:
+        TRL's default ``sequence_mask``), or ``None``: no sampler log-probs (HF generate) or ``none``."""
+        if getattr(rollout, "sampler_logps", None) is None:
+            return None
+        mode = self.config.algorithm.sampler_correction or "sequence_mask"
+        return None if mode == "none" else mode
+
+    def _sampler_weight_stats(self, weights: torch.Tensor, mask: torch.Tensor, mode: str) -> dict[str, float]:
+        """TRL's ``sampling/importance_sampling_ratio/{min,mean,max}`` over every process: per sample for the
+        ``sequence_*`` modes, per real token for the ``token_*`` ones."""
+        acc = self.accelerator
+        values = weights[:, 0] if mode.startswith("sequence") else weights[mask > 0]
+        if acc.num_processes > 1:
+            values = torch.cat(gather_object([values.float()]))
+        if not values.numel():
+            return {}
+        return {"rollout/sampler_is_weight_min": float(values.min()), "rollout/sampler_is_weight_mean":
+                float(values.mean()), "rollout/sampler_is_weight_max": float(values.max())}
+
     @staticmethod
     def _sampler_gap(rollout, idx: torch.Tensor, steps: torch.Tensor, old: torch.Tensor, add) -> float:
         """|log p of the rollout engine - log p of the trained model| on this minibatch's real tokens (TRL's
@@ -522,6 +542,7 @@ class Trainer:
         mean), its maximum is returned."""
         mask = rollout.mask[idx][:, steps]
         gap = (rollout.sampler_logps[idx][:, steps] - old.detach().float().cpu()).abs()[mask.bool()]
+        gap = gap[torch.isfinite(gap)]  # a token the engine reported no log-prob for (NaN) has no gap to show
         if not gap.numel():
             return float("-inf")
         add("rollout/sampler_logp_gap_mean", float(gap.mean()), float(gap.numel()))
@@ -579,13 +600,17 @@ class Trainer:
         # one optimizer step per update: the sampling policy is the current one for every minibatch, so its
         # log-probs are the current ones, detached (TRL's shortcut), and need no extra pass
         single_step = t.inner_epochs == 1 and -(-n // t.batch_size) <= t.gradient_accumulation_steps
-        on_policy = rollout.old_logps is None and single_step
+        # the rollout engine's log-probs (vLLM) against the trained model's: the trained model's must all be known
+        # before the first step, from the separate pass (TRL computes them whenever it corrects)
+        sampler_mode = self._sampler_correction(rollout)
+        on_policy = rollout.old_logps is None and single_step and sampler_mode is None
         # several optimizer steps: the minibatches of the FIRST one still see the sampling policy, so where the
         # training forward equals the no-grad one (no dropout) their old log-probs are the live ones, detached, and
         # the separate pass covers only the rest (bit-identical: the same forwards in the same layout)
         live_samples = 0
         if rollout.old_logps is None and not on_policy:
-            if getattr(policy, "deterministic_training_forward", False) and not self._needs("old_logps"):
+            if getattr(policy, "deterministic_training_forward", False) and not self._needs("old_logps") \
+                    and sampler_mode is None:
                 live_samples = min(n, t.batch_size * t.gradient_accumulation_steps)
             rollout.old_logps = self._old_logps(rollout, perms[0], step_chunks, skip=live_samples)
         if self._needs("old_logps") and rollout.old_logps is None:  # a variant reads the sampling policy's log-probs
@@ -600,6 +625,11 @@ class Trainer:
             std = max(v.perturbation_std() for v in self.variants if "perturbed_logps" in v.needs)
             rollout.perturbed_logps = self._old_logps(rollout, perms[0], step_chunks, perturbed_vision=std)
             self.variant_stats["time/perturbed_forward"] = time.perf_counter() - t0
+        sampler_weights = None
+        if sampler_mode is not None:
+            sampler_weights = sampler_importance_weights(rollout.old_logps, rollout.sampler_logps, rollout.mask,
+                                                         mode=sampler_mode, clip_min=a.sampler_correction_min,
+                                                         clip_max=a.sampler_correction_max)
         rows = torch.arange(n) + acc.process_index * n  # these samples' rows in the advantages stage's [N_all]
         for variant in self._users("transform"):
             advantages = variant.transform(TransformContext(
@@ -670,6 +700,8 @@ class Trainer:
                                 sequence_log_ratio=None if sequence_log_ratio is None else sequence_log_ratio.to(device),
                                 surrogate=self._surrogate(surrogates[0], idx, rollout) if surrogates else None,
                                 kl_ratio_weight=a.kl_bias_correction, delta=a.delta,
+                                sampler_weight=None if sampler_weights is None else
+                                sampler_weights[idx][:, steps].to(device),
                             )
                         loss = result.loss
                         if not torch.isfinite(loss):
@@ -714,6 +746,8 @@ class Trainer:
             extremes = gather_object([(ratio_min, ratio_max)])
             ratio_min, ratio_max = min(e[0] for e in extremes), max(e[1] for e in extremes)
         metrics = {k: sums[k] / weights[k] if weights[k] > 0 else 0.0 for k in sums}
+        if sampler_weights is not None:
+            metrics.update(self._sampler_weight_stats(sampler_weights, rollout.mask, sampler_mode))
         if gap_max > float("-inf"):
             metrics["rollout/sampler_logp_gap_max"] = gap_max
         if math.isfinite(ratio_min):

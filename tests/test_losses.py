@@ -249,3 +249,49 @@ def test_delta_config_is_checked():
     assert load_config(TINY_RECIPE, ["algorithm.clip_low=0.2", "algorithm.delta=4"]).algorithm.delta == 4.0
     with pytest.raises((ConfigError, VariantError), match="replaces the surrogate"):
         load_config(TINY_RECIPE, ["algorithm.clip_low=0.2", "algorithm.delta=4", "algorithm.variants=[gvpo]"])
+
+
+# ------------------------------------------------------------ the rollout engine's importance correction (TRL)
+
+
+def test_sampler_importance_weights_follow_trls_modes():
+    """TRL 1.16 vllm_importance_sampling_correction: r = exp(old - sampler) on the real tokens (NaN: no gap), per
+    token or summed per sequence, clamped (*_truncate) or zeroed outside [C_min, C_max] (*_mask)."""
+    import math
+
+    from mmrl.core.losses import sampler_importance_weights
+
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -1.0]])
+    sampler = torch.tensor([[-2.5, -2.0, -0.7], [-0.9, float("nan"), -5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # the last action of row 1 is padding
+    # token gaps: row 0: 1.5, 0, 0.2; row 1: -0.1, NaN -> 0, padding -> 0
+    token = torch.tensor([[math.exp(1.5), 1.0, math.exp(0.2)], [math.exp(-0.1), 1.0, 1.0]])
+    w = sampler_importance_weights(old, sampler, mask, mode="token_truncate", clip_max=3.0)
+    assert torch.allclose(w, token.clamp(max=3.0))  # e^1.5 = 4.48 -> 3
+    w = sampler_importance_weights(old, sampler, mask, mode="token_mask", clip_min=0.95, clip_max=3.0)
+    assert torch.allclose(w, torch.tensor([[0.0, 1.0, math.exp(0.2)], [0.0, 1.0, 1.0]]))  # e^-0.1 = 0.905 < 0.95
+    # sequence: row 0 sums to 1.7 (e^1.7 = 5.47), row 1 to -0.1
+    w = sampler_importance_weights(old, sampler, mask, mode="sequence_truncate", clip_max=3.0)
+    assert torch.allclose(w, torch.tensor([[3.0] * 3, [math.exp(-0.1)] * 3]))
+    w = sampler_importance_weights(old, sampler, mask, mode="sequence_mask", clip_max=3.0)
+    assert torch.allclose(w, torch.tensor([[0.0] * 3, [math.exp(-0.1)] * 3]))
+    w = sampler_importance_weights(old, sampler, mask, mode="sequence_mask", clip_max=None)  # no upper bound
+    assert torch.allclose(w[0], torch.full((3,), math.exp(1.7)))
+    with pytest.raises(ValueError, match="unknown sampler correction"):
+        sampler_importance_weights(old, sampler, mask, mode="none")
+
+
+def test_sampler_weight_scales_the_policy_term_not_the_kl():
+    torch.manual_seed(0)
+    logps = torch.randn(3, 4, requires_grad=True)
+    old, ref = logps.detach() + 0.05 * torch.randn(3, 4), logps.detach() + 0.1 * torch.randn(3, 4)
+    adv, mask = torch.tensor([1.0, -0.5, 2.0]), torch.ones(3, 4)
+    weight = torch.tensor([[2.0], [0.0], [0.5]]).expand(3, 4)
+    out = policy_loss(logps, old, adv, mask, ref_logps=ref, beta=0.1, aggregation="dapo", sampler_weight=weight)
+    ratio = torch.exp(logps - old)
+    surrogate = -torch.min(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None])
+    expected = ((surrogate * weight + 0.1 * k3_kl(logps, ref)) * mask).sum() / mask.sum()
+    assert torch.allclose(out.loss, expected)
+    (grad,) = torch.autograd.grad(out.loss, logps)
+    (want,) = torch.autograd.grad(expected, logps)
+    assert torch.allclose(grad, want)

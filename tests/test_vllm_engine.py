@@ -271,6 +271,9 @@ def test_train_with_vllm_logs_the_sampler_gap(vllm_model, tmp_path):
     updates = [r for r in rows if "rollout/sampler_logp_gap_mean" in r]
     assert len(updates) == 2
     assert all(r["rollout/sampler_logp_gap_max"] < 5e-3 for r in updates), updates
+    # TRL's default correction (sequence_mask, C_max 3): each sample's weight exp(sum of its gaps), here all near 1
+    assert all(0.9 < r["rollout/sampler_is_weight_min"] <= r["rollout/sampler_is_weight_max"] < 1.1
+               for r in updates), updates
 
 
 @needs_vllm

@@ -228,3 +228,64 @@ def test_mask_truncated_completions_is_refused_for_flows():
 
     with pytest.raises(ConfigError, match="mask_truncated_completions applies to VLM"):
         load_config(REPO / "configs/tiny/flow_grpo.yaml", ["algorithm.mask_truncated_completions=true"])
+
+
+def _with_sampler_logps(row0: float | None):
+    """Rollouts as a vLLM engine returns them: its own log-prob of every sampled token (``sampler_logps``), here NaN
+    (no log-prob reported: no gap) except, with ``row0``, that value on every token of sample 0."""
+    def prepare(trainer):
+        policy = trainer.policy
+        original = policy.rollout
+
+        def rollout(*args, **kwargs):
+            r = original(*args, **kwargs)
+            r.sampler_logps = torch.full(r.mask.shape, float("nan"))
+            if row0 is not None:
+                r.sampler_logps[0] = row0
+            return r
+
+        policy.rollout = rollout
+    return prepare
+
+
+def test_sampler_log_probs_weight_the_policy_term_as_trl_corrects_vllm(tmp_path):
+    from layout import one_update
+
+    def update(name, prepare=None, **fields):
+        config = load_config(REPO / "configs/tiny/vlm_grounding.yaml", [
+            f"output_dir={tmp_path / name}", *FAST, "train.steps=1", "logging.eval_every=0", "algorithm.beta=0.0",
+            "rewards={test_short_answer: 1.0}", "train.inner_epochs=1", "train.batch_size=8"])
+        for key, value in fields.items():  # as a vllm-engine config would set them (the hf engine refuses them)
+            setattr(config.algorithm, key, value)
+        return one_update(config, prepare)
+
+    plain, plain_grads, _ = update("plain")
+    assert "rollout/sampler_is_weight_mean" not in plain  # HF generate: nothing to correct
+    # no gap anywhere: every weight is 1, the same update (the old log-probs now come from the separate pass)
+    same, same_grads, _ = update("nan", _with_sampler_logps(None))
+    assert same["rollout/sampler_is_weight_min"] == same["rollout/sampler_is_weight_max"] == 1.0
+    assert torch.allclose(same_grads[0], plain_grads[0], rtol=1e-5, atol=1e-9)
+    # sample 0 sampled with log-prob 0 per token: its sequence ratio exp(sum of the model's log-probs) is ~0 (TRL's
+    # default sequence_mask with C_max 3 keeps it, at that weight): sample 0 no longer moves the policy
+    low, low_grads, _ = update("row0", _with_sampler_logps(0.0))
+    assert low["rollout/sampler_is_weight_min"] < 1e-6 and low["rollout/sampler_is_weight_max"] == 1.0
+    assert low["rollout/sampler_is_weight_mean"] == pytest.approx(7 / 8, abs=1e-6)
+    assert not torch.allclose(low_grads[0], plain_grads[0], rtol=1e-3)
+    # token_truncate: each of sample 0's tokens weighted exp(log p) in (0, 1), the others 1
+    tok, _, _ = update("token", _with_sampler_logps(0.0), sampler_correction="token_truncate")
+    assert 0 < tok["rollout/sampler_is_weight_min"] < 1 and tok["rollout/sampler_is_weight_max"] == 1.0
+    # none: the gap is still reported, nothing is weighted
+    off, off_grads, _ = update("none", _with_sampler_logps(0.0), sampler_correction="none")
+    assert "rollout/sampler_is_weight_mean" not in off and off["rollout/sampler_logp_gap_max"] > 0
+    assert torch.allclose(off_grads[0], plain_grads[0], rtol=1e-5, atol=1e-9)
+
+
+def test_sampler_correction_needs_the_vllm_engine():
+    from mmrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="generation.engine: vllm"):
+        load_config(REPO / "configs/tiny/vlm_grounding.yaml", ["algorithm.sampler_correction=token_mask"])
+    with pytest.raises(ConfigError, match="generation.engine: vllm"):
+        load_config(REPO / "configs/tiny/vlm_grounding.yaml", ["algorithm.sampler_correction_max=2.0"])
+    with pytest.raises(ConfigError, match="sampler_correction_min must be"):
+        load_config(REPO / "configs/tiny/vlm_grounding.yaml", ["algorithm.sampler_correction_min=5.0"])

@@ -17,6 +17,7 @@ One function serves both policy families: for a flow generator an action is a de
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,33 @@ def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
+#: how the rollout engine's log-probs correct the loss (TRL's ``vllm_importance_sampling_mode``)
+SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def sampler_importance_weights(old_logps: Tensor, sampler_logps: Tensor, mask: Tensor, *, mode: str,
+                               clip_min: float | None = None, clip_max: float | None = 3.0) -> Tensor:
+    """``[N, T]`` importance weights of each action for the gap between the rollout engine that sampled it (vLLM:
+    ``sampler_logps``) and the trained model's own log-probs of the same tokens (``old_logps``), TRL 1.16's
+    ``vllm_importance_sampling_correction``: ``r = exp(old - sampler)`` on the masked actions (a NaN sampler
+    log-prob counts as no gap), per token (``token_*``) or once per sample from the sum over its actions
+    (``sequence_*``); ``*_truncate`` clamps ``r`` to ``[clip_min, clip_max]``, ``*_mask`` sets it to 0 outside
+    (a bound of ``None`` does not apply). The policy term of each action is multiplied by it (the KL term is not)."""
+    if mode not in SAMPLER_CORRECTIONS or mode == "none":
+        raise ValueError(f"unknown sampler correction {mode!r}; expected one of {SAMPLER_CORRECTIONS[1:]}")
+    diff = torch.nan_to_num((old_logps.detach() - sampler_logps.detach()) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
+    else:
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    return ratio.expand_as(old_logps)
+
+
 def policy_loss(
     logps: Tensor,
     old_logps: Tensor,
@@ -67,6 +95,7 @@ def policy_loss(
     surrogate=None,
     kl_ratio_weight: bool = False,
     delta: float | None = None,
+    sampler_weight: Tensor | None = None,
 ) -> PolicyLossOutput:
     """Clipped surrogate loss over ``[N, T]`` actions.
 
@@ -108,6 +137,9 @@ def policy_loss(
         delta: two-sided clipping (INTELLECT-2, arXiv 2505.07291; TRL's ``delta``): the unclipped term uses
             ``min(ratio, delta)``, so ``l = -min(min(r, delta) A, clip(r) A)``: with a negative advantage a ratio
             above ``delta`` no longer grows the loss (nor has a gradient). ``None``: off. Not with ``surrogate``.
+        sampler_weight: ``[N, T]`` (or ``[N, 1]``) weights of each action's policy term, no gradient: the rollout
+            engine's importance correction (:func:`sampler_importance_weights`); the KL term is not weighted, as in
+            TRL.
         kl_ratio_weight: multiply the KL term by the importance ratio, gradient kept (TRL 1.16's
             ``use_bias_correction_kl``, its default; earlier TRL, EasyR1 / verl and Flow-GRPO add the plain KL).
             With ``ratio_level="sequence"`` the sample's ratio weights each of its actions' KL, as TRL broadcasts it;
@@ -162,6 +194,8 @@ def policy_loss(
         scale = torch.where(chunk > 0, counts.unsqueeze(-1) / chunk.clamp(min=1.0), torch.zeros_like(chunk))
         per_action = per_action.detach() + (per_action - per_action.detach()) * scale
 
+    if sampler_weight is not None:
+        per_action = per_action * sampler_weight.detach().to(per_action)
     if kl is None and ref_logps is not None:
         kl = k3_kl(logps, ref_logps.detach())
     if kl is not None and kl_ratio_weight:
