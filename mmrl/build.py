@@ -119,8 +119,9 @@ def video_pixel_budget(config: Config, processor) -> dict:
     Qwen2/2.5-VL (its video processor's ``size`` bounds each frame): qwen-vl-utils' ``fetch_video`` budget, the
     frames then passed at their final size (``do_resize=False``, as Qwen's README does after qwen-vl-utils, so the
     processor does not resize them again, to its own minimum). Per-frame minimum ``generation.video_min_pixels`` or
-    the processor's ``shortest_edge`` (qwen-vl-utils' ``VIDEO_MIN_PIXELS``, 128 x 28 x 28, in the real checkpoints'
-    video processor); per-frame cap the processor's ``longest_edge`` (``VIDEO_MAX_PIXELS``, 768 x 28 x 28); total
+    the processor's ``shortest_edge`` (``Qwen2VLVideoProcessor``'s default is qwen-vl-utils' ``VIDEO_MIN_PIXELS``,
+    128 x 28 x 28; a checkpoint without a video processor config gets its image processor's instead); per-frame cap
+    the processor's ``longest_edge`` (default ``VIDEO_MAX_PIXELS``, 768 x 28 x 28); total
     ``generation.video_total_pixels`` or 0.9 x ``max_video_tokens`` x 28 x 28 (``VIDEO_TOTAL_PIXELS``); then at most
     ``generation.video_max_pixels``. Qwen3-VL's video processor budgets the whole clip and resizes the frames
     itself: only ``video_max_pixels`` applies to them beforehand, and the other two are a :class:`ConfigError`."""

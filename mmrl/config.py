@@ -174,7 +174,7 @@ class GenerationConfig:
     video_max_pixels: int | None = opt(None, "Per-frame pixel budget for videos (Video-R1: 128 x 28 x 28).")
     video_min_pixels: int | None = opt(None, "Qwen2/2.5-VL: per-frame pixel floor for videos (qwen-vl-utils' "
                                        "min_pixels; Time-R1: 16 x 28 x 28); null: the video processor's shortest_edge "
-                                       "(128 x 28 x 28 in the released checkpoints).")
+                                       "(Qwen2VLVideoProcessor's default: 128 x 28 x 28, as qwen-vl-utils).")
     video_total_pixels: int | None = opt(None, "Qwen2/2.5-VL: pixel budget of a whole video (qwen-vl-utils' "
                                          "total_pixels: each frame gets at most total / frames x 2, at least 1.05 x "
                                          "the floor; Time-R1: 3584 x 28 x 28); null: 0.9 x the processor's "
