@@ -163,7 +163,8 @@ def build_vlm_policy(config: Config, device: torch.device | str = "cpu"):
                 "target_modules": m.lora_target_modules or LANGUAGE_LORA_TARGETS}
     return QwenVLPolicy(
         model, processor, lora=lora, freeze_vision=m.freeze_vision, temperature=g.temperature, top_p=g.top_p,
-        top_k=g.top_k, max_new_tokens=g.max_new_tokens, max_prompt_length=g.max_prompt_length,
+        top_k=g.top_k, min_p=g.min_p, repetition_penalty=g.repetition_penalty, max_new_tokens=g.max_new_tokens,
+        max_prompt_length=g.max_prompt_length,
         cache_implementation=g.cache_implementation, system_prompt=g.system_prompt,
         question_template=g.question_template, media=vlm_media(config, processor),
         gradient_checkpointing=m.gradient_checkpointing, skip_bad_samples=config.data.skip_bad_samples,

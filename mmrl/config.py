@@ -137,6 +137,11 @@ class GenerationConfig:
     temperature: float = opt(1.0, "Sampling temperature; training log-probs divide the logits by it too (TRL).")
     top_p: float = opt(1.0, "Nucleus sampling.")
     top_k: int = opt(0, "Top-k sampling; 0 disables.")
+    min_p: float = opt(0.0, "Min-p sampling: tokens below min_p x the top token's probability are dropped (HF "
+                       "generate and vLLM; TRL's min_p); 0 disables. Like top_p / top_k, it shapes sampling only: "
+                       "the training log-probs stay those of the tempered, untruncated distribution, as in TRL.")
+    repetition_penalty: float = opt(1.0, "Repetition penalty applied while sampling (HF generate and vLLM; TRL's "
+                                    "repetition_penalty); 1 disables. Sampling only, as min_p.")
     max_new_tokens: int = opt(256, "Completion budget; generation stops at the end-of-turn token.")
     cache_implementation: str = opt("dynamic", "The KV cache HF generate decodes with: 'dynamic' (DynamicCache) or "
                                     "'static' (StaticCache, preallocated: on a GPU transformers then compiles the "
@@ -855,6 +860,8 @@ def validate(config: Config, *, check_files: bool = True) -> None:
                               "max_prompt_length >= 1 are required")
         generation_checks = [
             (g.top_k >= 0, "generation.top_k must be >= 0 (0 disables top-k)"),
+            (0.0 <= g.min_p <= 1.0, "generation.min_p must be in [0, 1] (0 disables min-p)"),
+            (g.repetition_penalty > 0, "generation.repetition_penalty must be > 0 (1 disables it)"),
             (g.vllm_server_timeout > 0, "generation.vllm_server_timeout must be > 0 (seconds)"),
             (g.min_pixels is None or g.min_pixels >= 1, "generation.min_pixels must be >= 1 (or null)"),
             (g.max_pixels is None or g.max_pixels >= 1, "generation.max_pixels must be >= 1 (or null)"),

@@ -236,6 +236,20 @@ def vllm_server(vllm_model, tmp_path_factory):
 
 
 @needs_vllm
+def test_vllm_min_p_one_samples_the_most_likely_token(engine_policy):
+    """min_p = 1 keeps only the most likely token: the 4 samples of a prompt are one completion (without it, not)."""
+    c, policy = engine_policy
+    free = policy.rollout(items(c), 4, generator=torch.Generator().manual_seed(5))
+    assert any(len(set(free.completions[i:i + 4])) > 1 for i in range(0, len(free), 4))
+    policy.min_p = 1.0
+    try:
+        sharp = policy.rollout(items(c), 4, generator=torch.Generator().manual_seed(5))
+    finally:
+        policy.min_p = 0.0
+    assert all(len(set(sharp.completions[i:i + 4])) == 1 for i in range(0, len(sharp), 4))
+
+
+@needs_vllm
 def test_server_rollout_equals_the_colocated_engine(engine_policy, vllm_server, tmp_path):
     from mmrl.build import build_vlm_policy
 

@@ -80,8 +80,8 @@ def test_generate_through_the_server(server):
     image = Image.fromarray(np.full((4, 4, 3), 200, dtype=np.uint8))
     prompts = [{"prompt_token_ids": [5, 6, 7], "multi_modal_data": {"image": image}},
                {"prompt_token_ids": [8, 9]}]
-    params = dict(n=3, temperature=0.7, top_p=0.9, top_k=5, max_tokens=16, stop_token_ids=[2],
-                  suppressed_ids=[11, 12], seed=1234, greedy=False)
+    params = dict(n=3, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, repetition_penalty=1.1, max_tokens=16,
+                  stop_token_ids=[2], suppressed_ids=[11, 12], seed=1234, greedy=False)
     results = client(url).generate(prompts, **params)
     assert results == RecordingEngine().generate(prompts, **params)
     (received, got_params), = engine.requests

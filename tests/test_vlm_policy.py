@@ -1,6 +1,8 @@
 """The Qwen-VL policy on tiny Qwen2.5-VL / Qwen2-VL / Qwen3-VL models: rollouts, log-prob replay, padding, vision caching."""
 
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -265,3 +267,23 @@ def test_static_cache_samples_the_same_tokens(model_path):
     assert [static_cache_length(n) for n in (1, 256, 257, 1000, 1025)] == [256, 256, 512, 1024, 2048]
     with pytest.raises(ValueError, match="cache_implementation"):
         make_policy(model_path, cache_implementation="paged")
+
+
+def test_min_p_and_repetition_penalty_shape_sampling():
+    """min_p = 1 keeps only the most likely token: the 3 samples of a prompt are one completion (without it, not). A
+    huge repetition penalty (HF's: every token already in the sequence, prompt included) keeps any token from
+    appearing twice."""
+    path = str(_BUILDERS["qwen2_5_vl"](Path(tempfile.mkdtemp()) / "model"))
+    free = make_policy(path, lora=None).rollout(ITEMS[:2], 3, generator=torch.Generator().manual_seed(1))
+    assert any(len(set(free.completions[i:i + 3])) > 1 for i in (0, 3))
+    sharp = make_policy(path, lora=None, min_p=1.0)
+    assert sharp.sampling_config(group_size=3).min_p == 1.0
+    sampled = sharp.rollout(ITEMS[:2], 3, generator=torch.Generator().manual_seed(1))
+    assert all(len(set(sampled.completions[i:i + 3])) == 1 for i in (0, 3))
+    assert any(len(set(ids[m > 0].tolist())) < int(m.sum()) for ids, m in zip(sampled.completion_ids, sampled.mask))
+    fresh = make_policy(path, lora=None, min_p=1.0, repetition_penalty=1e9).rollout(
+        ITEMS[:2], 1, generator=torch.Generator().manual_seed(1))
+    for row in range(len(fresh)):
+        ids = fresh.completion_ids[row][fresh.mask[row] > 0].tolist()
+        prompt = set(fresh.prompt_ids[fresh.prompt_index[row]].tolist())
+        assert len(set(ids)) == len(ids) and not set(ids) & prompt

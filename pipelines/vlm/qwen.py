@@ -299,12 +299,12 @@ class QwenVLPolicy:
             never targeted), or ``None`` for full fine-tuning of the language model (and of the vision tower when
             ``freeze_vision`` is False).
         media: callable ``(item) -> (images, video)`` loading a data item's media (see :mod:`mmrl.data.vlm`).
-        temperature, top_p, top_k: the sampling distribution. The replayed log-probs are TRL's log-softmax of
-            ``logits / temperature`` with one difference, mmrl's: the vision placeholders are masked out of the
-            softmax, as they are suppressed in sampling (TRL scores the full vocabulary). With
-            ``top_p < 1`` or ``top_k > 0`` tokens are sampled from the truncated distribution but scored under
-            the untruncated tempered one, as in TRL's ``GRPOTrainer``; with ``top_p = 1``, ``top_k = 0`` the
-            scores are exactly those of the sampling distribution.
+        temperature, top_p, top_k, min_p, repetition_penalty: the sampling distribution. The replayed log-probs
+            are TRL's log-softmax of ``logits / temperature`` with one difference, mmrl's: the vision placeholders
+            are masked out of the softmax, as they are suppressed in sampling (TRL scores the full vocabulary). With
+            ``top_p < 1``, ``top_k > 0``, ``min_p > 0`` or ``repetition_penalty != 1`` tokens are sampled from the
+            modified distribution but scored under the unmodified tempered one, as in TRL's ``GRPOTrainer``;
+            without them the scores are exactly those of the sampling distribution.
 
     LoRA dropout (``lora["dropout"]``) applies in the gradient-carrying forward only (train mode), as in
     TRL / PEFT; the old and reference log-probs are computed in eval mode, so with dropout > 0 the first ratio
@@ -313,7 +313,8 @@ class QwenVLPolicy:
     """
 
     def __init__(self, model, processor, *, lora: dict | None = None, freeze_vision: bool = True,
-                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 256,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                 repetition_penalty: float = 1.0, max_new_tokens: int = 256,
                  max_prompt_length: int = 4096, cache_implementation: str = "dynamic", system_prompt: str | None = None,
                  question_template: str = "{question}", media=None, gradient_checkpointing: bool = False,
                  skip_bad_samples: bool = False, device: torch.device | str = "cpu", tools: dict | None = None,
@@ -328,6 +329,8 @@ class QwenVLPolicy:
         self.temperature = temperature
         self.top_p = top_p
         self.top_k = top_k
+        self.min_p = min_p
+        self.repetition_penalty = repetition_penalty
         self.max_new_tokens = max_new_tokens
         if cache_implementation not in ("dynamic", "static"):
             raise ValueError(f"cache_implementation must be 'dynamic' or 'static', got {cache_implementation!r}")
@@ -755,7 +758,8 @@ class QwenVLPolicy:
         seed = int(torch.randint(0, 2**31 - 1 - len(vision), (1,), generator=generator))
         results = self.sampler.generate(
             [v.engine_prompt for v in vision], n=group_size, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, max_tokens=self.max_new_tokens, stop_token_ids=self.eos_ids,
+            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            max_tokens=self.max_new_tokens, stop_token_ids=self.eos_ids,
             suppressed_ids=self.suppressed_ids, seed=seed, greedy=greedy)
         rows, logps = [], []
         for p, (engine_prompt, completions, completion_logps) in enumerate(results):
@@ -850,8 +854,11 @@ class QwenVLPolicy:
             common["cache_implementation"] = "static"
         if greedy:
             return GenerationConfig(do_sample=False, num_return_sequences=1, **common)
+        shaping = {"min_p": self.min_p} if self.min_p > 0 else {}
+        if self.repetition_penalty != 1.0:
+            shaping["repetition_penalty"] = self.repetition_penalty
         return GenerationConfig(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                num_return_sequences=group_size, **common)
+                                num_return_sequences=group_size, **shaping, **common)
 
     def logprobs(self, rollout: VLMRollout, index: Tensor, steps: Tensor | None = None, *,
                  with_kl: bool = False, masked_vision: bool = False, perturbed_vision: float = 0.0) -> LogProbOutput:

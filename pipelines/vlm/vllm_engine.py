@@ -93,7 +93,8 @@ class VLLMSampler:
 
     def generate(self, prompts: list[dict[str, Any]], *, n: int, temperature: float, top_p: float, top_k: int,
                  max_tokens: int, stop_token_ids: list[int], suppressed_ids: list[int], seed: int,
-                 greedy: bool = False) -> list[tuple[list[int], list[list[int]], list[list[float]]]]:
+                 greedy: bool = False, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                 ) -> list[tuple[list[int], list[list[int]], list[list[float]]]]:
         """``n`` completions of each prompt (``{"prompt_token_ids", "multi_modal_data"?, "mm_processor_kwargs"?}``).
         Returns per prompt ``(expanded prompt ids, [completion ids] * n, [sampled-token log-probs] * n)``."""
         from vllm import SamplingParams
@@ -103,7 +104,8 @@ class VLLMSampler:
         if greedy:
             params = [SamplingParams(n=1, temperature=0.0, **common) for _ in prompts]
         else:
-            params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed + i, **common)
+            params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                     repetition_penalty=repetition_penalty, seed=seed + i, **common)
                       for i in range(len(prompts))]
         outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
         results = []

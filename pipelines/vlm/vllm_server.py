@@ -24,8 +24,8 @@ Protocol (JSON, never pickle; arrays and images as base64 of their raw bytes, so
     loads the tensors into the engine in place (``reload_weights``) and resets its prefix and encoder caches; the
     fingerprint is recorded once the header ``X-Weights-Final: 1`` arrives with the last chunk.
 ``POST /generate``
-    ``{"prompts": [engine prompt, ...], "n", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids",
-    "suppressed_ids", "seed", "greedy"}`` -> ``{"results": [[expanded prompt ids, [completion ids], [log-probs]],
+    ``{"prompts": [engine prompt, ...], "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "max_tokens", "stop_token_ids", "suppressed_ids", "seed", "greedy"}`` -> ``{"results": [[expanded prompt ids, [completion ids], [log-probs]],
     ...]}``.
 
 Errors are ``{"error": message}`` with status 400 (a bad request) or 500 (the engine failed); the client raises
@@ -249,11 +249,13 @@ class VLLMServerClient:
 
     def generate(self, prompts: list[dict[str, Any]], *, n: int, temperature: float, top_p: float, top_k: int,
                  max_tokens: int, stop_token_ids: list[int], suppressed_ids: list[int], seed: int,
-                 greedy: bool = False) -> list[tuple[list[int], list[list[int]], list[list[float]]]]:
+                 greedy: bool = False, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                 ) -> list[tuple[list[int], list[list[int]], list[list[float]]]]:
         """As :meth:`VLLMSampler.generate <mmrl.pipelines.vlm.vllm_engine.VLLMSampler.generate>`, on the server."""
         payload = {"prompts": encode_payload(prompts), "n": n, "temperature": temperature, "top_p": top_p,
-                   "top_k": top_k, "max_tokens": max_tokens, "stop_token_ids": list(stop_token_ids),
-                   "suppressed_ids": list(suppressed_ids), "seed": seed, "greedy": greedy}
+                   "top_k": top_k, "min_p": min_p, "repetition_penalty": repetition_penalty, "max_tokens": max_tokens,
+                   "stop_token_ids": list(stop_token_ids), "suppressed_ids": list(suppressed_ids), "seed": seed,
+                   "greedy": greedy}
         answer = self._request("/generate", json.dumps(payload).encode(), {"Content-Type": "application/json"})
         return [(list(ids), [list(c) for c in completions], [list(map(float, lp)) for lp in logps])
                 for ids, completions, logps in answer["results"]]
