@@ -1268,10 +1268,18 @@ class Trainer:
         metrics["reward/mean"] = metrics["reward/total"]
         metrics.update(adv_stats)
         metrics.update(sampling_stats)
-        # every sample goes through the training pass (a zero advantage still carries the KL term and the step);
-        # the informative ones are those whose advantage is not all zero
-        metrics["samples/trained"] = float(len(advantages) * acc.num_processes)
-        metrics["samples/informative"] = metrics["samples/trained"] - adv_stats["samples/zero_advantage"]
+        # every sample with an action in the loss goes through the training pass (a zero advantage still carries the
+        # KL term and the step); rows left out of the loss (a variant's drop, mask_truncated_completions) are not
+        # trained; the informative ones are the trained ones whose advantage is not all zero
+        moving = advantages.reshape(len(advantages), -1).abs().sum(-1) > 0
+        trained = torch.ones(len(advantages), dtype=torch.bool)
+        mask = getattr(rollout, "mask", None)
+        if mask is not None and mask.shape[0] == len(advantages):
+            trained = mask.reshape(len(mask), -1).sum(-1) > 0
+        counts = torch.tensor([float(trained.sum()), float((trained & moving.cpu()).sum())], device=acc.device)
+        if acc.num_processes > 1:
+            counts = acc.reduce(counts, reduction="sum")
+        metrics["samples/trained"], metrics["samples/informative"] = (float(v) for v in counts.cpu())
         metrics.update(train_metrics)
         metrics["kl"] = train_metrics.get("kl", 0.0)
         if "completion_length" in rollout.extras:

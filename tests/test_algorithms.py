@@ -247,7 +247,7 @@ def test_each_vlm_variant_trains_one_update(tmp_path, name, dataset_with_referen
     if name == "taco":  # the random model writes no call: the probes have nothing to credit, GRPO's credit stays
         assert m["completions/tool_calls"] == 0 and m["taco/calls"] == 0
     if name == "mc_grpo":  # one pivot per group of G+1 = 5 leaves the loss
-        assert m["samples/dropped_from_loss"] == 2
+        assert m["samples/dropped_from_loss"] == 2 and m["samples/trained"] == 2 * 5 - 2  # 2 groups of G + 1
 
 
 @pytest.fixture(scope="module")

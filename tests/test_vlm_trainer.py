@@ -213,12 +213,14 @@ def test_mask_truncated_completions_leaves_them_out_of_the_loss_only(tmp_path, a
     metrics, grads, _ = update("all_on", "algorithm.mask_truncated_completions=true")
     assert metrics["completions/clipped_ratio"] == 1.0
     assert metrics["loss"] == 0.0 and all(g.abs().max() == 0 for g in grads)
+    assert metrics["samples/trained"] == 0 and metrics["samples/informative"] == 0
     off, off_grads, _ = update("all_off")
     assert off["completions/clipped_ratio"] == 1.0 and off_grads[0].norm() > 0
     # half of them end: their gradient alone, the truncated half still in the group statistics
     on, on_grads, _ = update("half_on", "algorithm.mask_truncated_completions=true", prepare=_with_end_tokens_on_even_rows)
     off, off_grads, _ = update("half_off", prepare=_with_end_tokens_on_even_rows)
     assert on["completions/clipped_ratio"] == off["completions/clipped_ratio"] == 0.5
+    assert on["samples/trained"] == 4 and off["samples/trained"] == 8
     assert on["advantages/abs_mean"] == off["advantages/abs_mean"] > 0
     assert on_grads[0].norm() > 0 and not torch.allclose(on_grads[0], off_grads[0])
 
