@@ -108,8 +108,8 @@ class SamplingConfig:
                            "updates, ODE elsewhere; it always spans W of steps 0..T-2 and wraps after T-W positions, "
                            "mmrl's rule: MixGRPO's own window is cut at step T-3, shrinks at the end of the schedule, "
                            "is empty for one position and wraps after T-1), 'entropy_merge' (E-GRPO: consecutive "
-                           "low-entropy SDE steps merged into one SDE step each, every merged step trained, ODE on the last step; set "
-                           "merge_threshold or merge_groups).",
+                           "low-entropy SDE steps merged into one SDE step each, every merged step trained, ODE on "
+                           "the last step; set merge_threshold or merge_groups).",
                            choices=("fraction", "random_fraction", "random_window", "sliding_window", "entropy_merge"))
     timestep_fraction: float = opt(0.99, "Fraction of the T steps trained for 'fraction' / 'random_fraction' "
                                    "(0.99 -> steps 0..T-2; DanceGRPO uses 0.6 of the T-1 steps). The last step "
@@ -219,6 +219,10 @@ class DataConfig:
                              "ShapeWorld's train split is 68 % color_attr). Every prompt needs a tag.")
 
 
+#: TRL 1.16's vllm_importance_sampling_clip_max, algorithm.sampler_correction_max's default
+SAMPLER_CORRECTION_MAX = 3.0
+
+
 @dataclass
 class AlgorithmConfig:
     """Advantages and the clipped loss (mmrl.core)."""
@@ -255,8 +259,8 @@ class AlgorithmConfig:
                                          "(TRL's default), nothing with HF generate (no gap to correct).",
                                          choices=(None, "none", "token_truncate", "token_mask", "sequence_truncate",
                                                   "sequence_mask"))
-    sampler_correction_max: float | None = opt(3.0, "sampler_correction's upper bound C_max (TRL's "
-                                               "vllm_importance_sampling_clip_max, 3.0); null: none.")
+    sampler_correction_max: float | None = opt(SAMPLER_CORRECTION_MAX, "sampler_correction's upper bound C_max "
+                                               "(TRL's vllm_importance_sampling_clip_max, 3.0); null: none.")
     sampler_correction_min: float | None = opt(None, "sampler_correction's lower bound C_min (TRL's "
                                                "vllm_importance_sampling_clip_min); null: none.")
     aggregation: str = opt("grpo", "Loss aggregation: grpo | bnpo | dr_grpo | dapo (TRL definitions).",
@@ -790,10 +794,11 @@ def validate(config: Config, *, check_files: bool = True) -> None:
          or 0 <= a.sampler_correction_min <= a.sampler_correction_max,
          "algorithm.sampler_correction_min must be in [0, sampler_correction_max]"),
         ((config.model.family == "qwen_vl" and config.generation.engine == "vllm")
-         or (a.sampler_correction is None and a.sampler_correction_max == 3.0 and a.sampler_correction_min is None),
-         "algorithm.sampler_correction / sampler_correction_max / sampler_correction_min correct the gap between vLLM's "
-         "log-probs and the trained model's: they need model.family: qwen_vl with generation.engine: vllm (HF generate "
-         "samples from the trained model itself)"),
+         or (a.sampler_correction is None and a.sampler_correction_max == SAMPLER_CORRECTION_MAX
+             and a.sampler_correction_min is None),
+         "algorithm.sampler_correction / sampler_correction_max / sampler_correction_min correct the gap between "
+         "vLLM's log-probs and the trained model's: they need model.family: qwen_vl with generation.engine: vllm (HF "
+         "generate samples from the trained model itself)"),
         (config.model.family == "qwen_vl" or not a.mask_truncated_completions,
          "algorithm.mask_truncated_completions applies to VLM completions (model.family: qwen_vl); a flow "
          "trajectory always has its sampling.num_steps steps"),

@@ -1271,12 +1271,9 @@ class Trainer:
         # every sample with an action in the loss goes through the training pass (a zero advantage still carries the
         # KL term and the step); rows left out of the loss (a variant's drop, mask_truncated_completions) are not
         # trained; the informative ones are the trained ones whose advantage is not all zero
-        moving = advantages.reshape(len(advantages), -1).abs().sum(-1) > 0
-        trained = torch.ones(len(advantages), dtype=torch.bool)
-        mask = getattr(rollout, "mask", None)
-        if mask is not None and mask.shape[0] == len(advantages):
-            trained = mask.reshape(len(mask), -1).sum(-1) > 0
-        counts = torch.tensor([float(trained.sum()), float((trained & moving.cpu()).sum())], device=acc.device)
+        moving = advantages.reshape(len(advantages), -1).abs().sum(-1).cpu() > 0
+        trained = rollout.mask.sum(-1) > 0  # the rows of this process's advantages, as trained
+        counts = torch.tensor([float(trained.sum()), float((trained & moving).sum())], device=acc.device)
         if acc.num_processes > 1:
             counts = acc.reduce(counts, reduction="sum")
         metrics["samples/trained"], metrics["samples/informative"] = (float(v) for v in counts.cpu())

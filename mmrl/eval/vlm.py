@@ -111,7 +111,8 @@ VLM_EVAL_KEYS: dict[str, str] = {
                   "<config output_dir>/eval/base; an existing one is resumed",
     "limit": "evaluate the first N samples of each benchmark",
     "batch_size": "questions per generation call (default 8); part of the protocol (padding changes the numerics)",
-    "greedy": "greedy decoding (default true); false samples with the config's generation.temperature, top_p, top_k, min_p, repetition_penalty",
+    "greedy": "greedy decoding (default true); false samples with the config's generation.temperature, top_p, "
+              "top_k, min_p, repetition_penalty",
     "seed": "sampled decoding (greedy=false): batch b of a benchmark is drawn with seed + b (default 42)",
     "max_new_tokens": "answer budget in tokens (default: the config's generation.max_new_tokens)",
     "blind": "also answer every benchmark with each image and video frame replaced by a uniform grey (128,128,128) "
