@@ -252,6 +252,14 @@ class AlgorithmConfig:
                                            "name; DAPO's overlong filtering, arXiv 2503.14476): they are still "
                                            "scored and count in their group's statistics, and a `grpo` mean still "
                                            "divides by them, as TRL's does.")
+    top_entropy_quantile: float = opt(1.0, "VLM: keep in the policy term only the tokens whose entropy is in the top "
+                                      "rho quantile (\"Beyond the 80/20 Rule\", arXiv 2506.01939; TRL's option of "
+                                      "this name; the paper uses 0.2); 1 keeps all. mmrl takes the quantile over "
+                                      "every real token of the whole update (all processes) from one no-gradient "
+                                      "pass of the sampling policy, so it is the same for every batch layout (TRL: "
+                                      "per micro-batch, in its training forward; equal when one micro-batch is the "
+                                      "whole update). The KL term and the loss's token counts are unchanged, as in "
+                                      "TRL.")
     sampler_correction: str | None = opt(None, "VLM rollouts sampled by vLLM (generation.engine: vllm): "
                                          "importance correction of the engine / trainer log-prob gap, TRL 1.16's "
                                          "vllm_importance_sampling_mode: token_truncate | token_mask | "
@@ -799,6 +807,11 @@ def validate(config: Config, *, check_files: bool = True) -> None:
          "algorithm.sampler_correction / sampler_correction_max / sampler_correction_min correct the gap between "
          "vLLM's log-probs and the trained model's: they need model.family: qwen_vl with generation.engine: vllm (HF "
          "generate samples from the trained model itself)"),
+        (0.0 <= a.top_entropy_quantile <= 1.0, "algorithm.top_entropy_quantile must be in [0, 1] (1 keeps every "
+                                                "token; the paper uses 0.2)"),
+        (config.model.family == "qwen_vl" or a.top_entropy_quantile == 1.0,
+         "algorithm.top_entropy_quantile selects high-entropy tokens of VLM completions (model.family: qwen_vl); a "
+         "flow's SDE step has no token distribution"),
         (config.model.family == "qwen_vl" or not a.mask_truncated_completions,
          "algorithm.mask_truncated_completions applies to VLM completions (model.family: qwen_vl); a flow "
          "trajectory always has its sampling.num_steps steps"),

@@ -33,7 +33,7 @@ from mmrl.config import Config, ConfigError, config_to_dict, dump_config
 from mmrl.algorithms import (AdvantageContext, Intermediate, RewardContext, Rewards, SelectContext, SurrogateContext,
                              TransformContext, build_variants)
 from mmrl.core.advantages import PerPromptStatTracker, combine_rewards
-from mmrl.core.losses import policy_loss, sampler_importance_weights
+from mmrl.core.losses import high_entropy_mask, policy_loss, sampler_importance_weights
 from mmrl.distributed import (broadcast_from_main, check_engine, configure_deepspeed, deepspeed_engine,
                               deepspeed_stage, full_model_state, full_optimizer_state, full_tensor, is_dtensor,
                               is_zero3, load_full_optimizer_state)
@@ -481,18 +481,38 @@ class Trainer:
 
     @torch.no_grad()
     def _old_logps(self, rollout, perm: torch.Tensor, step_chunks: list[torch.Tensor], *, skip: int = 0,
-                   **kwargs) -> torch.Tensor:
+                   field: str = "logps", **kwargs) -> torch.Tensor:
         """Log-probs of the sampling policy, computed in exactly the minibatch layout of the first inner epoch
-        (``kwargs`` to the policy's ``logprobs``: ``masked_vision=True`` for the grey-canvas pass). The first
-        ``skip`` samples of ``perm`` are left at 0: the training loop fills them from its live forwards."""
+        (``kwargs`` to the policy's ``logprobs``: ``masked_vision=True`` for the grey-canvas pass; ``field``
+        ``entropy`` with ``with_entropy=True``: the token entropies instead). The first ``skip`` samples of ``perm``
+        are left at 0: the training loop fills them from its live forwards."""
         old = torch.zeros(rollout.mask.shape)
         for i in range(skip, len(perm), self.config.train.batch_size):
             idx = perm[i:i + self.config.train.batch_size]
             for steps in step_chunks:
                 with self.accelerator.autocast():
-                    old[idx[:, None], steps[None, :]] = self.policy.logprobs(rollout, idx, steps,
-                                                                             **kwargs).logps.float().cpu()
+                    out = self.policy.logprobs(rollout, idx, steps, **kwargs)
+                    old[idx[:, None], steps[None, :]] = getattr(out, field).float().cpu()
         return old
+
+    def _high_entropy_weights(self, rollout, perm: torch.Tensor,
+                              step_chunks: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        """``algorithm.top_entropy_quantile``'s 0/1 mask of the tokens the policy term keeps
+        (:func:`high_entropy_mask`), the quantile taken over every process's real tokens, from one no-gradient pass
+        of the sampling policy, with its threshold and the kept fraction as metrics."""
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            entropy = self._old_logps(rollout, perm, step_chunks, field="entropy", with_entropy=True)
+        pool = entropy[rollout.mask > 0]
+        if self.accelerator.num_processes > 1:
+            pool = torch.cat(gather_object([pool]))
+        keep, threshold = high_entropy_mask(entropy, rollout.mask, self.config.algorithm.top_entropy_quantile,
+                                            pool=pool)
+        real = float((rollout.mask > 0).sum())
+        stats = {"rollout/entropy_threshold": threshold, "rollout/entropy_mean": float(pool.mean()) if pool.numel()
+                 else float("nan"), "rollout/high_entropy_fraction": float(keep.sum()) / real if real else 0.0,
+                 "time/entropy_forward": time.perf_counter() - t0}
+        return keep, stats
 
     def _max_actions(self, rollout) -> int:
         """The constant ``L`` of ``dr_grpo``: the policy's action budget (a VLM's ``max_new_tokens``), else the
@@ -630,6 +650,10 @@ class Trainer:
             sampler_weights = sampler_importance_weights(rollout.old_logps, rollout.sampler_logps, rollout.mask,
                                                          mode=sampler_mode, clip_min=a.sampler_correction_min,
                                                          clip_max=a.sampler_correction_max)
+        action_weights, entropy_stats = sampler_weights, {}
+        if a.top_entropy_quantile < 1.0:  # TRL's order: entropy mask, then the sampler weight, on the policy term
+            keep, entropy_stats = self._high_entropy_weights(rollout, perms[0], step_chunks)
+            action_weights = keep if sampler_weights is None else keep * sampler_weights
         rows = torch.arange(n) + acc.process_index * n  # these samples' rows in the advantages stage's [N_all]
         for variant in self._users("transform"):
             advantages = variant.transform(TransformContext(
@@ -700,8 +724,8 @@ class Trainer:
                                 sequence_log_ratio=None if sequence_log_ratio is None else sequence_log_ratio.to(device),
                                 surrogate=self._surrogate(surrogates[0], idx, rollout) if surrogates else None,
                                 kl_ratio_weight=a.kl_bias_correction, delta=a.delta,
-                                sampler_weight=None if sampler_weights is None else
-                                sampler_weights[idx][:, steps].to(device),
+                                action_weight=None if action_weights is None else
+                                action_weights[idx][:, steps].to(device),
                             )
                         loss = result.loss
                         if not torch.isfinite(loss):
@@ -748,6 +772,7 @@ class Trainer:
         metrics = {k: sums[k] / weights[k] if weights[k] > 0 else 0.0 for k in sums}
         if sampler_weights is not None:
             metrics.update(self._sampler_weight_stats(sampler_weights, rollout.mask, sampler_mode))
+        metrics.update(entropy_stats)
         if gap_max > float("-inf"):
             metrics["rollout/sampler_logp_gap_max"] = gap_max
         if math.isfinite(ratio_min):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mmrl.core.losses import k3_kl, policy_loss
+from mmrl.core.losses import high_entropy_mask, k3_kl, policy_loss
 
 N, T = 3, 4
 
@@ -281,13 +281,13 @@ def test_sampler_importance_weights_follow_trls_modes():
         sampler_importance_weights(old, sampler, mask, mode="none")
 
 
-def test_sampler_weight_scales_the_policy_term_not_the_kl():
+def test_action_weight_scales_the_policy_term_not_the_kl():
     torch.manual_seed(0)
     logps = torch.randn(3, 4, requires_grad=True)
     old, ref = logps.detach() + 0.05 * torch.randn(3, 4), logps.detach() + 0.1 * torch.randn(3, 4)
     adv, mask = torch.tensor([1.0, -0.5, 2.0]), torch.ones(3, 4)
     weight = torch.tensor([[2.0], [0.0], [0.5]]).expand(3, 4)
-    out = policy_loss(logps, old, adv, mask, ref_logps=ref, beta=0.1, aggregation="dapo", sampler_weight=weight)
+    out = policy_loss(logps, old, adv, mask, ref_logps=ref, beta=0.1, aggregation="dapo", action_weight=weight)
     ratio = torch.exp(logps - old)
     surrogate = -torch.min(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None])
     expected = ((surrogate * weight + 0.1 * k3_kl(logps, ref)) * mask).sum() / mask.sum()
@@ -295,3 +295,26 @@ def test_sampler_weight_scales_the_policy_term_not_the_kl():
     (grad,) = torch.autograd.grad(out.loss, logps)
     (want,) = torch.autograd.grad(expected, logps)
     assert torch.allclose(grad, want)
+
+
+def test_high_entropy_mask_keeps_the_top_quantile_of_real_tokens_as_trl():
+    """TRL's get_high_entropy_mask on hand values: the threshold is torch.quantile (linear interpolation) at 1 - rho
+    of the real tokens' entropies, a token is kept when its entropy reaches it, padding never (its 9.0 neither counts
+    in the quantile nor is kept)."""
+    entropies = torch.tensor([[0.1, 0.5, 0.9], [0.3, 0.7, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    # sorted real values 0.1 0.3 0.5 0.7 0.9: the 0.6 quantile sits at 2.4 -> 0.5 + 0.4 x 0.2 = 0.58
+    keep, threshold = high_entropy_mask(entropies, mask, 0.4)
+    assert threshold == pytest.approx(0.58)
+    assert keep.tolist() == [[0.0, 0.0, 1.0], [0.0, 1.0, 0.0]]
+    keep, threshold = high_entropy_mask(entropies, mask, 1.0)  # everything real
+    assert threshold == pytest.approx(0.1) and torch.equal(keep, mask)
+    keep, _ = high_entropy_mask(entropies, mask, 0.0)  # only the highest real entropy
+    assert keep.tolist() == [[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]
+    # a pool from every process sets the threshold instead: 0.825 between 0.8 and 0.85
+    keep, threshold = high_entropy_mask(entropies, mask, 0.5, pool=torch.tensor([0.8, 0.85]))
+    assert threshold == pytest.approx(0.825) and keep.tolist() == [[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]
+    keep, threshold = high_entropy_mask(entropies, torch.zeros_like(mask), 0.2)
+    assert math.isnan(threshold) and keep.sum() == 0
+    with pytest.raises(ValueError, match=r"top_quantile must be in \[0, 1\]"):
+        high_entropy_mask(entropies, mask, 1.5)

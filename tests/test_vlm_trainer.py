@@ -282,6 +282,69 @@ def test_sampler_log_probs_weight_the_policy_term_as_trl_corrects_vllm(tmp_path)
     assert torch.allclose(off_grads[0], plain_grads[0], rtol=1e-5, atol=1e-9)
 
 
+def test_top_entropy_quantile_trains_the_high_entropy_tokens_alike_for_every_layout(tmp_path):
+    """algorithm.top_entropy_quantile ("Beyond the 80/20 Rule"; TRL's option): the entropies are those of the tempered
+    next-token distribution (checked against torch.distributions.Categorical on a plain forward of the model), the
+    kept tokens are the top half of the real ones, and the update is the same for every minibatch / accumulation
+    split (one threshold over the whole update, mmrl's rule) and differs from training every token."""
+    from torch.distributions import Categorical
+
+    from layout import assert_same_update, one_update
+
+    seen = []
+
+    def spy(trainer):
+        policy, original = trainer.policy, trainer.policy.logprobs
+
+        def logprobs(rollout, index, steps=None, **kwargs):
+            out = original(rollout, index, steps, **kwargs)
+            if kwargs.get("with_entropy"):  # the same rows through a plain forward of the model, before the update
+                index = torch.as_tensor(index)
+                with torch.no_grad():
+                    inputs = policy._sequence_inputs(rollout, index)
+                    positions = policy._rope_positions(rollout)
+                    if positions is not None:
+                        inputs["position_ids"] = positions[:, index]
+                    vision = policy._vision_kwargs([rollout.vision[r] for r in rollout.prompt_index[index].tolist()])
+                    width = rollout.completion_ids.shape[1]
+                    logits = policy.train_model(**inputs, **vision, logits_to_keep=width + 1,
+                                                use_cache=False).logits[:, :-1].float() / 0.7
+                logits[..., policy.suppressed_ids] = float("-inf")  # never sampled: probability 0
+                seen.append((out.entropy, Categorical(logits=logits).entropy(), rollout.mask[index]))
+            return out
+        policy.logprobs = logprobs
+
+    def update(name, *extra, prepare=None):
+        config = load_config(REPO / "configs/tiny/vlm_grounding.yaml", [
+            f"output_dir={tmp_path / name}", *FAST, "train.steps=1", "logging.eval_every=0", "algorithm.beta=0.0",
+            "rewards={test_short_answer: 1.0}", "train.inner_epochs=1", "generation.temperature=0.7", *extra])
+        return one_update(config, prepare)
+
+    whole = update("whole", "algorithm.top_entropy_quantile=0.5", "train.batch_size=8", prepare=spy)
+    metrics = whole[0]
+    assert 0.5 <= metrics["rollout/high_entropy_fraction"] < 1.0 and metrics["rollout/entropy_threshold"] > 0
+    got, want, mask = seen[0]
+    assert torch.allclose(got.cpu(), want.cpu(), rtol=1e-5, atol=1e-5) and got.std() > 0
+    assert metrics["rollout/entropy_mean"] == pytest.approx(float(want[mask > 0].mean()), rel=1e-5)
+    for name, extra in (("half", ["train.batch_size=4", "train.gradient_accumulation_steps=2"]),
+                        ("quarter", ["train.batch_size=2", "train.gradient_accumulation_steps=4"])):
+        other = update(name, "algorithm.top_entropy_quantile=0.5", *extra)
+        assert other[0]["rollout/entropy_threshold"] == pytest.approx(metrics["rollout/entropy_threshold"], rel=1e-5)
+        assert_same_update(other, whole, rtol=1e-4)
+    every = update("every", "train.batch_size=8")
+    assert "rollout/entropy_threshold" not in every[0]
+    assert not torch.allclose(every[1][0], whole[1][0], rtol=1e-3)
+
+
+def test_top_entropy_quantile_is_checked():
+    from mmrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"top_entropy_quantile must be in \[0, 1\]"):
+        load_config(REPO / "configs/tiny/vlm_grounding.yaml", ["algorithm.top_entropy_quantile=1.5"])
+    with pytest.raises(ConfigError, match="top_entropy_quantile selects high-entropy tokens of VLM"):
+        load_config(REPO / "configs/tiny/flow_grpo.yaml", ["algorithm.top_entropy_quantile=0.2"])
+
+
 def test_sampler_correction_needs_the_vllm_engine():
     from mmrl.config import ConfigError
 

@@ -72,6 +72,25 @@ def sampler_importance_weights(old_logps: Tensor, sampler_logps: Tensor, mask: T
     return ratio.expand_as(old_logps)
 
 
+
+def high_entropy_mask(entropies: Tensor, mask: Tensor, top_quantile: float,
+                      pool: Tensor | None = None) -> tuple[Tensor, float]:
+    """The tokens a policy gradient keeps under "Beyond the 80/20 Rule" (Wang et al. 2025, arXiv 2506.01939; TRL's
+    ``top_entropy_quantile``): those whose entropy is at least the ``1 - top_quantile`` quantile (``torch.quantile``,
+    linear interpolation, as TRL) of the entropies of every real action (``mask > 0``) in ``entropies``.
+    ``top_quantile`` 1 keeps every real action, 0 only the highest-entropy one(s), 0.2 is the paper's choice.
+    ``pool``: the 1-D entropies the quantile is taken over instead (every process's real actions, for a threshold
+    shared by all of them). Returns the ``[N, T]`` 0/1 mask (padding always 0) and the threshold (NaN when there is
+    no real action)."""
+    if not 0.0 <= top_quantile <= 1.0:
+        raise ValueError(f"top_quantile must be in [0, 1], got {top_quantile}")
+    real = mask > 0
+    values = entropies[real].float() if pool is None else pool.float()
+    if not values.numel():
+        return torch.zeros_like(mask, dtype=torch.float32), float("nan")
+    threshold = torch.quantile(values, 1.0 - top_quantile)
+    return ((entropies.float() >= threshold) & real).float(), float(threshold)
+
 def policy_loss(
     logps: Tensor,
     old_logps: Tensor,
@@ -95,7 +114,7 @@ def policy_loss(
     surrogate=None,
     kl_ratio_weight: bool = False,
     delta: float | None = None,
-    sampler_weight: Tensor | None = None,
+    action_weight: Tensor | None = None,
 ) -> PolicyLossOutput:
     """Clipped surrogate loss over ``[N, T]`` actions.
 
@@ -137,9 +156,10 @@ def policy_loss(
         delta: two-sided clipping (INTELLECT-2, arXiv 2505.07291; TRL's ``delta``): the unclipped term uses
             ``min(ratio, delta)``, so ``l = -min(min(r, delta) A, clip(r) A)``: with a negative advantage a ratio
             above ``delta`` no longer grows the loss (nor has a gradient). ``None``: off. Not with ``surrogate``.
-        sampler_weight: ``[N, T]`` (or ``[N, 1]``) weights of each action's policy term, no gradient: the rollout
-            engine's importance correction (:func:`sampler_importance_weights`); the KL term is not weighted, as in
-            TRL.
+        action_weight: ``[N, T]`` (or ``[N, 1]``) weights of each action's policy term, no gradient: the rollout
+            engine's importance correction (:func:`sampler_importance_weights`) times the high-entropy token mask
+            (:func:`high_entropy_mask`); the KL term is not weighted and the aggregation's action counts are
+            unchanged, as in TRL.
         kl_ratio_weight: multiply the KL term by the importance ratio, gradient kept (TRL 1.16's
             ``use_bias_correction_kl``, its default; earlier TRL, EasyR1 / verl and Flow-GRPO add the plain KL).
             With ``ratio_level="sequence"`` the sample's ratio weights each of its actions' KL, as TRL broadcasts it;
@@ -194,8 +214,8 @@ def policy_loss(
         scale = torch.where(chunk > 0, counts.unsqueeze(-1) / chunk.clamp(min=1.0), torch.zeros_like(chunk))
         per_action = per_action.detach() + (per_action - per_action.detach()) * scale
 
-    if sampler_weight is not None:
-        per_action = per_action * sampler_weight.detach().to(per_action)
+    if action_weight is not None:
+        per_action = per_action * action_weight.detach().to(per_action)
     if kl is None and ref_logps is not None:
         kl = k3_kl(logps, ref_logps.detach())
     if kl is not None and kl_ratio_weight:

@@ -236,6 +236,7 @@ def tool_extras(calls: list | None) -> dict[str, Tensor]:
 class LogProbOutput:
     logps: Tensor  # [n, t]
     kl: Tensor | None = None
+    entropy: Tensor | None = None  # [n, t]: of each position's (tempered) next-token distribution, with_entropy
 
 
 def resolve_vlm_pretrained(pretrained: str) -> str:
@@ -861,7 +862,8 @@ class QwenVLPolicy:
                                 num_return_sequences=group_size, **shaping, **common)
 
     def logprobs(self, rollout: VLMRollout, index: Tensor, steps: Tensor | None = None, *,
-                 with_kl: bool = False, masked_vision: bool = False, perturbed_vision: float = 0.0) -> LogProbOutput:
+                 with_kl: bool = False, masked_vision: bool = False, perturbed_vision: float = 0.0,
+                 with_entropy: bool = False) -> LogProbOutput:
         """Per-token log-probs ``[n, T]`` (or the ``steps`` columns) of the stored completions of samples ``index``.
 
         ``masked_vision``: the same completions with every image and video frame replaced by a grey canvas of the
@@ -872,7 +874,9 @@ class QwenVLPolicy:
         With gradients enabled the forward runs in train mode (gradient checkpointing, LoRA dropout); without, in
         eval mode. ``with_kl``: also TRL's k3 estimate of KL(policy || reference) per token,
         ``exp(ref - logp) - (ref - logp) - 1``, on the live log-probs (so ``beta`` has a gradient) with the
-        reference log-probs computed without gradients (eval mode) and cached for the update.
+        reference log-probs computed without gradients (eval mode) and cached for the update. ``with_entropy``: also
+        the entropy ``-sum_v p log p`` (nats) of the tempered distribution each completion token was drawn from (0 at
+        positions that are not the policy's own tokens), for ``algorithm.top_entropy_quantile``.
         """
         index = torch.as_tensor(index, dtype=torch.long)
         rows = rollout.prompt_index[index]
@@ -885,7 +889,9 @@ class QwenVLPolicy:
         own = None if rollout.completion_attention is None else (rollout.mask[index] > 0).to(self.device)
         positions = self._rope_positions(rollout)  # the model's own 3-D rope positions, computed once per rollout
 
-        def token_logps(model, train: bool) -> Tensor:
+        entropies: list[Tensor] = []
+
+        def token_logps(model, train: bool, entropy: bool = False) -> Tensor:
             # the mode is set at the start of each forward and left as it is: a gradient-carrying forward stays in
             # train mode through its backward, where gradient checkpointing recomputes it (dropout included)
             set_mode(model, train)
@@ -910,6 +916,13 @@ class QwenVLPolicy:
             logps = picked - torch.logsumexp(logits, dim=-1)
             if own is not None:  # a tool response's vision placeholders are suppressed ids: -inf, never actions
                 logps = torch.where(own, logps, torch.zeros_like(logps))
+            if entropy:  # one row at a time: a [T, V] copy of the log-softmax, not [n, T, V]
+                rows_h = []
+                for row in logits.detach():
+                    log_p = torch.log_softmax(row, dim=-1)
+                    rows_h.append(-(log_p.exp() * torch.nan_to_num(log_p, neginf=0.0)).sum(-1))  # suppressed: p = 0
+                h = torch.stack(rows_h)
+                entropies.append(h if own is None else torch.where(own, h, torch.zeros_like(h)))
             return logps
 
         ref = None
@@ -927,13 +940,15 @@ class QwenVLPolicy:
                 for j, i in enumerate(rows_list):
                     cache[i] = fresh[j]
             ref = torch.stack([cache[i] for i in rows_list])
-        logps = token_logps(self.train_model, train=torch.is_grad_enabled())
+        logps = token_logps(self.train_model, train=torch.is_grad_enabled(), entropy=with_entropy)
         kl = None if ref is None else k3_kl(logps, ref)  # TRL: live log-probs, reference without gradient
+        entropy = entropies[0] if entropies else None
         if steps is not None:
             steps = torch.as_tensor(steps, device=logps.device)
             logps = logps[:, steps]
             kl = kl[:, steps] if kl is not None else None
-        return LogProbOutput(logps=logps, kl=kl)
+            entropy = entropy[:, steps] if entropy is not None else None
+        return LogProbOutput(logps=logps, kl=kl, entropy=entropy)
 
     def _shares_prompts(self, rows: Tensor, rollout: VLMRollout, positions: Tensor | None) -> bool:
         """Whether a log-prob forward over samples with these prompt ``rows`` runs each distinct prompt once
