@@ -260,6 +260,12 @@ class AlgorithmConfig:
                                       "per micro-batch, in its training forward; equal when one micro-batch is the "
                                       "whole update). The KL term and the loss's token counts are unchanged, as in "
                                       "TRL.")
+    entropy_coef: float = opt(0.0, "VLM: entropy bonus, loss - coef x the mean entropy of the tempered next-token "
+                              "distribution over the trained tokens (the high-entropy ones under "
+                              "top_entropy_quantile), with gradient; TRL's entropy_coef with a fixed coefficient "
+                              "(its adaptive mode is not built). mmrl's mean is over every trained token of the "
+                              "optimizer step on every process (the same update for every layout); TRL's per "
+                              "micro-batch, equal when one micro-batch is the whole step. 0: off.")
     sampler_correction: str | None = opt(None, "VLM rollouts sampled by vLLM (generation.engine: vllm): "
                                          "importance correction of the engine / trainer log-prob gap, TRL 1.16's "
                                          "vllm_importance_sampling_mode: token_truncate | token_mask | "
@@ -812,6 +818,9 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         (config.model.family == "qwen_vl" or a.top_entropy_quantile == 1.0,
          "algorithm.top_entropy_quantile selects high-entropy tokens of VLM completions (model.family: qwen_vl); a "
          "flow's SDE step has no token distribution"),
+        (config.model.family == "qwen_vl" or a.entropy_coef == 0.0,
+         "algorithm.entropy_coef is a bonus on the entropy of VLM token distributions (model.family: qwen_vl); a "
+         "flow's SDE step has a fixed Gaussian entropy"),
         (config.model.family == "qwen_vl" or not a.mask_truncated_completions,
          "algorithm.mask_truncated_completions applies to VLM completions (model.family: qwen_vl); a flow "
          "trajectory always has its sampling.num_steps steps"),

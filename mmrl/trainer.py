@@ -651,9 +651,11 @@ class Trainer:
                                                          mode=sampler_mode, clip_min=a.sampler_correction_min,
                                                          clip_max=a.sampler_correction_max)
         action_weights, entropy_stats = sampler_weights, {}
+        bonus_mask = rollout.mask  # the tokens algorithm.entropy_coef's bonus averages over
         if a.top_entropy_quantile < 1.0:  # TRL's order: entropy mask, then the sampler weight, on the policy term
             keep, entropy_stats = self._high_entropy_weights(rollout, perms[0], step_chunks)
             action_weights = keep if sampler_weights is None else keep * sampler_weights
+            bonus_mask = rollout.mask * keep
         rows = torch.arange(n) + acc.process_index * n  # these samples' rows in the advantages stage's [N_all]
         for variant in self._users("transform"):
             advantages = variant.transform(TransformContext(
@@ -688,6 +690,11 @@ class Trainer:
                 # grpo / dr_grpo: a mean over the minibatches really accumulated; bnpo / dapo are normalised by the
                 # action count of the whole accumulated batch (local / global) instead
                 accumulated = len(group) if a.aggregation in ("grpo", "dr_grpo") else 1
+                if a.entropy_coef:  # the bonus is a mean over the whole optimizer step's trained tokens
+                    bonus_items = torch.stack([bonus_mask[idx].sum() for idx in group]).sum().to(acc.device)
+                    if acc.num_processes > 1:
+                        bonus_items = acc.reduce(bonus_items, reduction="sum")
+                    bonus_scale = bonus_items.clamp(min=1.0) / acc.num_processes  # DDP averages over processes
                 step_loss = 0.0
                 for g, idx in enumerate(group):
                     mask = rollout.mask[idx]
@@ -702,7 +709,8 @@ class Trainer:
                         ctx = acc.no_sync(policy.model) if not sync and acc.num_processes > 1 and \
                             self.engine is None else contextlib.nullcontext()
                         with ctx, acc.autocast():
-                            out = policy.logprobs(rollout, idx, steps, with_kl=a.beta > 0)
+                            out = policy.logprobs(rollout, idx, steps, with_kl=a.beta > 0,
+                                                  **({"with_entropy": True} if a.entropy_coef else {}))
                             device = out.logps.device
                             adv = advantages[idx]
                             adv = adv[:, steps] if adv.dim() == 2 else adv
@@ -728,6 +736,12 @@ class Trainer:
                                 action_weights[idx][:, steps].to(device),
                             )
                         loss = result.loss
+                        if a.entropy_coef:
+                            covered = bonus_mask[idx][:, steps].to(device)
+                            loss = loss - a.entropy_coef * (out.entropy * covered).sum() / bonus_scale
+                            if covered.sum() > 0:
+                                add("entropy", float((out.entropy.detach() * covered).sum() / covered.sum()),
+                                    float(covered.sum()))
                         if not torch.isfinite(loss):
                             # keep every process in the same backward (DDP) but contribute nothing; ZeRO-3's weights are
                             # partitions outside a forward, so its zero goes through this forward's output instead

@@ -336,6 +336,59 @@ def test_top_entropy_quantile_trains_the_high_entropy_tokens_alike_for_every_lay
     assert not torch.allclose(every[1][0], whole[1][0], rtol=1e-3)
 
 
+@register_reward("test_constant")
+class ConstantReward:
+    """Test reward: 1 for every completion, so every advantage is 0 and only a bonus term has a gradient."""
+
+    name = "test_constant"
+    needs_prompts = False
+
+    def __init__(self):
+        self.last_info = {}
+
+    def __call__(self, completions, prompts=None, metadata=None):
+        return {self.name: torch.ones(len(completions))}
+
+
+def test_entropy_coef_raises_the_entropy_alike_for_every_layout(tmp_path):
+    """algorithm.entropy_coef (TRL's entropy bonus, fixed coefficient): with every advantage 0 (a constant reward) the
+    bonus is the whole gradient; it is linear in the coefficient, the same for batch 8 and 4 x 2 (a mean over the
+    optimizer step's tokens, mmrl's rule), logged as `entropy`, and the step it drives raises the policy's entropy on
+    the same completions; coefficient 0 trains nothing here."""
+    from layout import assert_same_update, one_update
+
+    kept = {}
+
+    def keep(trainer):
+        kept["trainer"] = trainer
+        original = trainer.policy.rollout
+
+        def rollout(*args, **kwargs):
+            kept["rollout"] = original(*args, **kwargs)
+            return kept["rollout"]
+        trainer.policy.rollout = rollout
+
+    def update(name, coef, *extra, prepare=None):
+        config = load_config(REPO / "configs/tiny/vlm_grounding.yaml", [
+            f"output_dir={tmp_path / name}", *FAST, "train.steps=1", "logging.eval_every=0", "algorithm.beta=0.0",
+            "rewards={test_constant: 1.0}", "train.inner_epochs=1", f"algorithm.entropy_coef={coef}", *extra])
+        return one_update(config, prepare)
+
+    off = update("off", 0.0, "train.batch_size=8")
+    assert all(g.abs().max() == 0 for g in off[1]) and "entropy" not in off[0]
+    one = update("one", 1.0, "train.batch_size=8", prepare=keep)
+    assert one[0]["entropy"] > 0 and one[1][0].norm() > 0
+    two = update("two", 2.0, "train.batch_size=8")
+    assert torch.allclose(two[1][0], 2 * one[1][0], rtol=1e-5, atol=1e-10)
+    assert_same_update(update("split", 1.0, "train.batch_size=4", "train.gradient_accumulation_steps=2"), one,
+                       rtol=1e-4)
+    trainer, rollout = kept["trainer"], kept["rollout"]
+    with torch.no_grad():
+        after = trainer.policy.logprobs(rollout, torch.arange(len(rollout.mask)), with_entropy=True).entropy.cpu()
+    real = rollout.mask > 0
+    assert float(after[real].mean()) > one[0]["entropy"]
+
+
 def test_top_entropy_quantile_is_checked():
     from mmrl.config import ConfigError
 
@@ -343,6 +396,8 @@ def test_top_entropy_quantile_is_checked():
         load_config(REPO / "configs/tiny/vlm_grounding.yaml", ["algorithm.top_entropy_quantile=1.5"])
     with pytest.raises(ConfigError, match="top_entropy_quantile selects high-entropy tokens of VLM"):
         load_config(REPO / "configs/tiny/flow_grpo.yaml", ["algorithm.top_entropy_quantile=0.2"])
+    with pytest.raises(ConfigError, match="entropy_coef is a bonus on the entropy of VLM"):
+        load_config(REPO / "configs/tiny/flow_grpo.yaml", ["algorithm.entropy_coef=0.01"])
 
 
 def test_sampler_correction_needs_the_vllm_engine():

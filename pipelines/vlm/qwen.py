@@ -916,9 +916,9 @@ class QwenVLPolicy:
             logps = picked - torch.logsumexp(logits, dim=-1)
             if own is not None:  # a tool response's vision placeholders are suppressed ids: -inf, never actions
                 logps = torch.where(own, logps, torch.zeros_like(logps))
-            if entropy:  # one row at a time: a [T, V] copy of the log-softmax, not [n, T, V]
-                rows_h = []
-                for row in logits.detach():
+            if entropy:  # one row at a time: a [T, V] copy of the log-softmax, not [n, T, V] (with gradient when
+                rows_h = []  # the forward has one: algorithm.entropy_coef's bonus)
+                for row in (logits if torch.is_grad_enabled() else logits.detach()):
                     log_p = torch.log_softmax(row, dim=-1)
                     rows_h.append(-(log_p.exp() * torch.nan_to_num(log_p, neginf=0.0)).sum(-1))  # suppressed: p = 0
                 h = torch.stack(rows_h)
