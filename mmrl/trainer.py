@@ -481,38 +481,37 @@ class Trainer:
 
     @torch.no_grad()
     def _old_logps(self, rollout, perm: torch.Tensor, step_chunks: list[torch.Tensor], *, skip: int = 0,
-                   field: str = "logps", **kwargs) -> torch.Tensor:
+                   entropy: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """Log-probs of the sampling policy, computed in exactly the minibatch layout of the first inner epoch
-        (``kwargs`` to the policy's ``logprobs``: ``masked_vision=True`` for the grey-canvas pass; ``field``
-        ``entropy`` with ``with_entropy=True``: the token entropies instead). The first ``skip`` samples of ``perm``
-        are left at 0: the training loop fills them from its live forwards."""
+        (``kwargs`` to the policy's ``logprobs``: ``masked_vision=True`` for the grey-canvas pass). The first
+        ``skip`` samples of ``perm`` are left at 0: the training loop fills them from its live forwards. ``entropy``
+        (``[N, T]``): also filled, in place, with the token entropies of the same forwards."""
         old = torch.zeros(rollout.mask.shape)
+        if entropy is not None:
+            kwargs["with_entropy"] = True
         for i in range(skip, len(perm), self.config.train.batch_size):
             idx = perm[i:i + self.config.train.batch_size]
             for steps in step_chunks:
                 with self.accelerator.autocast():
                     out = self.policy.logprobs(rollout, idx, steps, **kwargs)
-                    old[idx[:, None], steps[None, :]] = getattr(out, field).float().cpu()
+                old[idx[:, None], steps[None, :]] = out.logps.float().cpu()
+                if entropy is not None:
+                    entropy[idx[:, None], steps[None, :]] = out.entropy.float().cpu()
         return old
 
-    def _high_entropy_weights(self, rollout, perm: torch.Tensor,
-                              step_chunks: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def _high_entropy_weights(self, rollout, entropy: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """``algorithm.top_entropy_quantile``'s 0/1 mask of the tokens the policy term keeps
-        (:func:`high_entropy_mask`), the quantile taken over every process's real tokens, from one no-gradient pass
-        of the sampling policy, with its threshold and the kept fraction as metrics."""
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            entropy = self._old_logps(rollout, perm, step_chunks, field="entropy", with_entropy=True)
+        (:func:`high_entropy_mask`) from the sampling policy's token ``entropy``, the quantile taken over every
+        process's real tokens, with its threshold, the mean entropy and the kept fraction as metrics."""
         pool = entropy[rollout.mask > 0]
         if self.accelerator.num_processes > 1:
             pool = torch.cat(gather_object([pool]))
         keep, threshold = high_entropy_mask(entropy, rollout.mask, self.config.algorithm.top_entropy_quantile,
                                             pool=pool)
         real = float((rollout.mask > 0).sum())
-        stats = {"rollout/entropy_threshold": threshold, "rollout/entropy_mean": float(pool.mean()) if pool.numel()
-                 else float("nan"), "rollout/high_entropy_fraction": float(keep.sum()) / real if real else 0.0,
-                 "time/entropy_forward": time.perf_counter() - t0}
-        return keep, stats
+        return keep, {"rollout/entropy_threshold": threshold,
+                      "rollout/entropy_mean": float(pool.mean()) if pool.numel() else float("nan"),
+                      "rollout/high_entropy_fraction": float(keep.sum()) / real if real else 0.0}
 
     def _max_actions(self, rollout) -> int:
         """The constant ``L`` of ``dr_grpo``: the policy's action budget (a VLM's ``max_new_tokens``), else the
@@ -627,15 +626,25 @@ class Trainer:
         # several optimizer steps: the minibatches of the FIRST one still see the sampling policy, so where the
         # training forward equals the no-grad one (no dropout) their old log-probs are the live ones, detached, and
         # the separate pass covers only the rest (bit-identical: the same forwards in the same layout)
+        # algorithm.top_entropy_quantile: the sampling policy's token entropies, all known before the first step; the
+        # old-log-prob pass gives them from its own forwards where there is one (it then covers every sample)
+        entropy = torch.zeros(rollout.mask.shape) if a.top_entropy_quantile < 1.0 else None
+        entropy_pending = entropy is not None
         live_samples = 0
         if rollout.old_logps is None and not on_policy:
             if getattr(policy, "deterministic_training_forward", False) and not self._needs("old_logps") \
-                    and sampler_mode is None:
+                    and sampler_mode is None and entropy is None:
                 live_samples = min(n, t.batch_size * t.gradient_accumulation_steps)
-            rollout.old_logps = self._old_logps(rollout, perms[0], step_chunks, skip=live_samples)
+            rollout.old_logps = self._old_logps(rollout, perms[0], step_chunks, skip=live_samples, entropy=entropy)
+            entropy_pending = False
         if self._needs("old_logps") and rollout.old_logps is None:  # a variant reads the sampling policy's log-probs
-            rollout.old_logps = self._old_logps(rollout, perms[0], step_chunks)
-            on_policy = False
+            rollout.old_logps = self._old_logps(rollout, perms[0], step_chunks, entropy=entropy)
+            on_policy = entropy_pending = False
+        entropy_stats: dict[str, float] = {}
+        if entropy_pending:  # no old-log-prob pass (one on-policy step): a pass of its own
+            t0 = time.perf_counter()
+            self._old_logps(rollout, perms[0], step_chunks, entropy=entropy)
+            entropy_stats["time/entropy_forward"] = time.perf_counter() - t0
         if self._needs("masked_logps"):  # the same completions on grey canvases instead of the images (no gradient)
             t0 = time.perf_counter()
             rollout.masked_logps = self._old_logps(rollout, perms[0], step_chunks, masked_vision=True)
@@ -650,10 +659,11 @@ class Trainer:
             sampler_weights = sampler_importance_weights(rollout.old_logps, rollout.sampler_logps, rollout.mask,
                                                          mode=sampler_mode, clip_min=a.sampler_correction_min,
                                                          clip_max=a.sampler_correction_max)
-        action_weights, entropy_stats = sampler_weights, {}
+        action_weights = sampler_weights
         bonus_mask = rollout.mask  # the tokens algorithm.entropy_coef's bonus averages over
-        if a.top_entropy_quantile < 1.0:  # TRL's order: entropy mask, then the sampler weight, on the policy term
-            keep, entropy_stats = self._high_entropy_weights(rollout, perms[0], step_chunks)
+        if entropy is not None:  # TRL's order: entropy mask, then the sampler weight, on the policy term
+            keep, stats = self._high_entropy_weights(rollout, entropy)
+            entropy_stats.update(stats)
             action_weights = keep if sampler_weights is None else keep * sampler_weights
             bonus_mask = rollout.mask * keep
         rows = torch.arange(n) + acc.process_index * n  # these samples' rows in the advantages stage's [N_all]

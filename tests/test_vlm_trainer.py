@@ -334,6 +334,14 @@ def test_top_entropy_quantile_trains_the_high_entropy_tokens_alike_for_every_lay
     every = update("every", "train.batch_size=8")
     assert "rollout/entropy_threshold" not in every[0]
     assert not torch.allclose(every[1][0], whole[1][0], rtol=1e-3)
+    # two inner epochs: the entropies come from the old-log-prob pass's own forwards (no pass of their own), the same
+    # threshold, and again the same two optimizer steps for 8 and 4 x 2
+    assert "time/entropy_forward" in metrics
+    two = update("two", "algorithm.top_entropy_quantile=0.5", "train.batch_size=8", "train.inner_epochs=2")
+    assert "time/entropy_forward" not in two[0]
+    assert two[0]["rollout/entropy_threshold"] == pytest.approx(metrics["rollout/entropy_threshold"], rel=1e-5)
+    assert_same_update(update("two_split", "algorithm.top_entropy_quantile=0.5", "train.batch_size=4",
+                              "train.gradient_accumulation_steps=2", "train.inner_epochs=2"), two, rtol=1e-4)
 
 
 @register_reward("test_constant")

@@ -72,7 +72,6 @@ def sampler_importance_weights(old_logps: Tensor, sampler_logps: Tensor, mask: T
     return ratio.expand_as(old_logps)
 
 
-
 def high_entropy_mask(entropies: Tensor, mask: Tensor, top_quantile: float,
                       pool: Tensor | None = None) -> tuple[Tensor, float]:
     """The tokens a policy gradient keeps under "Beyond the 80/20 Rule" (Wang et al. 2025, arXiv 2506.01939; TRL's
@@ -90,6 +89,7 @@ def high_entropy_mask(entropies: Tensor, mask: Tensor, top_quantile: float,
         return torch.zeros_like(mask, dtype=torch.float32), float("nan")
     threshold = torch.quantile(values, 1.0 - top_quantile)
     return ((entropies.float() >= threshold) & real).float(), float(threshold)
+
 
 def policy_loss(
     logps: Tensor,

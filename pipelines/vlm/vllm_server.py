@@ -25,8 +25,8 @@ Protocol (JSON, never pickle; arrays and images as base64 of their raw bytes, so
     fingerprint is recorded once the header ``X-Weights-Final: 1`` arrives with the last chunk.
 ``POST /generate``
     ``{"prompts": [engine prompt, ...], "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-    "max_tokens", "stop_token_ids", "suppressed_ids", "seed", "greedy"}`` -> ``{"results": [[expanded prompt ids, [completion ids], [log-probs]],
-    ...]}``.
+    "max_tokens", "stop_token_ids", "suppressed_ids", "seed", "greedy"}`` -> ``{"results": [[expanded prompt ids,
+    [completion ids], [log-probs]], ...]}``.
 
 Errors are ``{"error": message}`` with status 400 (a bad request) or 500 (the engine failed); the client raises
 :class:`VLLMServerError` with the server's message.
