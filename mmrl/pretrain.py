@@ -54,9 +54,12 @@ sizes must be the same, and its tokenizers must hold this config's vocabulary), 
 fresh optimizer, schedule and EMA. ``data.shape_noise: p`` is a careless annotator, mmrl's own construction (as
 ``grounding_loose`` is for the VLM): each object of a rendered scene is drawn, with probability ``p``, as another
 shape than the caption names (uniformly among the others, colour and box kept), from its own random stream, so the
-captions and scenes are those of the exact run. Together they make a base that is imperfect on purpose
-(``configs/shapes/pretrain_sd3_mislabeled.yaml``: the shipped base continued on mislabeled shapes), an error the
-ShapeWorld reward sees; what GRPO made of it is in the README.
+captions and scenes are those of the exact run. ``data.faded: p`` is a washed-out photographer, also mmrl's own:
+each rendered image is, with probability ``p``, faded towards the background to :data:`FADED_CONTRAST` of its
+contrast (under the ShapeWorld detector's half-coverage rule), from a stream of its own, captions and scenes
+unchanged. With ``init_from`` they make bases that are imperfect on purpose, with an error the ShapeWorld reward sees
+(``configs/shapes/pretrain_sd3_mislabeled.yaml``: the shipped base continued on mislabeled shapes;
+``configs/shapes/pretrain_sd3_faded.yaml``: on washed-out images); what GRPO made of them is in the README.
 
 Outputs in ``output_dir``: ``config.yaml``, ``metrics.jsonl`` (one row every ``logging.log_every`` steps: the mean
 loss since the previous row, seconds per step), ``checkpoints/step_<k>/`` (atomic, :mod:`mmrl.checkpoint`),
@@ -113,6 +116,11 @@ class PretrainDataConfig:
                              "rendered scene is drawn, with this probability, as another shape than its caption "
                              "names (uniformly among the others; colour and box kept), an error the ShapeWorld "
                              "reward sees. 0 = exact captions.")
+    faded: float = opt(0.0, "A washed-out photographer (mmrl's own construction, not a paper's): each rendered image "
+                       "is, with this probability, faded towards the background to FADED_CONTRAST (0.35) of its "
+                       "contrast, below the ShapeWorld detector's half-coverage rule, so the reward sees no shape in "
+                       "it; captions and scenes unchanged. An error of the whole image, not of one prompt's "
+                       "pairing. 0 = every image at full contrast.")
 
 
 @dataclass
@@ -257,6 +265,7 @@ def validate_pretrain(config: PretrainConfig) -> None:
         (c.data.max_prompts >= 0, "data.max_prompts must be >= 0 (0 = all)"),
         (c.data.pool_size >= 0, "data.pool_size must be >= 0 (0 = fresh scenes every step)"),
         (0.0 <= c.data.shape_noise <= 1.0, "data.shape_noise must be in [0, 1]"),
+        (0.0 <= c.data.faded <= 1.0, "data.faded must be in [0, 1]"),
         (c.init_from is None or (v.steps == 0 and v.pretrained is None),
          "init_from brings its own VAE: set vae.steps: 0 and leave vae.pretrained unset"),
         (t.max_length >= 4, "text.max_length must be >= 4"),
@@ -437,7 +446,7 @@ class ShapeWorldPairs:
             raise ConfigError(f"data: no prompts in split {d.split!r} with tags {d.tags}")
         self.items = items
         self.seed, self.size, self.fixed = config.seed, config.image_size, d.fixed_batch
-        self.shape_noise = d.shape_noise
+        self.shape_noise, self.faded = d.shape_noise, d.faded
         tags = sorted({m.get("tag") for _, m in items}, key=lambda t: (GENEVAL_TAGS + (t,)).index(t))
         self.by_tag = [[it for it in items if it[1].get("tag") == t] for t in tags] if d.balance_tags else []
         self.pool_prompts: list[str] | None = None
@@ -457,15 +466,19 @@ class ShapeWorldPairs:
         # data.shape_noise draws from its own stream, so the scenes are those of the exact-caption run
         noise = np.random.default_rng(_step_seed(self.seed, stage + 40, 0 if self.fixed else step)) \
             if self.shape_noise else None
+        fade = np.random.default_rng(_step_seed(self.seed, stage + 60, 0 if self.fixed else step)) \
+            if self.faded else None
         prompts, images = [], []
         for _ in range(n):
             prompt, metadata = self._draw(rng)
             scene = self.world.scene_for(metadata, rng, size=self.size)
             if noise is not None:
                 scene = self.mislabel(scene, noise)
-            image = self.world.render(scene).convert("RGB")
+            pixels = self.world.render_array(scene)
+            if fade is not None and fade.random() < self.faded:
+                pixels = fade_to_background(pixels, FADED_CONTRAST)
             prompts.append(prompt)
-            images.append(torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()))
+            images.append(torch.from_numpy(pixels.copy()))
         return prompts, torch.stack(images).permute(0, 3, 1, 2).contiguous()
 
     def mislabel(self, scene, rng: np.random.Generator):
@@ -505,6 +518,20 @@ class ShapeWorldPairs:
             prompts += p
             images.append(x)
         self.pool_prompts, self.pool_images = prompts, torch.cat(images)
+
+
+#: ``data.faded``'s contrast: under the ShapeWorld detector's 0.5 coverage, so a faded shape is background to it.
+FADED_CONTRAST = 0.35
+
+
+def fade_to_background(pixels: np.ndarray, contrast: float) -> np.ndarray:
+    """``background + contrast * (pixels - background)``, rounded to uint8: the image washed out towards the
+    ShapeWorld background (``data.faded``)."""
+    from mmrl.data.shapeworld import BACKGROUND
+
+    background = np.asarray(BACKGROUND, dtype=np.float32)
+    faded = background + float(contrast) * (pixels.astype(np.float32) - background)
+    return np.clip(np.rint(faded), 0, 255).astype(np.uint8)
 
 
 def to_unit_range(images: torch.Tensor) -> torch.Tensor:

@@ -286,6 +286,41 @@ def test_shape_noise_redraws_shapes_uniformly_at_its_rate_keeping_colour_and_box
         load_pretrain_config(exact, ["data.shape_noise=1.5"])
 
 
+def test_faded_washes_out_whole_images_at_its_rate_so_the_detector_sees_no_shape(tmp_path):
+    """``data.faded``: each image, with its probability, is the exact image faded towards the background to
+    ``FADED_CONTRAST`` (rounded), captions and scenes those of the exact run; the ShapeWorld detector finds every shape
+    of an exact image and none of a faded one."""
+    import numpy as np
+
+    from mmrl.data.shapeworld import BACKGROUND
+    from mmrl.pretrain import FADED_CONTRAST, ShapeWorldPairs, fade_to_background
+    from mmrl.rewards.shapeworld import detect
+
+    exact = write_config(tmp_path / "e.yaml", tmp_path / "run_e", data={"tags": ["single_object", "two_object"]})
+    half = write_config(tmp_path / "h.yaml", tmp_path / "run_h",
+                        data={"tags": ["single_object", "two_object"], "faded": 0.5})
+    prompts_e, images_e = ShapeWorldPairs(load_pretrain_config(exact)).render(3, 0, 200)
+    prompts_h, images_h = ShapeWorldPairs(load_pretrain_config(half)).render(3, 0, 200)
+    assert prompts_h == prompts_e
+    background = torch.tensor(BACKGROUND, dtype=torch.float32)[:, None, None]
+    faded = 0
+    for a, b in zip(images_e, images_h):
+        if torch.equal(a, b):
+            continue
+        faded += 1
+        expected = torch.round(background + FADED_CONTRAST * (a.float() - background))
+        assert torch.equal(b.float(), expected)  # the same scene, washed out
+        assert torch.equal(torch.from_numpy(fade_to_background(a.permute(1, 2, 0).numpy(), FADED_CONTRAST)),
+                           b.permute(1, 2, 0))
+    assert 0.40 < faded / 200 < 0.60
+    for a in images_e[:20]:
+        pixels = a.permute(1, 2, 0).numpy()
+        assert len(detect(pixels)) >= 1 and detect(fade_to_background(pixels, FADED_CONTRAST)) == []
+    with pytest.raises(ConfigError, match="data.faded"):
+        load_pretrain_config(exact, ["data.faded=-0.1"])
+    assert np.isclose(FADED_CONTRAST, 0.35)
+
+
 def test_init_from_continues_a_saved_pipeline_and_refuses_one_that_does_not_fit(run_a, tmp_path, capsys):
     """``init_from``: the saved pipeline's weights and latent statistics are the starting point (no VAE stage), the
     flow stage trains from there; a config of other sizes or with a VAE stage is a one-line error."""
