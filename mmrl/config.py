@@ -29,8 +29,8 @@ import yaml
 logger = logging.getLogger(__name__)
 
 
-#: The embedded default run (`mmrl train` with no config): Flow-GRPO on the mislabeled ShapeWorld SD3 base, on CPU.
-#: configs/shapes/flow_grpo_mislabeled.yaml is a copy.
+#: The embedded default run (`mmrl train` with no config): Flow-GRPO on the washed-out ShapeWorld SD3 base, on CPU.
+#: configs/shapes/flow_grpo_faded.yaml is a copy.
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "default.yaml"
 
 
@@ -990,7 +990,7 @@ def validate(config: Config, *, check_files: bool = True) -> None:
 FIELDS_HEADER = (
     "# Every config field with its default and what it does. Keys a config file leaves out take these defaults,\n"
     "# which are the SD3.5-Medium / Flow-GRPO GPU settings, NOT the CPU run: `mmrl train` without a CONFIG uses\n"
-    "# the embedded mmrl/default.yaml (a copy: configs/shapes/flow_grpo_mislabeled.yaml), which sets its own values.\n"
+    "# the embedded mmrl/default.yaml (a copy: configs/shapes/flow_grpo_faded.yaml), which sets its own values.\n"
     "# Values are YAML literals (null, true, false, [lists]): the listing parses as YAML to exactly these values.\n"
     "# Relative paths in a config are resolved from the working directory."
 )

@@ -78,34 +78,71 @@ def test_the_shipped_sd3_base_records_the_recipe_that_made_it():
         dataclasses.asdict(load_pretrain_config(SHAPES / "pretrain_sd3.yaml"))
 
 
-def test_the_mislabeled_base_records_its_recipe_and_draws_the_named_shape_less_often_than_the_shipped_base(tmp_path):
-    """shapeworld:sd3_mislabeled is configs/shapes/pretrain_sd3_mislabeled.yaml's model (continued from shapeworld:sd3
-    with shape_noise 0.5): on the shape prompts (single object, colours; training prompts, held-out seeds) it is
-    clearly worse than the shipped base (the error its GRPO recipe, the embedded default, corrects), yet it still
-    draws the named shape in at least a fifth of the images (a random model: none)."""
+def _continued_base(name: str, recipe_file: str):
+    """The shipped base ``shapeworld:<name>``: a few MB, and made by ``recipe_file`` exactly (the recipe it records
+    is that file's config); returns that config."""
     import dataclasses
 
     import yaml
 
     from mmrl.pretrain import pretrain_config_from_dict
 
-    folder = base_model_path("sd3_mislabeled")
+    folder = base_model_path(name)
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     assert size < 10 * 2 ** 20, f"the shipped base is {size / 2 ** 20:.1f} MiB"
-    recipe = load_pretrain_config(SHAPES / "pretrain_sd3_mislabeled.yaml")
+    recipe = load_pretrain_config(SHAPES / recipe_file)
     shipped = yaml.safe_load((folder / "mmrl_pretrain.yaml").read_text())
     assert dataclasses.asdict(pretrain_config_from_dict(shipped)) == dataclasses.asdict(recipe)
-    assert recipe.init_from == "shapeworld:sd3" and recipe.data.shape_noise == 0.5
-    benchmark = "shapeworld@test:single_object+colors"
-    args = [f"benchmarks=[{benchmark}]", "images_per_prompt=2", "num_steps=20", "resolution=32", "progress=false"]
+    assert recipe.init_from == "shapeworld:sd3"
+    return recipe
+
+
+def _base_eval(recipe_file: Path, benchmark: str, out: Path, *extra: str) -> tuple[dict, list[dict]]:
+    """The base of ``recipe_file`` (or ``model.pretrained=`` in ``extra``) on ``benchmark``, 20 steps: its metrics and
+    its sample rows."""
+    args = [f"benchmarks=[{benchmark}]", "num_steps=20", "resolution=32", "progress=false"]
+    assert main(["eval", str(recipe_file), "checkpoint=base", *args, f"output_dir={out}", *extra]) == 0
+    metrics = json.loads((out / "summary.json").read_text())["benchmarks"][benchmark]["metrics"]
+    return metrics, [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+
+
+def test_the_mislabeled_base_records_its_recipe_and_draws_the_named_shape_less_often_than_the_shipped_base(tmp_path):
+    """shapeworld:sd3_mislabeled is configs/shapes/pretrain_sd3_mislabeled.yaml's model (continued from shapeworld:sd3
+    with shape_noise 0.5): on the shape prompts (single object, colours; training prompts, held-out seeds) it is
+    clearly worse than the shipped base (the error its GRPO recipe corrects), yet it still draws the named shape in at
+    least a fifth of the images (a random model: none)."""
+    assert _continued_base("sd3_mislabeled", "pretrain_sd3_mislabeled.yaml").data.shape_noise == 0.5
     recipe_file = SHAPES / "flow_grpo_mislabeled.yaml"
     assert load_config(recipe_file).model.pretrained == "shapeworld:sd3_mislabeled"
     results = {}
     for name, extra in (("mislabeled", []), ("shipped", ["model.pretrained=shapeworld:sd3"])):
-        assert main(["eval", str(recipe_file), "checkpoint=base", *args, f"output_dir={tmp_path / name}", *extra]) == 0
-        results[name] = json.loads((tmp_path / name / "summary.json").read_text())["benchmarks"][benchmark]["metrics"]
+        results[name], _ = _base_eval(recipe_file, "shapeworld@test:single_object+colors", tmp_path / name,
+                                      "images_per_prompt=2", *extra)
     mislabeled, shipped = results["mislabeled"]["image_accuracy"], results["shipped"]["image_accuracy"]
     assert shipped >= 0.8 and 0.2 <= mislabeled <= shipped - 0.25, results
+
+
+def test_the_faded_base_records_its_recipe_and_draws_images_the_detector_finds_no_shape_in(tmp_path):
+    """shapeworld:sd3_faded is configs/shapes/pretrain_sd3_faded.yaml's model (continued from shapeworld:sd3 with
+    half its images faded): on the single-object prompts, which name no colour, it draws washed-out images in which
+    the ShapeWorld detector finds nothing (the error the embedded default corrects), the shipped base none; and it
+    still draws the named shape in at least a third of them."""
+    from PIL import Image
+
+    from mmrl.rewards.shapeworld import detect
+
+    assert _continued_base("sd3_faded", "pretrain_sd3_faded.yaml").data.faded == 0.5
+    recipe_file = SHAPES / "flow_grpo_faded.yaml"
+    assert load_config(recipe_file).model.pretrained == "shapeworld:sd3_faded"
+    empty, right = {}, {}
+    for name, extra in (("faded", []), ("shipped", ["model.pretrained=shapeworld:sd3"])):
+        metrics, rows = _base_eval(recipe_file, "shapeworld@test:single_object", tmp_path / name,
+                                   "images_per_prompt=8", *extra)
+        assert len(rows) == 16
+        empty[name] = sum(not detect(Image.open(tmp_path / name / row["image"])) for row in rows)
+        right[name] = round(metrics["image_accuracy"] * 16)
+    assert empty["shipped"] == 0 and empty["faded"] >= 3, empty
+    assert right["shipped"] >= 12 and 6 <= right["faded"] <= right["shipped"] - 3, right
 
 
 def test_the_shipped_vlm_base_loads_by_name_and_beats_a_random_model_on_held_out_videos(tmp_path):

@@ -161,6 +161,7 @@ def test_bad_inputs_give_one_clear_error(tmp_path, tiny_path, capsys):
 
 #: Shipped configs of the other commands (their own schemas), by file name.
 OTHER_COMMANDS = {"pretrain_sd3.yaml": "pretrain", "pretrain_sd3_mislabeled.yaml": "pretrain",
+                  "pretrain_sd3_faded.yaml": "pretrain",
                   "sft_qwen_vl.yaml": "sft", "sft_qwen_vl_grounding.yaml": "sft",
                   "sft_qwen_vl_grounding_crop.yaml": "sft", "sft_qwen_vl_grounding_loose.yaml": "sft"}
 
@@ -232,10 +233,10 @@ def test_two_process_gloo_run_keeps_replicas_in_sync(tmp_path, tiny_path):
 
 def test_embedded_default_is_the_shipped_shapeworld_recipe(tmp_path):
     repo = Path(__file__).parents[1]
-    recipe = repo / "configs/shapes/flow_grpo_mislabeled.yaml"
+    recipe = repo / "configs/shapes/flow_grpo_faded.yaml"
     assert recipe.read_text() == (repo / "mmrl/default.yaml").read_text()
     config = load_config(None)
-    assert config.model.pretrained == "shapeworld:sd3_mislabeled" and config.rewards == {"shapeworld_partial": 1.0}
+    assert config.model.pretrained == "shapeworld:sd3_faded" and config.rewards == {"shapeworld_partial": 1.0}
     assert config.data.prompts == "shapeworld:train:single_object+colors"
     assert config.eval.benchmarks == ["shapeworld@test:single_object+colors"] and config.eval.every == 20
     # `mmrl train` with no config file runs it (shortened here: one small update and the benchmark on 2 prompts)

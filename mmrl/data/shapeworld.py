@@ -399,6 +399,7 @@ def resolve_prompts_spec(path: str | os.PathLike) -> str | os.PathLike:
 #: the command that makes it)``, each trained by mmrl itself (README, "ShapeWorld and base models").
 BASE_MODELS = {"sd3": ("sd3_base", "mmrl pretrain configs/shapes/pretrain_sd3.yaml"),
                "sd3_mislabeled": ("sd3_mislabeled_base", "mmrl pretrain configs/shapes/pretrain_sd3_mislabeled.yaml"),
+               "sd3_faded": ("sd3_faded_base", "mmrl pretrain configs/shapes/pretrain_sd3_faded.yaml"),
                "qwen_vl": ("qwen_vl_base", "mmrl sft configs/shapes/sft_qwen_vl.yaml"),
                "qwen_vl_grounding": ("qwen_vl_grounding_base", "mmrl sft configs/shapes/sft_qwen_vl_grounding.yaml"),
                "qwen_vl_grounding_loose": ("qwen_vl_grounding_loose_base",
