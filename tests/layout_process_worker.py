@@ -11,7 +11,8 @@ instead of DDP; with ``--offload`` as ``configs/accelerate/fsdp2_offload.yaml`` 
 ``--deepspeed``: launched by ``accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml`` (the test
 does that); the trained steps are then cut into chunks (``train.timestep_chunk``: 2 flow steps, 4 VLM tokens), so
 each optimizer step takes several backwards (the one-process run it is compared with does not chunk: chunking
-never changes the update).
+never changes the update). ``--entropy``: with ``algorithm.top_entropy_quantile: 0.5`` and ``algorithm.entropy_coef:
+0.01`` (VLM only): the threshold is a quantile over every process's tokens, the bonus a mean over them.
 
 Sampling randomness is seeded per process by design, so every process samples the SAME global rollout (same
 items, same generator, group ids 0..1) and keeps its share of the rows: SPLIT ``contiguous`` gives process r
@@ -53,8 +54,10 @@ def common(world: int, aggregation: str) -> list[str]:
 
 
 def build_config(out: Path, family: str, aggregation: str, world: int, model: str | None, full: bool = False,
-                 chunked: bool = False):
+                 chunked: bool = False, entropy: bool = False):
     extra = ["model.use_lora=false", "optim.lr=1e-3"] if full else []
+    if entropy:
+        extra += ["algorithm.top_entropy_quantile=0.5", "algorithm.entropy_coef=0.01"]
     if chunked:
         extra.append(f"train.timestep_chunk={2 if family == 'flow' else 4}")
     if full and family == "vlm":
@@ -91,7 +94,7 @@ def main() -> None:
     if "--fsdp" in flags:
         select_fsdp2(offload="--offload" in flags)
     trainer = build_trainer(build_config(out, family, aggregation, world, model, full="--full" in flags,
-                                         chunked="--deepspeed" in flags))
+                                         chunked="--deepspeed" in flags, entropy="--entropy" in flags))
     from mmrl.distributed import deepspeed_stage
 
     assert (deepspeed_stage(trainer.accelerator) is not None) == ("--deepspeed" in flags)

@@ -24,6 +24,10 @@ DeepSpeed ZeRO-2 and ZeRO-3 (``configs/accelerate/deepspeed_zero{2,3}.yaml``, la
 with that file as a user does, on DeepSpeed's CPU accelerator): the engine partitions the gradients and the AdamW
 state (ZeRO-3: the weights too), takes each backward with the loop's accumulation boundary and steps; the update is
 the one-process update.
+
+The entropy options (``algorithm.top_entropy_quantile``, ``algorithm.entropy_coef``): the quantile threshold is taken
+over every process's tokens and the bonus averages over the whole optimizer step's tokens, so the update is the
+one-process update too.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ OFFLOADED = [("flow", "grpo", True), ("vlm", "dapo", True)]
 # hand), left out for the CI budget
 DEEPSPEED = [("vlm", "dapo", True, 2), ("flow", "grpo", False, 3), ("vlm", "dapo", True, 3)]
 ACCELERATE_CONFIGS = Path(__file__).parents[1] / "configs" / "accelerate"
+#: the entropy options' case: interleaved, so each process's tokens alone would give another quantile
+ENTROPY = ("vlm", "dapo", "interleaved")
 BASE_PORT = 29611  # + the index in TWO_PROCESS_RUNS: every torchrun launch of the module has its own port
 
 
@@ -70,8 +76,10 @@ def runs(tmp_path_factory):
     sd3: list[str] = []
 
     def launch(family: str, aggregation: str, split: str, processes: int, full: bool = False,
-               fsdp: bool = False, offload: bool = False, deepspeed: int | None = None) -> list[dict]:
-        key = (family, aggregation, split if processes > 1 else None, processes, full, fsdp, offload, deepspeed)
+               fsdp: bool = False, offload: bool = False, deepspeed: int | None = None,
+               entropy: bool = False) -> list[dict]:
+        key = (family, aggregation, split if processes > 1 else None, processes, full, fsdp, offload, deepspeed,
+               entropy)
         if key not in cache:
             if family == "flow" and not sd3:
                 sd3.append(str(build_tiny_sd3(base / "sd3")))
@@ -83,6 +91,9 @@ def runs(tmp_path_factory):
                 launcher += ["-m", "accelerate.commands.launch", "--config_file",
                              str(ACCELERATE_CONFIGS / f"deepspeed_zero{deepspeed}.yaml"),
                              "--num_processes", str(processes), "--main_process_port", str(port)]
+            elif processes > 1 and entropy:
+                launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+                             "--master_port", str(BASE_PORT + 80)]
             elif processes > 1:
                 port = BASE_PORT + (len(TWO_PROCESS_RUNS) + len(SHARDED) + OFFLOADED.index((family, aggregation, full))
                                     if offload else
@@ -90,7 +101,8 @@ def runs(tmp_path_factory):
                                     else TWO_PROCESS_RUNS.index((family, aggregation, split)) + 40 * full)
                 launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(processes),
                              "--master_port", str(port)]
-            flags = ["--full"] * full + ["--fsdp"] * fsdp + ["--offload"] * offload + ["--deepspeed"] * bool(deepspeed)
+            flags = (["--full"] * full + ["--fsdp"] * fsdp + ["--offload"] * offload + ["--deepspeed"] * bool(deepspeed)
+                     + ["--entropy"] * entropy)
             cmd = [*launcher, str(WORKER), str(out), family, aggregation, split, *(sd3 if family == "flow" else []),
                    *flags]
             result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -99,10 +111,10 @@ def runs(tmp_path_factory):
         return cache[key]
 
     def run(family: str, aggregation: str, split: str = "contiguous", full: bool = False, fsdp: bool = False,
-            offload: bool = False, deepspeed: int | None = None):
+            offload: bool = False, deepspeed: int | None = None, entropy: bool = False):
         # one process first: it also builds the tiny VLM into the cache, before two processes could race for it
-        one = launch(family, aggregation, split, 1, full)[0]
-        return one, launch(family, aggregation, split, 2, full, fsdp or offload, offload, deepspeed)
+        one = launch(family, aggregation, split, 1, full, entropy=entropy)[0]
+        return one, launch(family, aggregation, split, 2, full, fsdp or offload, offload, deepspeed, entropy)
 
     return run
 
@@ -239,6 +251,27 @@ def test_ddp_full_finetuning_with_the_vision_tower_is_the_one_process_update(run
     one, two = runs("vlm", "dapo", full=True)
     assert not two[0]["sharded"] and not one["sharded"]
     assert_same_update_on_two_processes(one, two, "ddp vlm/dapo/full")
+
+
+def test_entropy_options_give_the_same_update_on_two_processes(runs):
+    """top_entropy_quantile's threshold is the quantile of ALL processes' token entropies (each process logs it), and
+    entropy_coef's bonus is the mean over all of them: with two samples of each group on each process the update is
+    the one-process update, and the options change it (against the same split without them)."""
+    one, two = runs(*ENTROPY, entropy=True)
+    m1 = one["metrics"]
+    threshold = m1["rollout/entropy_threshold"]
+    assert threshold > 0
+    for rank in two:
+        assert abs(rank["metrics"]["rollout/entropy_threshold"] - threshold) <= 1e-6 * threshold
+        assert 0.0 < rank["metrics"]["rollout/high_entropy_fraction"] < 1.0
+    kept = action_weighted(two, "rollout/high_entropy_fraction")
+    assert abs(kept - m1["rollout/high_entropy_fraction"]) <= 1e-6
+    entropy = action_weighted(two, "entropy")
+    assert m1["entropy"] > 0 and abs(entropy - m1["entropy"]) <= RTOL * m1["entropy"], (entropy, m1["entropy"])
+    assert_same_update_on_two_processes(one, two, "vlm/dapo/interleaved with the entropy options")
+    plain, _ = runs(*ENTROPY)
+    assert torch.equal(plain["initial"], one["initial"])
+    assert relative_error(one["weights"] - one["initial"], plain["weights"] - plain["initial"]) > 1e-2
 
 
 def assert_same_update_on_two_processes(one: dict, two: list[dict], name: str) -> None:
