@@ -478,7 +478,7 @@ class ShapeWorldPairs:
             if fade is not None and fade.random() < self.faded:
                 pixels = fade_to_background(pixels, FADED_CONTRAST)
             prompts.append(prompt)
-            images.append(torch.from_numpy(pixels.copy()))
+            images.append(torch.from_numpy(pixels))  # a fresh array per image: no copy needed
         return prompts, torch.stack(images).permute(0, 3, 1, 2).contiguous()
 
     def mislabel(self, scene, rng: np.random.Generator):
