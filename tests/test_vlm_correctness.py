@@ -387,3 +387,107 @@ def test_video_frames_reach_the_model_at_qwen_vl_utils_total_budget(model_path, 
     assert _video_prompt_grid(policy, path) == [[2, 6, 10]]
     # video_max_pixels is the last bound: min(2000, 12544) -> beta = sqrt(15360 / 2000) = 2.771: 28 x 56
     assert _video_prompt_grid(policy, path, video_max_pixels=2000) == [[2, 2, 4]]
+
+
+# ---------------------------------------------------------------- 8. Qwen's rope layout after a video (not 5.x's)
+
+
+def qwen_reference_positions(config, ids: list[int], image_grids: list, video_grids: list, seconds: list) -> list:
+    """Qwen2-VL / Qwen2.5-VL rope positions ``[[t, h, w], ...]`` of one unpadded row by the rule of Qwen's own
+    ``get_rope_index`` (transformers 4.x) and vLLM's ``get_mrope_input_positions``, written out here from
+    that rule: a text token takes the running position on all three axes; a vision block lays out its merged
+    (t, h, w) grid from the running position, t scaled by ``tokens_per_second`` x seconds per grid on a
+    Qwen2.5-VL video (0 for an image, the grid index on Qwen2-VL), and the running position after it is the
+    block's largest position + 1."""
+    merge = config.vision_config.spatial_merge_size
+    per_second = getattr(config.vision_config, "tokens_per_second", None)
+    images, videos, clock = iter(image_grids), iter(video_grids), iter(seconds)
+    out, running, i = [], 0, 0
+    while i < len(ids):
+        if ids[i] not in (config.image_token_id, config.video_token_id):
+            out.append([running] * 3)
+            running, i = running + 1, i + 1
+            continue
+        video = ids[i] == config.video_token_id
+        t, h, w = next(videos if video else images)
+        h, w = h // merge, w // merge
+        step = (per_second * next(clock)) if video and per_second is not None else (1 if video else 0)
+        block = [[running + int(k * step), running + y, running + x] for k in range(t) for y in range(h)
+                 for x in range(w)]
+        out += block
+        running, i = max(max(p) for p in block) + 1, i + len(block)
+    return out
+
+
+LONG_CLIP = [Item("when?", video=clip(16)), Item("what colour is it?", [Image.new("RGB", (56, 84), (200, 10, 10))]),
+             Item("a question without any image"), Item("when does the person stand up?", video=clip(4))]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+def test_text_after_a_video_takes_qwens_positions_in_sampling_replay_and_plain_forwards(family, tmp_path):
+    """A 16-frame clip (8 temporal rows, t positions past the 4 x 4 grid's height and width) with a short
+    question: every row's positions are Qwen's reference rule (the text after a vision block at the block's
+    maximum + 1), not transformers 5.x's (the block's spatial extent), in left-padded mixed batches; generation's
+    own logits equal the replayed log-probs, and a plain ``model(...)`` forward reads the same positions."""
+    from mmrl.pipelines.vlm.qwen import _completion_mask
+
+    policy = make_policy(str(_BUILDERS[family](tmp_path / "model")), system_prompt=None)
+    config = policy.base_model.config
+    rollout = policy.rollout(LONG_CLIP, 2, generator=torch.Generator().manual_seed(0))
+    positions = policy._rope_positions(rollout)
+    for row in range(len(rollout)):
+        prompt = rollout.prompt_index[row]
+        mask = torch.cat([rollout.prompt_mask[prompt], rollout.mask[row].long()]).bool()
+        ids = torch.cat([rollout.prompt_ids[prompt], rollout.completion_ids[row]])[mask].tolist()
+        v = rollout.vision[prompt]
+        want = qwen_reference_positions(
+            config, ids, [] if v.image_grid_thw is None else v.image_grid_thw.tolist(),
+            [] if v.video_grid_thw is None else v.video_grid_thw.tolist(),
+            [] if v.second_per_grid_ts is None else v.second_per_grid_ts.tolist())
+        assert positions[:, row, mask].T.tolist() == want
+    # transformers' own layout for the long clip's rows puts the question inside the clip's temporal range
+    core = policy.base_model.model
+    inputs, _, _ = policy.encode_prompts(LONG_CLIP[:1])
+    theirs, _ = type(core).get_rope_index(core, inputs["input_ids"], inputs["mm_token_type_ids"],
+                                          video_grid_thw=inputs["video_grid_thw"],
+                                          attention_mask=inputs["attention_mask"],
+                                          **({"second_per_grid_ts": inputs["second_per_grid_ts"]}
+                                             if "second_per_grid_ts" in inputs else {}))
+    ours, deltas = core.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                       video_grid_thw=inputs["video_grid_thw"], attention_mask=inputs["attention_mask"],
+                                       **({"second_per_grid_ts": inputs["second_per_grid_ts"]}
+                                          if "second_per_grid_ts" in inputs else {}))
+    video = inputs["input_ids"][0] == config.video_token_id
+    after, clip_end = int(video.nonzero()[-1]) + 1, int(ours[:, 0][:, video].max())
+    assert int(ours[0, 0, after]) == clip_end + 1 and int(theirs[0, 0, after]) <= clip_end
+    assert deltas.tolist() == [[int(ours[0, 0].max()) + 1 - inputs["input_ids"].shape[1]]]
+    # sampling read the same positions: generate's own logits are the replayed log-probs
+    inputs, vision, _ = policy.encode_prompts(LONG_CLIP[:1])
+    policy._encode_vision(vision)
+    gen = policy.model.generate(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                                mm_token_type_ids=inputs["mm_token_type_ids"], **policy._vision_kwargs(vision),
+                                do_sample=False, max_new_tokens=6, output_logits=True, return_dict_in_generate=True,
+                                eos_token_id=policy.eos_ids, pad_token_id=policy.pad_id,
+                                suppress_tokens=policy.suppressed_ids)
+    raw = torch.stack(gen.logits, dim=1).float()
+    raw[..., policy.suppressed_ids] = float("-inf")
+    tokens = gen.sequences[:, inputs["input_ids"].shape[1]:]
+    single = policy.rollout(LONG_CLIP[:1], 1, generator=torch.Generator().manual_seed(0))
+    single.completion_ids, single.mask = tokens, _completion_mask(tokens, policy.eos_ids).float()
+    got = policy.logprobs(single, torch.tensor([0])).logps
+    want = raw.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(got[single.mask.bool()], want[single.mask.bool()], atol=1e-4, rtol=1e-4)
+    # a plain forward without positions (SFT, evaluation) computes them the same way
+    idx = torch.arange(len(rollout))
+    with torch.no_grad():
+        torch.testing.assert_close(plain_logps(policy, rollout, idx) * rollout.mask,
+                                   policy.logprobs(rollout, idx).logps * rollout.mask, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_rope_layout_applies_to_qwen2_families_only(model_path):
+    from mmrl.pipelines.vlm.qwen import use_reference_rope_layout
+
+    policy = make_policy(model_path)
+    core = policy.base_model.model
+    assert ("get_rope_index" in vars(core)) == ("qwen3_vl" not in model_path)
+    assert use_reference_rope_layout(policy.base_model) == ("qwen3_vl" not in model_path)  # idempotent

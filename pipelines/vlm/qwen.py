@@ -27,8 +27,9 @@ completions the batch holds (under FSDP2 the pixels go through the model's own f
 Layout of a rollout: prompts are left-padded (``prompt_ids [P, Lp]``), completions right-padded
 (``completion_ids [N, T]``, ``mask`` 1 up to and including the end-of-turn token). A training forward
 concatenates the two, so left and right padding and mixed image / video / text-only batches all go
-through the same code; 3-D rope positions come from the model's own ``get_rope_index`` with the
-attention mask and ``mm_token_type_ids``, computed once per rollout for all its samples and sliced for each
+through the same code; 3-D rope positions come from the model's ``get_rope_index`` with the
+attention mask and ``mm_token_type_ids`` (on Qwen2-VL / Qwen2.5-VL in Qwen's reference layout,
+:func:`use_reference_rope_layout`), computed once per rollout for all its samples and sliced for each
 forward (a row's positions depend only on its own tokens and grids).
 
 References: TRL ``GRPOTrainer`` (log-prob conventions), VLM-R1 (Shen et al. 2025, arXiv 2504.07615),
@@ -40,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -283,6 +285,77 @@ def load_vlm(pretrained: str, *, dtype: str = "bfloat16", revision: str | None =
     return model, processor
 
 
+#: the families whose reference rope layout puts the text after a vision block at the block's largest position + 1
+QWEN_ROPE_LAYOUT_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def text_after_vision_positions(position_ids: Tensor, mm_token_type_ids: Tensor,
+                                attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Qwen's reference M-RoPE layout from transformers 5.x's: ``(position_ids [3, B, L], rope_deltas [B, 1])``.
+
+    Qwen2-VL / Qwen2.5-VL lay each vision block out on a (temporal, height, width) grid starting at the running
+    position, and the text (or next block) after it starts at the block's largest position on any axis + 1. That is
+    the rule of Qwen's own implementation (transformers 4.x ``Qwen2_5_VLModel.get_rope_index``, written by
+    the Qwen team: "we calculate the text start position_ids as the max vision position_ids plus 1"), of vLLM's
+    ``get_mrope_input_positions`` (the positions a vLLM rollout samples with) and of verl / EasyR1's own
+    ``get_rope_index``. transformers 5.x instead advances by the block's largest *spatial* extent, which is the same
+    for an image (one temporal row) but not for a video whose temporal positions (``tokens_per_second`` x seconds per
+    grid on Qwen2.5-VL, the frame-pair index on Qwen2-VL) run past its height and width: the text after the clip
+    then starts inside the clip's temporal range, off the positions the model was trained with.
+
+    Takes transformers' positions (its vision grids are the reference's) and shifts every block that follows a
+    vision block, and everything after it, so that the block starts at the vision block's maximum + 1; padding
+    columns are left as they are. The deltas are the reference's ``max + 1 - tokens`` per row.
+    """
+    position_ids = position_ids.clone()
+    deltas = []
+    for row in range(position_ids.shape[1]):
+        valid = (attention_mask[row].bool() if attention_mask is not None
+                 else torch.ones(position_ids.shape[2], dtype=torch.bool, device=position_ids.device))
+        positions = position_ids[:, row, valid]
+        kinds = mm_token_type_ids[row, valid.to(mm_token_type_ids.device)].tolist()
+        start, shift, after_vision = 0, 0, None
+        for kind, run in itertools.groupby(kinds):
+            end = start + sum(1 for _ in run)
+            block = positions[:, start:end]
+            block += shift
+            if after_vision is not None:  # the block after a vision block starts at its maximum + 1
+                move = after_vision + 1 - int(block.min())
+                block += move
+                shift += move
+            after_vision = int(block.max()) if kind != 0 else None
+            start = end
+        position_ids[:, row, valid] = positions
+        deltas.append(int(positions.max()) + 1 - positions.shape[1] if positions.numel() else 0)
+    return position_ids, torch.tensor(deltas, device=position_ids.device).unsqueeze(1)
+
+
+def use_reference_rope_layout(hf_model) -> bool:
+    """Make a Qwen2-VL / Qwen2.5-VL model compute Qwen's reference rope positions (:func:`text_after_vision_positions`)
+    wherever transformers computes them: generation's prefill, every forward without explicit positions (SFT,
+    evaluation, a plain ``model(...)`` call) and mmrl's cached replay positions. Replaces ``get_rope_index`` on the
+    model's instance (transformers' class is untouched); a no-op for other families. Returns whether it applied."""
+    core = getattr(hf_model, "model", None)
+    if getattr(hf_model.config, "model_type", None) not in QWEN_ROPE_LAYOUT_FAMILIES or core is None:
+        return False
+    if getattr(core, "_mmrl_reference_rope_layout", False):
+        return True
+    import inspect
+    import types
+
+    transformers_index = type(core).get_rope_index
+    signature = inspect.signature(transformers_index)
+
+    def get_rope_index(self, *args, **kwargs):
+        position_ids, _ = transformers_index(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs).arguments
+        return text_after_vision_positions(position_ids, bound["mm_token_type_ids"], bound.get("attention_mask"))
+
+    core.get_rope_index = types.MethodType(get_rope_index, core)
+    core._mmrl_reference_rope_layout = True
+    return True
+
+
 def static_cache_length(tokens: int, smallest: int = 256) -> int:
     """The static KV cache's length for ``tokens`` (prompt + new tokens): the next power of two, at least ``smallest``.
     transformers recompiles the decoding forward for each new cache shape and keeps the largest length so far, and
@@ -351,6 +424,7 @@ class QwenVLPolicy:
         self.coord_format = coord_format
         self.tool_response_template = tool_response_template
         self.dtype = model.dtype  # the loaded dtype; trainable parameters are upcast to fp32 below
+        use_reference_rope_layout(model)  # Qwen's positions for text after a video, not transformers 5.x's
         model.to(self.device)
         model.eval()  # no-grad forwards run in eval mode; logprobs switches to train mode for its grad forward
         model.requires_grad_(False)
