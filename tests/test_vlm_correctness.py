@@ -1,8 +1,10 @@
 """Correctness of the Qwen-VL policy's training signal, on tiny Qwen2.5-VL / Qwen2-VL / Qwen3-VL models:
 the KL penalty has TRL's gradient, sampling uses only the configured logits processors, the gradient-carrying
 forward runs in train mode (gradient checkpointing, LoRA dropout) while every no-grad forward runs in eval mode,
-the recorded image ``input_size`` is the processor's final size, and a full-fine-tune reference keeps the
-model's dtype."""
+the recorded image ``input_size`` is the processor's final size, a full-fine-tune reference keeps the
+model's dtype, and Qwen2-VL / Qwen2.5-VL rope positions follow Qwen's reference layout after a video."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from PIL import Image
 from mmrl.build import vlm_media
 from mmrl.config import Config
 from mmrl.core.losses import policy_loss
+from mmrl.data.video import VideoClip
 from mmrl.data.vlm import VLMSample
 from mmrl.pipelines.vlm.qwen import QwenVLPolicy, load_vlm
 from mmrl.pipelines.vlm.tiny import _BUILDERS
@@ -419,14 +422,21 @@ def qwen_reference_positions(config, ids: list[int], image_grids: list, video_gr
     return out
 
 
+def clip_at(fps: float, frames: int) -> VideoClip:
+    """``clip(frames)`` sampled at ``fps``: Qwen2.5-VL's temporal rows are ``2 / fps`` seconds apart."""
+    return dataclasses.replace(clip(frames), sample_fps=fps, second_per_grid_ts=2.0 / fps, video_fps=fps,
+                               duration=frames / fps)
+
+
 LONG_CLIP = [Item("when?", video=clip(16)), Item("what colour is it?", [Image.new("RGB", (56, 84), (200, 10, 10))]),
-             Item("a question without any image"), Item("when does the person stand up?", video=clip(4))]
+             Item("a question without any image"), Item("when does the person stand up?", video=clip(4)),
+             Item("when?", video=clip_at(4.0, 8))]  # 0.5 s a row: 1 position apart on Qwen2.5-VL, not 0
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
 def test_text_after_a_video_takes_qwens_positions_in_sampling_replay_and_plain_forwards(family, tmp_path):
     """A 16-frame clip (8 temporal rows, t positions past the 4 x 4 grid's height and width) with a short
-    question: every row's positions are Qwen's reference rule (the text after a vision block at the block's
+    question, and a 4 fps clip (rows 0.5 s apart): every row's positions are Qwen's reference rule (the text after a vision block at the block's
     maximum + 1), not transformers 5.x's (the block's spatial extent), in left-padded mixed batches; generation's
     own logits equal the replayed log-probs, and a plain ``model(...)`` forward reads the same positions."""
     from mmrl.pipelines.vlm.qwen import _completion_mask
@@ -435,6 +445,8 @@ def test_text_after_a_video_takes_qwens_positions_in_sampling_replay_and_plain_f
     config = policy.base_model.config
     rollout = policy.rollout(LONG_CLIP, 2, generator=torch.Generator().manual_seed(0))
     positions = policy._rope_positions(rollout)
+    if family == "qwen2_5_vl":  # the 4 fps clip's rows are 0.5 s apart: a fractional step the layout must keep
+        assert rollout.vision[4].second_per_grid_ts.tolist() == [0.5]
     for row in range(len(rollout)):
         prompt = rollout.prompt_index[row]
         mask = torch.cat([rollout.prompt_mask[prompt], rollout.mask[row].long()]).bool()
