@@ -41,9 +41,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 import itertools
 import logging
 import os
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -340,9 +342,6 @@ def use_reference_rope_layout(hf_model) -> bool:
         return False
     if getattr(core, "_mmrl_reference_rope_layout", False):
         return True
-    import inspect
-    import types
-
     transformers_index = type(core).get_rope_index
     signature = inspect.signature(transformers_index)
 
