@@ -190,14 +190,15 @@ class VLMRollout:
             _, g = torch.unique(p.group_ids, return_inverse=True)
             groups.append(g + total)
             total += int(g.max()) + 1 if len(g) else 0
-        types = [p.mm_token_type_ids for p in parts]
+        token_types = [p.mm_token_type_ids for p in parts]
         tools = any(p.tool_calls is not None for p in parts)
         return VLMRollout(
             prompts=[x for p in parts for x in p.prompts], metadata=[x for p in parts for x in p.metadata],
             group_ids=torch.cat(groups), completions=[x for p in parts for x in p.completions],
             prompt_ids=torch.cat([left(p.prompt_ids, pad_id) for p in parts]),
             prompt_mask=torch.cat([left(p.prompt_mask, 0) for p in parts]),
-            mm_token_type_ids=None if any(t is None for t in types) else torch.cat([left(t, 0) for t in types]),
+            mm_token_type_ids=(None if any(t is None for t in token_types)
+                               else torch.cat([left(t, 0) for t in token_types])),
             completion_ids=torch.cat([right(p.completion_ids, pad_id) for p in parts]),
             mask=torch.cat([right(p.mask, 0) for p in parts]),
             prompt_index=torch.cat([p.prompt_index + o for p, o in zip(parts, offsets)]),
