@@ -18,7 +18,8 @@ from mmrl.data.vlm import VLMSample
 from mmrl.pipelines.vlm.qwen import QwenVLPolicy, load_vlm
 from mmrl.pipelines.vlm.tiny import _BUILDERS
 
-from test_vlm_policy import LORA, Item, clip, media  # noqa: E402  (the policy tests' fixtures)
+from test_vlm_policy import (  # noqa: E402  (the policy tests' fixtures)
+    LORA, Item, assert_replay_matches_generation, clip, media)
 
 ITEMS = [
     Item("what colour is it?", [Image.new("RGB", (56, 84), (200, 10, 10))]),
@@ -436,11 +437,10 @@ LONG_CLIP = [Item("when?", video=clip(16)), Item("what colour is it?", [Image.ne
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
 def test_text_after_a_video_takes_qwens_positions_in_sampling_replay_and_plain_forwards(family, tmp_path):
     """A 16-frame clip (8 temporal rows, t positions past the 4 x 4 grid's height and width) with a short
-    question, and a 4 fps clip (rows 0.5 s apart): every row's positions are Qwen's reference rule (the text after a vision block at the block's
-    maximum + 1), not transformers 5.x's (the block's spatial extent), in left-padded mixed batches; generation's
-    own logits equal the replayed log-probs, and a plain ``model(...)`` forward reads the same positions."""
-    from mmrl.pipelines.vlm.qwen import _completion_mask
-
+    question, and a 4 fps clip (rows 0.5 s apart): every row's positions are Qwen's reference rule (the text after
+    a vision block at the block's maximum + 1), not transformers 5.x's (the block's spatial extent), in left-padded
+    mixed batches; generation's own logits equal the replayed log-probs, and a plain ``model(...)`` forward reads
+    the same positions."""
     policy = make_policy(str(_BUILDERS[family](tmp_path / "model")), system_prompt=None)
     config = policy.base_model.config
     rollout = policy.rollout(LONG_CLIP, 2, generator=torch.Generator().manual_seed(0))
@@ -457,38 +457,18 @@ def test_text_after_a_video_takes_qwens_positions_in_sampling_replay_and_plain_f
             [] if v.video_grid_thw is None else v.video_grid_thw.tolist(),
             [] if v.second_per_grid_ts is None else v.second_per_grid_ts.tolist())
         assert positions[:, row, mask].T.tolist() == want
-    # transformers' own layout for the long clip's rows puts the question inside the clip's temporal range
+    # transformers' own layout for the long clip's row puts the text after it inside the clip's temporal range
     core = policy.base_model.model
     inputs, _, _ = policy.encode_prompts(LONG_CLIP[:1])
-    theirs, _ = type(core).get_rope_index(core, inputs["input_ids"], inputs["mm_token_type_ids"],
-                                          video_grid_thw=inputs["video_grid_thw"],
-                                          attention_mask=inputs["attention_mask"],
-                                          **({"second_per_grid_ts": inputs["second_per_grid_ts"]}
-                                             if "second_per_grid_ts" in inputs else {}))
-    ours, deltas = core.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
-                                       video_grid_thw=inputs["video_grid_thw"], attention_mask=inputs["attention_mask"],
-                                       **({"second_per_grid_ts": inputs["second_per_grid_ts"]}
-                                          if "second_per_grid_ts" in inputs else {}))
+    grids = {k: inputs[k] for k in ("video_grid_thw", "second_per_grid_ts", "attention_mask") if k in inputs}
+    theirs, _ = type(core).get_rope_index(core, inputs["input_ids"], inputs["mm_token_type_ids"], **grids)
+    ours, deltas = core.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], **grids)
     video = inputs["input_ids"][0] == config.video_token_id
     after, clip_end = int(video.nonzero()[-1]) + 1, int(ours[:, 0][:, video].max())
     assert int(ours[0, 0, after]) == clip_end + 1 and int(theirs[0, 0, after]) <= clip_end
     assert deltas.tolist() == [[int(ours[0, 0].max()) + 1 - inputs["input_ids"].shape[1]]]
     # sampling read the same positions: generate's own logits are the replayed log-probs
-    inputs, vision, _ = policy.encode_prompts(LONG_CLIP[:1])
-    policy._encode_vision(vision)
-    gen = policy.model.generate(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                                mm_token_type_ids=inputs["mm_token_type_ids"], **policy._vision_kwargs(vision),
-                                do_sample=False, max_new_tokens=6, output_logits=True, return_dict_in_generate=True,
-                                eos_token_id=policy.eos_ids, pad_token_id=policy.pad_id,
-                                suppress_tokens=policy.suppressed_ids)
-    raw = torch.stack(gen.logits, dim=1).float()
-    raw[..., policy.suppressed_ids] = float("-inf")
-    tokens = gen.sequences[:, inputs["input_ids"].shape[1]:]
-    single = policy.rollout(LONG_CLIP[:1], 1, generator=torch.Generator().manual_seed(0))
-    single.completion_ids, single.mask = tokens, _completion_mask(tokens, policy.eos_ids).float()
-    got = policy.logprobs(single, torch.tensor([0])).logps
-    want = raw.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(got[single.mask.bool()], want[single.mask.bool()], atol=1e-4, rtol=1e-4)
+    assert_replay_matches_generation(policy, LONG_CLIP[:1], do_sample=False)
     # a plain forward without positions (SFT, evaluation) computes them the same way
     idx = torch.arange(len(rollout))
     with torch.no_grad():

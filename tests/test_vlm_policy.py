@@ -62,23 +62,26 @@ def test_rollout_and_replayed_logprobs_match_generation(model_path):
     assert len(rollout) == 12 and rollout.completion_ids.shape[0] == 12
     assert rollout.group_ids.tolist() == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
     assert rollout.prompts[4] == ITEMS[1].question and len(rollout.completions) == 12
-    # replay the sampled tokens with generate's own logits: same log-probs as one full forward
-    base = policy.model
-    inputs, vision, _ = policy.encode_prompts(ITEMS[:1])
+    assert_replay_matches_generation(policy, ITEMS[:1], do_sample=True)
+
+
+def assert_replay_matches_generation(policy, items, *, do_sample: bool) -> None:
+    """Replay the tokens ``generate`` produced for ``items[0]`` (6 new tokens) with ``policy.logprobs``: the same
+    log-probs as generate's own logits, vision placeholders masked out of both (never sampled nor scored)."""
+    inputs, vision, _ = policy.encode_prompts(items[:1])
     policy._encode_vision(vision)
     with torch.random.fork_rng():
         torch.manual_seed(7)
-        gen = base.generate(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                            mm_token_type_ids=inputs["mm_token_type_ids"], **policy._vision_kwargs(vision),
-                            do_sample=True, max_new_tokens=6, output_logits=True, return_dict_in_generate=True,
-                            eos_token_id=policy.eos_ids, pad_token_id=policy.pad_id,
-                            suppress_tokens=policy.suppressed_ids)
+        gen = policy.model.generate(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                                    mm_token_type_ids=inputs["mm_token_type_ids"], **policy._vision_kwargs(vision),
+                                    do_sample=do_sample, max_new_tokens=6, output_logits=True,
+                                    return_dict_in_generate=True, eos_token_id=policy.eos_ids,
+                                    pad_token_id=policy.pad_id, suppress_tokens=policy.suppressed_ids)
     raw = torch.stack(gen.logits, dim=1).float()
-    raw[..., policy.suppressed_ids] = float("-inf")  # vision placeholders are never sampled nor scored
-    steps = raw.log_softmax(-1)
+    raw[..., policy.suppressed_ids] = float("-inf")
     tokens = gen.sequences[:, inputs["input_ids"].shape[1]:]
-    want = steps.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    single = policy.rollout(ITEMS[:1], 1, generator=torch.Generator().manual_seed(0))
+    want = raw.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    single = policy.rollout(items[:1], 1, generator=torch.Generator().manual_seed(0))
     single.completion_ids = tokens
     single.mask = _completion_mask(tokens, policy.eos_ids).float()
     got = policy.logprobs(single, torch.tensor([0])).logps
