@@ -483,3 +483,48 @@ def test_reference_rope_layout_applies_to_qwen2_families_only(model_path):
     core = policy.base_model.model
     assert ("get_rope_index" in vars(core)) == ("qwen3_vl" not in model_path)
     assert use_reference_rope_layout(policy.base_model) == ("qwen3_vl" not in model_path)  # idempotent
+
+
+# ------------------------------------------- 9. the video metadata qwen-vl-utils passes: timestamps and sampled fps
+
+
+def reference_timestamps(indices: list[int], video_fps: float) -> list[str]:
+    """Qwen3-VL's ``<t seconds>`` texts for frames ``indices`` of a ``video_fps`` source video, written out from
+    qwen-vl-utils (metadata: the source fps and the sampled frames' indices in it) and Qwen3-VL's processor (each
+    pair of frames: the mean of their times, one decimal)."""
+    times = [i / video_fps for i in indices]
+    return [f"<{(times[k] + times[k + 1]) / 2:.1f} seconds>" for k in range(0, len(times), 2)]
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_video_metadata_is_qwen_vl_utils(family, tmp_path):
+    """A 24-frame 4 fps mp4 read at 2 fps samples frames 0, 2, ..., 10, 13, 15, ... 23 (qwen-vl-utils' rounded
+    linspace, not evenly spaced): Qwen3-VL's timestamps are those frames' times in the source video (3.5 s for the
+    fourth step, not 3.2), from ``start`` on when the clip is cut, in order when T-GRPO shuffles the frames (the
+    pixels move, the clock does not); Qwen2.5-VL's seconds per temporal step stay 2 / sample fps; the vLLM request
+    carries the same metadata."""
+    from fixtures import write_video
+
+    from mmrl.data.video import read_video
+
+    path = write_video(tmp_path / "clip.mp4", num_frames=24, width=64, height=64, fps=4)
+    policy = make_policy(str(_BUILDERS[family](tmp_path / "model")), lora=None)
+    sample = VLMSample("v", "when does it change?", "[0.5, 1.0]", video_path=str(path), source="t.jsonl:1")
+    for start, indices in ((None, [0, 2, 4, 6, 8, 10, 13, 15, 17, 19, 21, 23]),
+                           (1.0, [4, 6, 8, 10, 12, 15, 17, 19, 21, 23])):
+        clip_read = read_video(path, fps=2.0, start=start)
+        assert clip_read.indices == indices and clip_read.sample_fps == 2.0
+        policy.media = lambda s, c=clip_read: ([], c)
+        inputs, vision, _ = policy.encode_prompts([sample])
+        text = policy.tokenizer.decode(inputs["input_ids"][0])
+        if family == "qwen3_vl":
+            found = [t for t in text.split("<|vision_start|>")[:-1] if t.endswith(" seconds>")]
+            assert [t[t.rindex("<"):] for t in found] == reference_timestamps(indices, 4.0)
+        else:
+            assert vision[0].second_per_grid_ts.tolist() == [1.0]
+        shuffled, shuffled_vision, _ = policy.encode_prompts([sample], shuffle_frames=torch.Generator().manual_seed(1))
+        assert torch.equal(shuffled["input_ids"], inputs["input_ids"])  # the same timestamps, in order
+        assert not torch.equal(shuffled_vision[0].pixel_values_videos, vision[0].pixel_values_videos)
+        request = policy._engine_prompt(text, [], clip_read)["multi_modal_data"]["video"][1]
+        assert request["frames_indices"] == indices and request["fps"] == 4.0
+        assert request["total_num_frames"] == 24 - 4 * (start or 0)

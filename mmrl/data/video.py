@@ -206,11 +206,22 @@ class VideoClip:
     total_frames: int
     original_size: tuple[int, int]  # (width, height) as stored in the file
     final_size: bool = False
+    range_frames: int | None = None  # frames in the sampled range (start/end); None: the whole video
 
     @property
     def frame_times(self) -> list[float]:
         """Time in seconds of each sampled frame."""
         return [i / self.video_fps for i in self.indices]
+
+    def metadata(self) -> dict:
+        """The video metadata qwen-vl-utils' ``fetch_video(..., return_video_metadata=True)`` hands the processor:
+        the source video's ``fps``, the sampled frames' indices in it and the frames in the sampled range. From it
+        Qwen3-VL's processor writes each temporal step's ``<t seconds>`` (the mean time of its frames in the source
+        video, a ``start`` offset included) and Qwen2.5-VL's its sampled fps (``len(indices) / total_num_frames x
+        fps``, this clip's ``sample_fps``). The indices are sorted: frames shown out of order (T-GRPO) keep the
+        timestamps of the positions they are shown at, which would otherwise tell the order."""
+        total = self.total_frames if self.range_frames is None else self.range_frames
+        return {"fps": self.video_fps, "frames_indices": sorted(self.indices), "total_num_frames": total}
 
 
 @dataclass(frozen=True)
@@ -315,7 +326,7 @@ def read_video(path: str | Path, *, fps: float | None = None, nframes: float | N
     return VideoClip(path=str(path), frames=frames, indices=plan.indices, sample_fps=plan.sample_fps,
                      second_per_grid_ts=plan.second_per_grid_ts, duration=total_frames / video_fps,
                      video_fps=video_fps, total_frames=total_frames, original_size=(int(width), int(height)),
-                     final_size=total_pixels is not None)
+                     final_size=total_pixels is not None, range_frames=plan.last - plan.first + 1)
 
 
 _DECORD_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+?:\d+: ")

@@ -583,8 +583,7 @@ class QwenVLPolicy:
         clips = [v for v in videos if v is not None]
         if clips:
             kwargs["videos"] = [clip.frames for clip in clips]
-            kwargs["video_metadata"] = [{"fps": clip.sample_fps, "total_num_frames": len(clip.frames),
-                                         "frames_indices": list(range(len(clip.frames)))} for clip in clips]
+            kwargs["video_metadata"] = [clip.metadata() for clip in clips]  # as qwen-vl-utils passes it
             kwargs["do_sample_frames"] = False
             if all(clip.final_size for clip in clips):  # sized by qwen-vl-utils' budget: as Qwen's README passes them
                 kwargs["videos_kwargs"] = {"do_resize": False}
@@ -624,8 +623,8 @@ class QwenVLPolicy:
             media["image"] = images if len(images) > 1 else images[0]
         if video is not None:  # the frames mmrl sampled, as the training processor got them (no resampling)
             frames = video.frames.permute(0, 2, 3, 1).contiguous().numpy()  # [T, H, W, 3] uint8
-            media["video"] = (frames, {"fps": video.sample_fps, "duration": len(frames) / video.sample_fps,
-                                       "total_num_frames": len(frames), "frames_indices": list(range(len(frames))),
+            metadata = video.metadata()  # the training processor's (qwen-vl-utils'), so the same timestamps
+            media["video"] = (frames, {**metadata, "duration": metadata["total_num_frames"] / metadata["fps"],
                                        "video_backend": "mmrl", "do_sample_frames": False})
         if media:
             request["multi_modal_data"] = media
