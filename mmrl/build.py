@@ -123,27 +123,32 @@ def video_pixel_budget(config: Config, processor) -> dict:
     128 x 28 x 28; a checkpoint without a video processor config gets its image processor's instead); per-frame cap
     the processor's ``longest_edge`` (default ``VIDEO_MAX_PIXELS``, 768 x 28 x 28); total
     ``generation.video_total_pixels`` or 0.9 x ``max_video_tokens`` x 28 x 28 (``VIDEO_TOTAL_PIXELS``); then at most
-    ``generation.video_max_pixels``. Qwen3-VL's video processor budgets the whole clip and resizes the frames
-    itself: only ``video_max_pixels`` applies to them beforehand, and the other two are a :class:`ConfigError`."""
+    ``generation.video_max_pixels``.
+
+    Qwen3-VL's video processor budgets the whole clip (its ``size``) and resizes the frames itself: by default only
+    ``video_max_pixels`` applies to them beforehand. With ``video_min_pixels`` or ``video_total_pixels`` set, the
+    frames get the budget of Qwen3-VL's own pipeline instead (qwen-vl-utils ``fetch_video(...,
+    image_patch_size=16)``, then ``do_resize=False``): floor ``video_min_pixels`` or 128 x 32 x 32
+    (``VIDEO_MIN_TOKEN_NUM``), cap 768 x 32 x 32 (``VIDEO_MAX_TOKEN_NUM``), total ``video_total_pixels`` or 0.9 x
+    128000 x 32 x 32 (``MODEL_SEQ_LEN``)."""
     from transformers import Qwen2VLVideoProcessor
 
     from mmrl.data.video import VIDEO_CONTEXT_TOKENS
 
     g, video_processor = config.generation, processor.video_processor
     size = video_processor.size
-    if not isinstance(video_processor, Qwen2VLVideoProcessor):
-        if g.video_min_pixels is not None or g.video_total_pixels is not None:
-            raise ConfigError(f"generation.video_min_pixels / video_total_pixels set qwen-vl-utils' per-frame budget "
-                              f"for Qwen2/2.5-VL; {type(video_processor).__name__} budgets the whole clip itself "
-                              f"(its size.shortest_edge / longest_edge): leave them null, or bound each frame with "
-                              f"generation.video_max_pixels")
-        return {"max_pixels": g.video_max_pixels or size.get("longest_edge")}
     factor = video_processor.patch_size * video_processor.merge_size
-    frame_max = size.get("longest_edge") or 768 * factor * factor
-    min_pixels = g.video_min_pixels or size.get("shortest_edge") or 128 * factor * factor
+    if isinstance(video_processor, Qwen2VLVideoProcessor):  # its size bounds one frame
+        frame_max = size.get("longest_edge") or 768 * factor * factor
+        floor = size.get("shortest_edge") or 128 * factor * factor
+        tokens = getattr(video_processor, "max_video_tokens", None) or VIDEO_CONTEXT_TOKENS
+    elif g.video_min_pixels is None and g.video_total_pixels is None:  # the processor's whole-clip budget
+        return {"max_pixels": g.video_max_pixels or size.get("longest_edge")}
+    else:  # qwen-vl-utils' constants (its size bounds the whole clip, not a frame)
+        frame_max, floor, tokens = 768 * factor * factor, 128 * factor * factor, VIDEO_CONTEXT_TOKENS
+    min_pixels = g.video_min_pixels or floor
     if g.video_min_pixels is None and g.video_max_pixels is not None:
         min_pixels = min(min_pixels, g.video_max_pixels)
-    tokens = getattr(video_processor, "max_video_tokens", None) or VIDEO_CONTEXT_TOKENS
     total = g.video_total_pixels if g.video_total_pixels is not None else tokens * factor * factor * 0.9
     return {"min_pixels": min_pixels, "max_pixels": g.video_max_pixels, "total_pixels": total,
             "frame_max_pixels": frame_max}

@@ -177,13 +177,16 @@ class GenerationConfig:
     video_nframes: int | None = opt(None, "Fixed number of video frames (rounded to even).")
     video_max_frames: int = opt(768, "Upper bound on sampled video frames.")
     video_max_pixels: int | None = opt(None, "Per-frame pixel budget for videos (Video-R1: 128 x 28 x 28).")
-    video_min_pixels: int | None = opt(None, "Qwen2/2.5-VL: per-frame pixel floor for videos (qwen-vl-utils' "
-                                       "min_pixels; Time-R1: 16 x 28 x 28); null: the video processor's shortest_edge "
-                                       "(Qwen2VLVideoProcessor's default: 128 x 28 x 28, as qwen-vl-utils).")
-    video_total_pixels: int | None = opt(None, "Qwen2/2.5-VL: pixel budget of a whole video (qwen-vl-utils' "
-                                         "total_pixels: each frame gets at most total / frames x 2, at least 1.05 x "
-                                         "the floor; Time-R1: 3584 x 28 x 28); null: 0.9 x the processor's "
-                                         "max_video_tokens x 28 x 28 (qwen-vl-utils' default, 90316800).")
+    video_min_pixels: int | None = opt(None, "Per-frame pixel floor for videos (qwen-vl-utils' min_pixels; Time-R1: "
+                                       "16 x 28 x 28); null: the video processor's shortest_edge on Qwen2/2.5-VL "
+                                       "(Qwen2VLVideoProcessor's default: 128 x 28 x 28, as qwen-vl-utils). On "
+                                       "Qwen3-VL, setting it or video_total_pixels applies qwen-vl-utils' per-frame "
+                                       "budget (floor 128 x 32 x 32, cap 768 x 32 x 32) instead of the processor's "
+                                       "whole-clip one.")
+    video_total_pixels: int | None = opt(None, "Pixel budget of a whole video (qwen-vl-utils' total_pixels: each "
+                                         "frame gets at most total / frames x 2, at least 1.05 x the floor; Time-R1: "
+                                         "3584 x 28 x 28); null: 0.9 x 128000 x 28 x 28 on Qwen2/2.5-VL "
+                                         "(qwen-vl-utils' default, 90316800), 0.9 x 128000 x 32 x 32 on Qwen3-VL.")
     tools: list = opt([], "Image tools the policy may call mid-completion as <tool>name(numbers)</tool> (multi-turn "
                           "rollouts, mmrl.pipelines.vlm.tools): built-in crop, rotate, contrast, or "
                           "'package.module:function'; empty: plain single-turn rollouts.")

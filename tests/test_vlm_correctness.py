@@ -373,13 +373,19 @@ def test_video_frames_reach_the_model_at_qwen_vl_utils_total_budget(model_path, 
     smart_resize; the processor must not resize the frames again (Qwen's README passes do_resize=False)."""
     from fixtures import write_video
 
-    from mmrl.config import ConfigError
-
     path = write_video(tmp_path / "clip.mp4", num_frames=8, width=160, height=96, fps=4)
     policy = make_policy(model_path, lora=None)
-    if "qwen3_vl" in model_path:  # its video processor budgets the whole clip: the per-frame options are refused
-        with pytest.raises(ConfigError, match="video_min_pixels / video_total_pixels"):
-            _video_prompt_grid(policy, path, video_total_pixels=4704)
+    if "qwen3_vl" in model_path:
+        # by default its video processor budgets the whole clip (tiny: 16 tokens a frame, 8 frames' worth): 96 x 160
+        # is 15 tokens of 32 x 32, under both, so rounded to 96 x 160 (patch 16: grid [2, 6, 10])
+        assert _video_prompt_grid(policy, path) == [[2, 6, 10]]
+        # a qwen-vl-utils field asks for Qwen3-VL's own pipeline (fetch_video, image_patch_size 16: factor 32):
+        # max(min(768 x 1024, 8192 / 4 x 2), int(1024 x 1.05)) = 4096 per frame; beta = sqrt(15360 / 4096) = 1.936,
+        # floor(96 / 1.936 / 32) = 1, floor(160 / 1.936 / 32) = 2 -> 32 x 64, and the processor keeps it
+        assert _video_prompt_grid(policy, path, video_min_pixels=1024, video_total_pixels=8192) == [[2, 2, 4]]
+        # the floor alone: the default total (0.9 x 128000 x 1024) binds nothing, the cap 768 x 1024 neither; a floor
+        # of 16384 (16 tokens) lifts 96 x 160: beta = sqrt(16384 / 15360) = 1.033, ceil(3.1) = 4, ceil(5.16) = 6
+        assert _video_prompt_grid(policy, path, video_min_pixels=16384) == [[2, 8, 12]]
         return
     # tiny Qwen2/2.5-VL video processor: shortest_edge 3136, longest_edge 12544, patch 14 (factor 28).
     # total 4704 over 4 frames: max(min(12544, 4704 / 4 * 2), int(784 * 1.05)) = 2352 per frame; 96 x 160 is over
