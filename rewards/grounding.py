@@ -835,9 +835,15 @@ _CLOCK = r"\d+:\d{1,2}(?::\d{1,2})?(?:\.\d+)?"
 _SECONDS = r"\d+(?:\.\d+)?"
 _T = rf"(?<![\d.:])(?:{_CLOCK}|{_SECONDS})(?![\d:])"
 _UNIT = r"(?:\s*(?:s|secs?|seconds?)\b)?"
-_SPAN = re.compile(rf"({_T}){_UNIT}\s*(?:to|until|till|through|-|–|—|~|,|and)\s*({_T}){_UNIT}", re.IGNORECASE)
+_RANGE = re.compile(rf"({_T}){_UNIT}\s*(?:to|until|till|through|-|–|—|~|and)\s*({_T}){_UNIT}", re.IGNORECASE)
+_PAIR = re.compile(rf"({_T}){_UNIT}\s*,\s*({_T}){_UNIT}", re.IGNORECASE)
 _START_KEYS = ("start_time", "start", "begin")
 _END_KEYS = ("end_time", "end", "stop")
+
+
+def _span_matches(text: str) -> list[re.Match]:
+    """The time pairs in ``text`` joined by a word or a dash, or failing those by a comma (``[12.5, 20.1]``)."""
+    return list(_RANGE.finditer(text)) or list(_PAIR.finditer(text))
 
 
 def _time_value(token: Any) -> float:
@@ -861,7 +867,9 @@ def parse_timestamps(text: str) -> tuple[float, float]:
     ``~``...: ``12.5 to 20.1 seconds``, ``[12.5, 20.1]``, ``from 12.5s to 20.1s``, ``00:12-00:20``
     (``mm:ss``, ``hh:mm:ss`` read as seconds). The last pair, as TimeZero's training reward reads its answer
     (``grpo_video.py`` ``parse_timestamp_output``: the last ``A to B``), so "10 to 15, more precisely 12 to 20"
-    answers 12 to 20. A reversed pair is returned as written (it scores 0).
+    answers 12 to 20. A pair joined by a word or a dash wins over one joined by a comma (mmrl's rule), so a
+    number before the span ("Step 1, 2.0 to 5.5") or after it ("2.0 to 5.5 s, 3.5 s long") is not read as an
+    end. A reversed pair is returned as written (it scores 0).
     """
     if not isinstance(text, str):
         raise Unparseable(f"answer is not text (got {type(text).__name__})")
@@ -875,7 +883,7 @@ def parse_timestamps(text: str) -> tuple[float, float]:
                     return _time_value(start), _time_value(end)
                 except (TypeError, ValueError, OverflowError):
                     raise Unparseable(f"start/end values {start!r}, {end!r} are not times") from None
-    matches = list(_SPAN.finditer(body))
+    matches = _span_matches(body)
     if not matches:
         raise Unparseable("no time span in the answer")
     return _time_value(matches[-1].group(1)), _time_value(matches[-1].group(2))
@@ -1079,7 +1087,7 @@ class TemporalDual(_SpanReward):
             try:
                 s, e = parse_timestamps(answer)
                 parts["temporal"] = temporal_iou((s * scale, e * scale), gt_span)
-                match = _SPAN.search(answer)
+                match = next(iter(_span_matches(answer)), None)
                 if match:
                     remainder = (answer[: match.start()] + " " + answer[match.end():]).strip()
             except Unparseable as exc:

@@ -358,6 +358,15 @@ def test_parse_timestamps_reads_the_last_span_as_timezero():
     assert parse_timestamps("[3, 5] then [7, 9]") == (7.0, 9.0)
 
 
+def test_parse_timestamps_prefers_a_range_to_a_comma_pair():
+    """A number next to the span is not read as its start or end: a pair joined by a word or a dash wins over one
+    joined by a comma (one scan over both read "1, 2.0" in the first; an overlapping one would read "5.5 s, 3.5" in
+    the second)."""
+    assert parse_timestamps("Step 1, 2.0 to 5.5") == (2.0, 5.5)
+    assert parse_timestamps("from 2.0 to 5.5 s, 3.5 s long") == (2.0, 5.5)
+    assert parse_timestamps("clip 2, [2.0, 5.5]") == (2.0, 5.5)  # only comma pairs: still the last
+
+
 def test_parse_timezero_span_is_timezero_evaluate_py():
     """``evaluate.py`` ``parse_timestamp_output``: ``re.findall(r"(\\d+\\.?\\d*) (to|and) (\\d+\\.?\\d*)")`` over
     the whole output, the last match; nothing else reads."""

@@ -293,6 +293,37 @@ def test_temporal_bonus_nan_and_tensor_ids_and_errors():
         temporal_contrast_rewards(ordered, shuffled[:2], ids)
 
 
+def test_t_grpo_plug_in_leaves_unjudged_answers_out():
+    """The plug-in hands the accuracies to temporal_contrast_rewards as scored: ordered [1, NaN, NaN, 0] has
+    p = 1/2 over its judged answers (not 1/4 with NaN as wrong), shuffled [1, 0] p~ = 1/2: 1/2 >= 0.8 x 1/2, so the
+    correct ordered answer gets 0.3; an image question in the batch gets 0."""
+    from types import SimpleNamespace
+
+    from mmrl.algorithms.base import RewardContext
+    from mmrl.algorithms.t_grpo import TGRPO, TGRPOOptions
+
+    nan = float("nan")
+    meta = [{"id": "v"}] * 4 + [{"id": "i"}] * 2
+    rollout = SimpleNamespace(metadata=meta, prompts=["when?"] * 4 + ["what?"] * 2,
+                              group_ids=torch.tensor([0] * 4 + [1] * 2))
+    items = [SimpleNamespace(video_path="v.mp4"), SimpleNamespace(video_path=None)]
+    shuffled = SimpleNamespace(metadata=[{"id": "v"}] * 2, prompts=["when?"] * 2)
+    asked = []
+
+    def sample(videos, n, shuffle_frames):
+        asked.append((len(videos), n, shuffle_frames))
+        return shuffled
+
+    ctx = RewardContext(rollout=rollout, items=items, scores={"acc": torch.tensor([1.0, nan, nan, 0.0, 1.0, 0.0])},
+                        weights={"acc": 1.0}, config=SimpleNamespace(data=SimpleNamespace(group_size=4)),
+                        policy=None, accelerator=None, update=0, score=lambda r: {"acc": torch.tensor([1.0, 0.0])},
+                        score_outputs=None, sample=sample, intermediate=None, stats={}, timer={})
+    out = TGRPO(TGRPOOptions(reward="acc")).rewards(ctx)
+    assert asked == [(1, 2, True)]  # half the group size, on the video question only
+    assert torch.allclose(out.scores["temporal_bonus"], torch.tensor([0.3, 0.0, 0.0, 0.0, 0.0, 0.0]))
+    assert out.weights["temporal_bonus"] == 1.0
+
+
 def test_temporal_bonus_feeds_group_advantages():
     ordered = torch.tensor([1.0, 1.0, 0.0, 0.0])
     accuracy_reward = ordered.clone()

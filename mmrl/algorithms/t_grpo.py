@@ -48,8 +48,9 @@ class TGRPO(Variant):
                 return [f"{m.get('id')}|{p}" for m, p in zip(r.metadata, r.prompts)]
 
             key = self.options.reward
+            # unjudged (NaN) accuracies are left out of p and p~ and get no bonus, not counted as wrong
             bonus = temporal_contrast_rewards(
-                torch.nan_to_num(ctx.scores[key]), torch.nan_to_num(shuffled_scores[key]), keys(ctx.rollout),
+                ctx.scores[key], shuffled_scores[key], keys(ctx.rollout),
                 shuffled_group_ids=keys(shuffled), alpha=self.options.alpha, mu=self.options.mu)
         else:
             bonus = torch.zeros(len(ctx.rollout))
