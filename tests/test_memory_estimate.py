@@ -79,7 +79,7 @@ def test_the_memory_knobs_move_the_flow_estimate_as_they_must():
     shipped = me.estimate("sd35m_flow_grpo_fast", [], 450)
     checkpointed = me.estimate("sd35m_flow_grpo_fast", ["model.gradient_checkpointing=true"], 450)
     rows = shipped["shapes"]["training_rows"]
-    assert shipped["shapes"]["image_tokens"] == 1024 and shipped["shapes"]["text_tokens"] == 77 + 256
+    assert shipped["shapes"]["image_tokens"] == 1024 and shipped["shapes"]["text_tokens"] == 77 + 128
     # the resident weights alone: SD3.5-M 2.24B + T5-XXL 4.63B + CLIP-L/G + VAE + the CLIP-H reward, in bf16
     assert 15 < shipped["resident_weights_gib"] < 18
     assert shipped["training_gib"] > shipped["resident_weights_gib"] + rows  # > 1 GiB of activations per 512 px row

@@ -81,6 +81,11 @@ class SD3Family:
                  negative: dict[str, Tensor] | None, guidance_scale: float) -> Tensor:
         """The model's velocity ``v = eps - x0`` (fp32), with CFG in one batched forward when ``negative`` is given.
 
+        The unconditional half enters the guided velocity detached, as Flow-GRPO's training forward
+        (``scripts/train_sd3.py`` ``compute_log_prob``: ``noise_pred_uncond.detach()``) and its forks do: the values
+        are the same, and the policy gradient flows through the conditional branch only (``guidance_scale`` x its
+        gradient), not ``(1 - guidance_scale)`` x the unconditional one besides.
+
         Inputs are cast to ``model``'s own dtype (:func:`~mmrl.pipelines.flow.policy.model_dtype`): the load dtype
         for a LoRA policy and for any reference, fp32 for a fully fine-tuned policy."""
         dtype = model_dtype(model)
@@ -97,6 +102,7 @@ class SD3Family:
         if negative is None:
             return out
         uncond, text = out.chunk(2)
+        uncond = uncond.detach()
         return uncond + guidance_scale * (text - uncond)
 
     @torch.no_grad()
