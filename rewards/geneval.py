@@ -176,8 +176,9 @@ def compute_iou(box_a: Sequence[float], box_b: Sequence[float]) -> float:
 
 def relative_position(box_a: Sequence[float], box_b: Sequence[float], position_threshold: float = 0.1) -> set[str]:
     """The relations of box A to box B (GenEval's rule, see the module docstring): a subset of
-    ``{"left of", "right of", "above", "below"}``."""
-    boxes = np.array([list(box_a[:4]), list(box_b[:4])], dtype=np.float64).reshape(2, 2, 2)
+    ``{"left of", "right of", "above", "below"}``. In float32, as the official code computes it on the detector's
+    float32 boxes (a ratio at exactly 0.5 there can be 0.50000005 in float64)."""
+    boxes = np.array([list(box_a[:4]), list(box_b[:4])], dtype=np.float32).reshape(2, 2, 2)
     center_a, center_b = boxes.mean(axis=-2)
     dim_a, dim_b = np.abs(np.diff(boxes, axis=-2))[..., 0, :]
     offset = center_a - center_b

@@ -77,6 +77,9 @@ def test_relative_position_hand_worked():
     assert relative_position((0, 0, 100, 100), (30, 0, 130, 100)) == set()
     # position_threshold is used: with 0 the same pair is "left of"
     assert relative_position((0, 0, 100, 100), (30, 0, 130, 100), position_threshold=0.0) == {"left of"}
+    # float32 as the official code on mmdet's float32 boxes: offset (322.5, 447.5), revised (275.8, 445.4) over
+    # 551.6 -> dx exactly 0.5 in float32 (not > 0.5: no "right of"), 0.50000005 in float64
+    assert relative_position((323, 447, 556, 458), (0, 0, 234, 10)) == {"below"}
 
 
 def test_compute_iou_uses_inclusive_pixels():
