@@ -70,6 +70,78 @@ def test_sequence_level_ratio_gspo():
     assert out.loss.item() == pytest.approx(want.item(), rel=1e-10)
 
 
+def _gspo_token_reference(logps, old, adv, mask, clip):
+    """GSPO-token written out as verl's compute_policy_loss_gspo (stop-gradient construction), aggregated as
+    seq-mean-token-mean (mmrl's grpo): s_t = sg(s) * pi_t / sg(pi_t), l_t = max(-A_t s_t, -A_t clip(s_t))."""
+    seq = ((logps - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    ratio = torch.exp(logps - logps.detach() + seq.detach().unsqueeze(-1))
+    per = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip, 1 + clip))
+    return ((per * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+
+
+def test_sequence_ratio_is_gspo_token_with_per_action_advantages():
+    torch.manual_seed(3)
+    old = -torch.rand(N, T, dtype=torch.float64) - 0.5
+    mask = torch.ones(N, T, dtype=torch.float64)
+    mask[1, 3] = 0
+    adv = torch.randn(N, T, dtype=torch.float64)  # per-action advantages (dense credit)
+    base = old + 0.05 * torch.randn(N, T, dtype=torch.float64)
+    a = base.clone().requires_grad_(True)
+    b = base.clone().requires_grad_(True)
+    want = _gspo_token_reference(a, old, adv, mask, 0.2)
+    got = policy_loss(b, old, adv, mask, clip_low=0.2, ratio_level="sequence").loss
+    assert got.item() == pytest.approx(want.item(), rel=1e-12)
+    want.backward()
+    got.backward()
+    assert torch.allclose(b.grad, a.grad, rtol=1e-12, atol=1e-14)
+    # each action's gradient carries its own advantage: s * A_t / (|y| N) where unclipped
+    seq = ((base - old) * mask).sum(-1) / mask.sum(-1)
+    s = torch.exp(seq).unsqueeze(-1)
+    inside = (s > 0.8) & (s < 1.2)
+    expect = torch.where(inside, -adv * s / mask.sum(-1, keepdim=True) / N, torch.zeros_like(adv)) * mask
+    assert torch.allclose(b.grad, expect, rtol=1e-10, atol=1e-14)
+    assert b.grad[0].unique().numel() > 1  # not spread evenly over the sample, as exp(mean) would
+
+
+def test_sequence_ratio_gradient_is_trl_exp_mean_with_sample_advantages():
+    torch.manual_seed(4)
+    old = -torch.rand(N, T, dtype=torch.float64) - 0.5
+    mask = torch.ones(N, T, dtype=torch.float64)
+    mask[2, 2:] = 0
+    adv = torch.randn(N, dtype=torch.float64)
+    base = old + 0.05 * torch.randn(N, T, dtype=torch.float64)
+    for aggregation in ("grpo", "bnpo", "dr_grpo"):
+        a = base.clone().requires_grad_(True)
+        b = base.clone().requires_grad_(True)
+        # TRL's sequence level: coef = exp(mean log-ratio) [N, 1], its gradient through every token
+        coef = torch.exp((((a - old) * mask).sum(-1) / mask.sum(-1)).unsqueeze(-1))
+        per = -torch.min(coef * adv[:, None], torch.clamp(coef, 0.8, 1.2) * adv[:, None])
+        if aggregation == "grpo":
+            want = ((per * mask).sum(-1) / mask.sum(-1)).mean()
+        elif aggregation == "bnpo":
+            want = (per * mask).sum() / mask.sum()
+        else:
+            want = (per * mask).sum() / (N * T)
+        got = policy_loss(b, old, adv, mask, clip_low=0.2, ratio_level="sequence", aggregation=aggregation).loss
+        assert got.item() == pytest.approx(want.item(), rel=1e-12)
+        want.backward()
+        got.backward()
+        assert torch.allclose(b.grad, a.grad, rtol=1e-10, atol=1e-15), aggregation
+
+
+def test_sequence_ratio_action_weight_zero_trains_nothing_there():
+    torch.manual_seed(5)
+    old = -torch.rand(N, T, dtype=torch.float64) - 0.5
+    mask = torch.ones(N, T, dtype=torch.float64)
+    adv = torch.randn(N, dtype=torch.float64)
+    weight = torch.ones(N, T, dtype=torch.float64)
+    weight[:, ::2] = 0  # an entropy mask keeping every other token
+    logps = (old + 0.05 * torch.randn(N, T, dtype=torch.float64)).requires_grad_(True)
+    policy_loss(logps, old, adv, mask, clip_low=0.2, ratio_level="sequence", action_weight=weight).loss.backward()
+    assert torch.all(logps.grad[:, ::2] == 0)
+    assert torch.all(logps.grad[:, 1::2] != 0)
+
+
 def test_ratio_one_and_zero_kl_at_start():
     logps, _, _, adv, mask = _inputs()
     out = policy_loss(logps, logps.detach().clone(), adv, mask, ref_logps=logps.detach().clone(), beta=0.1)

@@ -5,7 +5,9 @@ One function serves both policy families: for a flow generator an action is a de
 ``GRPOTrainer`` (REFERENCE.md section 5):
 
 * ratio ``r = exp(logp - old)`` per action, or per sample with ``ratio_level="sequence"``
-  (GSPO, Zheng et al. 2025, arXiv 2507.18071: ``r = exp(sum M (logp - old) / sum M)``);
+  (GSPO, Zheng et al. 2025, arXiv 2507.18071: ``r = exp(sum M (logp - old) / sum M)``), in its GSPO-token
+  form ``sg(r) * exp(logp - sg(logp))`` on every action: the value is ``r``, the gradient TRL's ``exp(mean)``
+  one when the advantage and the action weights are constant over the sample, and per action otherwise;
 * per action ``l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` (PPO, Schulman et al. 2017;
   the asymmetric "clip-higher" of DAPO, Yu et al. 2025, arXiv 2503.14476);
 * with a KL penalty ``+ beta * kl``: TRL's k3 estimator ``exp(ref - logp) - (ref - logp) - 1``
@@ -130,7 +132,10 @@ def policy_loss(
         max_length: the ``L`` of ``dr_grpo`` (default ``T``).
         ref_logps: ``[N, T]`` reference log-probs for TRL's k3 KL; or pass ``kl`` ``[N, T]`` directly.
         beta: KL coefficient (0 disables the penalty; KL is still reported when available).
-        ratio_level: ``token`` or ``sequence`` (GSPO).
+        ratio_level: ``token`` or ``sequence`` (GSPO; GSPO-token's ``sg(s) * pi_t / sg(pi_t)`` per action, so
+            per-action advantages (dense credit) and action weights (the entropy mask, a token-level sampler
+            correction) reach only their own action's gradient, as in verl; TRL's ``exp(mean)`` spreads each
+            action's term over the whole sample, which equals this only when both are constant over it).
         gradient_accumulation_steps: divides ``grpo``, ``bnpo`` and ``dr_grpo`` (TRL's GA scaling).
         num_items_in_batch: for ``dapo``, the active actions of the batch one optimizer step covers, summed over
             all processes (TRL's ``num_items_in_batch``: the generation batch's count per optimizer step); defaults
@@ -145,9 +150,8 @@ def policy_loss(
             neither chunking nor the accumulation split changes the mean.
         sequence_log_ratio: ``[N]`` with ``ratio_level="sequence"`` when the forward sees a chunk only: the
             detached sequence log-ratio ``sum M (logp - old) / sum M`` of the whole trajectory. The ratio's value
-            is then the whole trajectory's, and its gradient flows through this chunk's actions, so the chunk
-            gradients add up to the unchunked gradient exactly (the value counts once, spread over the chunks
-            in proportion to their actions).
+            is then the whole trajectory's, and each action's gradient its own (GSPO-token), so the chunk
+            gradients add up to the unchunked gradient exactly.
         surrogate: optional ``fn(logps, old_logps, log_ratio, ratio, advantages, mask, clip_low, clip_high)``
             returning the per-action loss ``[N, T]`` in place of the clipped surrogate
             ``-min(ratio A, clip(ratio) A)`` (an algorithm variant's ``surrogate`` stage, :mod:`mmrl.algorithms`);
@@ -188,11 +192,17 @@ def policy_loss(
     counts = mask.sum(-1) if sample_action_counts is None else sample_action_counts.to(logps)
     counts = counts.clamp(min=1.0)
     log_ratio = logps - old_logps.detach()
+    sequence_ratio = None
     if ratio_level == "sequence":
         part = (log_ratio * mask).sum(-1) / counts  # this chunk's share of the trajectory's mean log-ratio
         if sequence_log_ratio is not None:  # the value of the whole trajectory, the gradient of this chunk
             part = sequence_log_ratio.detach().to(part) + part - part.detach()
-        log_ratio = part.unsqueeze(-1)
+        sequence_ratio = torch.exp(part).unsqueeze(-1)  # TRL's exp(mean): weights the KL term (kl_ratio_weight)
+        # GSPO-token (Zheng et al. 2025, arXiv 2507.18071; verl's compute_policy_loss_gspo):
+        # s_t = sg(s) * pi(y_t) / sg(pi(y_t)). The value is the sequence ratio s on every action; each action's
+        # gradient is s times its own log-prob's, so per-action advantages and weights keep their credit. With
+        # an advantage constant over the sample it is GSPO's gradient (TRL's exp(mean) form) exactly.
+        log_ratio = part.detach().unsqueeze(-1) + log_ratio - log_ratio.detach()
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     if surrogate is not None and delta is not None:
@@ -207,12 +217,6 @@ def policy_loss(
             raise ValueError(f"the surrogate returned shape {tuple(per_action.shape)}; expected {tuple(logps.shape)} "
                              f"or ({n_rows}, 1)")
     surrogate_value = per_action.detach()
-    if ratio_level == "sequence" and sequence_log_ratio is not None:
-        # the per-sample term appears on each of the chunk's c actions but its gradient must count C (all the
-        # trajectory's actions) times: the value stays c / C of the whole, the gradient is scaled by C / c
-        chunk = mask.sum(-1, keepdim=True)
-        scale = torch.where(chunk > 0, counts.unsqueeze(-1) / chunk.clamp(min=1.0), torch.zeros_like(chunk))
-        per_action = per_action.detach() + (per_action - per_action.detach()) * scale
 
     if action_weight is not None:
         per_action = per_action * action_weight.detach().to(per_action)
@@ -222,7 +226,7 @@ def policy_loss(
         if sequence_log_ratio is not None:
             raise ValueError("kl_ratio_weight with a chunked sequence ratio (sequence_log_ratio) is not supported: "
                              "the chunks' KL terms would not add up to the whole trajectory's")
-        kl = kl * ratio
+        kl = kl * (ratio if sequence_ratio is None else sequence_ratio)
     if kl is not None and beta != 0.0:
         per_action = per_action + beta * kl
 
