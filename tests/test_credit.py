@@ -130,6 +130,19 @@ def test_step_zero_filter_differs_from_unfiltered():
     assert close(off.step_rewards, [[0.2, -0.1, -0.1]])
 
 
+def test_turning_point_with_zero_bonus_keeps_its_own_gain():
+    # the anchor (my_train_sd3_fast_with_op3.py, drop_original_reward_when_having_bonus) zeroes d_t only where the
+    # bonus eta * (R_n - R_t) is non-zero. R = [0, 1, 0.5, 1.5, 0.5]: d = [1, -0.5, 1, -1], G = 0.5, s = [+, -, +, -]
+    # unfiltered: step 0 (s_0 > 0) -> R_4 - R_0 = 0.5; step 2 (s_1 < 0, s_2 > 0) is a turning point whose bonus
+    # R_4 - R_2 = 0 is zero, so it keeps d_2 = 1 (not 0)
+    off = turning_point_credit(t([[0.0, 1.0, 0.5, 1.5, 0.5]]), consistency_filter=False)
+    assert off.turning_points.tolist() == [[True, False, True, False]]
+    assert close(off.step_rewards, [[0.5, -0.5, 1.0, -1.0]])
+    # eta = 0: no bonus anywhere, every step keeps its gain
+    zero = turning_point_credit(t([[0.0, 1.0, 0.5, 1.5, 0.5]]), consistency_filter=False, eta=0.0)
+    assert close(zero.step_rewards, [[1.0, -0.5, 1.0, -1.0]])
+
+
 def test_zero_gains_are_never_turning_points():
     # R = [0.3, 0.3, 0.5, 0.5]: d = [0, 0.2, 0], G = 0.2, s = [0, +, 0]
     # step 0: sign(0) = 0 -> no; step 1: s_0 = 0 is not < 0 -> no flip; step 2: s_2 = 0 -> no

@@ -187,7 +187,8 @@ def turning_point_credit(
 
     ``mode="paper"`` (REFERENCE.md section 6; the anchor's released launch script ``common_op3.sh``):
     ``r_t = eta * (R_n - R_t)`` at a turning point (the aggregated long-term effect replaces ``d_t``), ``r_t = d_t``
-    elsewhere. Default ``consistency_filter=True``.
+    elsewhere. Default ``consistency_filter=True``. As the anchor, ``d_t`` is replaced only where that bonus is
+    non-zero: a turning point with ``R_n = R_t`` (possible without the filter) or ``eta = 0`` keeps ``d_t``.
 
     ``mode="g_plus_bonus"`` (alias ``"config_default"``): the anchor's config defaults (``config/my_grpo.py``,
     every ``*_op3`` recipe: ``take_delta_global_as_main=True``, ``use_delta_global=True``, ``eta=1.0``,
@@ -232,8 +233,10 @@ def turning_point_credit(
         key = g.expand_as(d) if mode == "paper" else d
         mask = _balance(mask, key, group_ids)
     if mode == "paper":
-        long_term = values[:, -1:] - values[:, :-1]  # R_n - R_t
-        rewards = torch.where(mask, eta * long_term, d)
+        # the anchor adds the bonus eta * (R_n - R_t) at a turning point and zeroes d_t only where that bonus is
+        # non-zero (drop_original_reward_when_having_bonus: `main_t[B_t != 0] = 0`), so a zero bonus keeps d_t
+        bonus = eta * (values[:, -1:] - values[:, :-1])
+        rewards = torch.where(mask & (bonus != 0), bonus, d)
     else:
         rewards = g + eta * torch.where(mask, d, torch.zeros_like(d))
     return TurningPointCredit(rewards, mask)
