@@ -142,8 +142,11 @@ class ImageBatch:
                 self._uint8_cache = float_to_uint8(self._valid_rows(self._tensor)).contiguous()
         return self._uint8_cache
 
-    def pil(self) -> list[Image.Image]:
-        """RGB PIL images of the valid samples, in ``valid_indices`` order."""
+    def pil(self, rgb: bool = True) -> list[Image.Image]:
+        """RGB PIL images of the valid samples, in ``valid_indices`` order. ``rgb=False``: PIL inputs as given
+        (an RGBA or palette image unconverted, for a preprocessing that converts after resizing, as ImageReward's)."""
+        if not rgb and not self.is_tensor:
+            return [self._pils[i] for i in self.valid_indices]
         if self._pil_cache is None:
             if self.is_tensor:
                 self._pil_cache = uint8_batch_to_pil(self.uint8())

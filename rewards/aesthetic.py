@@ -3,7 +3,9 @@
 Backbone: ``CLIPModel`` ``openai/clip-vit-large-patch14`` (CLIP ViT-L/14) and its ``CLIPProcessor``
 (resize the shortest side to 224 bicubic, centre crop 224, CLIP mean/std), as in DDPO's and
 Flow-GRPO's ``aesthetic_scorer.py``; the original ``simple_inference.py`` uses OpenAI ``clip``'s
-preprocess for ViT-L/14, which is the same transform.
+preprocess for ViT-L/14 (torchvision ``Resize(224)`` + ``CenterCrop``), the same transform except that torchvision
+rounds an odd crop margin's half where transformers floors it: a one-pixel shift on some non-square sizes (e.g.
+1216 x 832), none on square images.
 
 Head: ``sac+logos+ava1-l14-linearMSE.pth`` from christophschuhmann/improved-aesthetic-predictor.
 Despite the file name it is an MLP ``768 -> 1024 -> 128 -> 64 -> 16 -> 1`` whose ``nn.Sequential`` is

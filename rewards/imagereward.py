@@ -524,7 +524,7 @@ class ImageReward(Reward):
         slot = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
         ids, mask = self.tokenize(list(slot))  # once per unique prompt
         where = torch.tensor([slot[p] for p in prompts])
-        images = batch.pil()
+        images = batch.pil(rgb=False)  # converted to RGB after the resize and crop, as the original
         out = []
         for start in range(0, len(images), self.batch_size):
             stop = min(start + self.batch_size, len(images))

@@ -5,10 +5,12 @@ weights (rapidocr 3.x: PP-OCRv6 small, multilingual incl. English), so nothing i
 on the CPU, one image at a time (as Flow-GRPO's PaddleOCR does); the engine is built once per reward.
 Engine settings follow the PaddleOCR 2.x defaults Flow-GRPO ran with: no text-direction classifier
 (``cls=False``), texts below confidence 0.5 dropped (``drop_score``), and the detector input shrunk
-only when its longer side exceeds 960 px (``det_limit_type="max"``, ``det_limit_side_len=960``).
+only when its longer side exceeds 960 px (``det_limit_type="max"``, ``det_limit_side_len=960``), and
+PaddleOCR's box post-processing (``det_db_box_thresh=0.6``, ``det_db_unclip_ratio=1.5``, no dilation) in place of
+rapidocr's (0.5, 1.6, dilation).
 
-Target: the quoted part of the prompt (:func:`extract_target`): the first ``"..."`` (Flow-GRPO takes
-``prompt.split('"')[1]``), else the first curly ``“...”``, else the first ``'...'`` whose quotes are
+Target: the quoted part of the prompt (:func:`extract_target`): what follows the first ``"`` up to the next
+one, or to the end when there is no next one (Flow-GRPO's ``prompt.split('"')[1]``), else the first curly ``“...”``, else the first ``'...'`` whose quotes are
 not apostrophes (``'`` not preceded by a letter/digit opening, not followed by one closing). A prompt
 without a non-empty quoted target scores NaN with the reason in ``last_info``.
 
@@ -37,14 +39,15 @@ from ._base import ImageBatch, Reward, register_reward
 
 __all__ = ["OCRReward", "extract_target", "ocr_score"]
 
-_DOUBLE = re.compile(r'"([^"]*)"')
 _CURLY = re.compile(r"\u201c([^\u201d]*)\u201d")
 _SINGLE = re.compile(r"(?<![A-Za-z0-9])['\u2018](.+?)['\u2019](?![A-Za-z0-9])")
 
 
 def extract_target(prompt: str) -> str | None:
     """The text a prompt asks to render: its first quoted span (see the module docstring), or None."""
-    for pattern in (_DOUBLE, _CURLY, _SINGLE):
+    if '"' in prompt:  # Flow-GRPO's prompt.split('"')[1]: an unclosed quote runs to the end of the prompt
+        return prompt.split('"')[1]
+    for pattern in (_CURLY, _SINGLE):
         m = pattern.search(prompt)
         if m:
             return m.group(1)
@@ -103,6 +106,11 @@ class OCRReward(Reward):
                 # exceeds 960. rapidocr's own default ("min", 736) upscales every 512 px image, ~3x slower.
                 "Det.limit_type": "max",
                 "Det.limit_side_len": 960,
+                # and its DB post-processing (tools/infer/utility.py: det_db_box_thresh 0.6,
+                # det_db_unclip_ratio 1.5, use_dilation False); rapidocr's own are 0.5, 1.6 and True
+                "Det.box_thresh": 0.6,
+                "Det.unclip_ratio": 1.5,
+                "Det.use_dilation": False,
                 **(params or {}),
             }
             engine = RapidOCR(params=config)

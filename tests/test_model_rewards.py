@@ -524,6 +524,17 @@ def test_imagereward_matches_original_forward(bert_tokenizer, tmp_path):
     torch.testing.assert_close(build_reward("imagereward", checkpoint=str(tmp_path / IMAGEREWARD_FILE),
                                             tokenizer=bert_tokenizer, batch_size=32)(to_pils(x), PROMPTS_IR)["imagereward"],
                                expected, rtol=1e-4, atol=1e-4)
+    # an RGBA PIL image is resized and cropped with its alpha, then converted, in the original's order
+    rgba = []
+    for img in to_pils(x):
+        alpha = Image.linear_gradient("L").resize(img.size)
+        rgba.append(Image.merge("RGBA", (*img.split(), alpha)))
+    pixels_rgba = torch.stack([reference_blip_preprocess(img, 32) for img in rgba])
+    converted_first = torch.stack([reference_blip_preprocess(img.convert("RGB"), 32) for img in rgba])
+    assert (pixels_rgba - converted_first).abs().max() > 0.05  # the order matters for this input
+    with torch.no_grad():
+        expected_rgba = reference_imagereward(orig, pixels_rgba, tokens["input_ids"], tokens["attention_mask"], 2, 2)
+    torch.testing.assert_close(reward(rgba, PROMPTS_IR)["imagereward"], expected_rgba, rtol=1e-4, atol=1e-4)
     bad = reward(x[:2], [PROMPTS_IR[0], None])
     assert torch.isnan(bad["imagereward"][1]) and "prompt is not a string" in reward.last_info["nan_samples"][1]
     torch.testing.assert_close(bad["imagereward"][0], expected[0], rtol=1e-4, atol=1e-4)
@@ -603,6 +614,7 @@ def test_imagereward_missing_weights(bert_tokenizer, tmp_path, monkeypatch):
         ("the dog's bowl and the cat's toy", None),
         ("no quotes here", None),
         ('an empty "" sign', ""),
+        ('an unclosed "OPEN late', "OPEN late"),  # Flow-GRPO's prompt.split('"')[1] runs to the end
     ],
 )
 def test_extract_target(prompt, target):
