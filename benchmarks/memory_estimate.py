@@ -186,10 +186,14 @@ def resident(config, trainable_model: torch.nn.Module, others: list[torch.nn.Mod
     return tensors
 
 
-def uses_reward(config, name: str) -> bool:
-    """Whether the recipe's rewards include the reward model ``name`` (by key or by its ``reward:`` field)."""
-    return any(key == name or (isinstance(spec, dict) and spec.get("reward") == name)
-               for key, spec in config.rewards.items())
+def reward_dtypes(config, name: str) -> list[torch.dtype]:
+    """The load dtype of each of the recipe's rewards that is the reward model ``name`` (by key or by its
+    ``reward:`` field): its ``kwargs.dtype``, float32 (the rewards' default) when not given."""
+    names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    return [names.get(str((spec.get("kwargs") or {}).get("dtype", "float32") if isinstance(spec, dict) else "float32"),
+                      torch.float32)
+            for key, spec in config.rewards.items()
+            if key == name or (isinstance(spec, dict) and spec.get("reward") == name)]
 
 
 def trained_numel(model: torch.nn.Module) -> int:
@@ -236,8 +240,8 @@ def estimate_flow(config, size: str) -> dict:
         on_meta(CLIPTextModelWithProjection, CLIPTextConfig(**CLIP_G), dtype)]
     encoders.append(on_meta(T5EncoderModel, T5Config(**T5_XXL), dtype))
     rewards = [on_meta(CLIPModel, CLIPConfig(text_config=CLIP_H_TEXT, vision_config=CLIP_H_VISION, projection_dim=1024),
-                       torch.bfloat16)
-               for name in ("pickscore", "hpsv2") if uses_reward(config, name)]  # both are CLIP ViT-H-14
+                       reward_dtype)
+               for name in ("pickscore", "hpsv2") for reward_dtype in reward_dtypes(config, name)]  # both CLIP ViT-H-14
     s, t = config.sampling, config.train
     side = config.model.resolution // 8
     image_tokens = (side // 2) ** 2
