@@ -27,7 +27,7 @@ default from the policy's model type (:data:`QWEN_COORD_FORMATS`, :func:`with_co
 ``model.family: qwen_vl``, so a config only has to name it for other models.
 
 Metadata read here: ``boxes`` (ground truth in original pixels; ``[]`` is a valid "nothing there" for
-the multi-object rewards), ``image_size``, ``input_size``, ``coord_format``, ``salience``,
+the multi-object rewards), ``labels`` (``box_detection_score``: one class name per box), ``image_size``, ``input_size``, ``coord_format``, ``salience``,
 ``timestamps``, ``duration``, ``solution``, ``choices``.
 
 Registered rewards and their keyword arguments (all also take ``require_tags=True``; the box rewards
@@ -41,6 +41,8 @@ name                   kwargs                                                  e
                        ``reasoning=True``                                      coordinate's characters
 ``box_f1``             ``iou_threshold=0.5, spam_penalty=False``               ``precision``, ``recall``
 ``box_matched_iou``    ``iou_threshold=0.5, iou_weight=0.5, spam_penalty=True``  ``mean_iou``, ``completeness``
+``box_detection_score`` ``iou_threshold=0.5, alpha=0.7, beta=0.0, gamma=0.3``  ``position``, ``label_accuracy``,
+                       (VLM-R1's ``weighted_sum``)                             ``completeness``
 ``box_weighted_pr``    ``iou_threshold=0.5, precision_weight=0.5,              ``precision``, ``recall``
                        spam_penalty=False`` (DIP-R1)
 ``box_set_f1``         ``iou_thresholds=(0.5, 0.55, ..., 0.95)`` (Falcon)       ``f1@0.5``
@@ -70,6 +72,10 @@ __all__ = [
     "box_iou",
     "valid_box",
     "parse_boxes",
+    "parse_vlm_r1_box",
+    "vlm_r1_iou",
+    "vlm_r1_clean_text",
+    "vlm_r1_detection_score",
     "rescale_box",
     "iou_matrix",
     "match_boxes",
@@ -230,8 +236,9 @@ def matched_iou_completeness(pred, gt, iou_threshold: float = 0.5, iou_weight: f
 
     ``mean_iou`` = mean IoU over the one-to-one matches at ``IoU >= iou_threshold`` (0 without a match),
     ``completeness`` = ``#matched / #gt`` (recall), ``score = iou_weight * mean_iou + (1 - iou_weight) *
-    completeness`` (REFERENCE.md section 7: "a weighted sum of matched IoU and completeness"). Extra
-    boxes cost nothing here, so the registered reward applies :func:`spam_penalty` by default.
+    completeness`` (REFERENCE.md section 7: "a weighted sum of matched IoU and completeness"; this form is
+    mmrl's own: VLM-R1's reward of that description is :func:`vlm_r1_detection_score`, the ``box_detection_score``
+    reward). Extra boxes cost nothing here, so the registered reward applies :func:`spam_penalty` by default.
     Both empty: 1; exactly one empty: 0.
     """
     empty = _presence(len(pred), len(gt))
@@ -241,6 +248,61 @@ def matched_iou_completeness(pred, gt, iou_threshold: float = 0.5, iou_weight: f
     mean = sum(m[2] for m in matches) / len(matches) if matches else 0.0
     completeness = len(matches) / len(gt)
     return {"score": iou_weight * mean + (1 - iou_weight) * completeness, "mean_iou": mean, "completeness": completeness}
+
+
+def vlm_r1_clean_text(text: str) -> str:
+    """VLM-R1's ``clean_text`` (``src/open-r1-multimodal/src/open_r1/grpo_jsonl.py``): the LAST ``<answer>`` block
+    if there is one (else the whole text), a newline after whitespace removed and any other one made a space,
+    stripped, one trailing ``.`` removed, lower-cased."""
+    blocks = _VLM_R1_ANSWER.findall(text)
+    if blocks:
+        text = blocks[-1]
+    for char in ("\n", "\r"):
+        text = re.sub(r"(?<=\s)" + re.escape(char), "", text)
+        text = re.sub(r"(?<!\s)" + re.escape(char), " ", text)
+    return text.strip().rstrip(".").lower()
+
+
+def vlm_r1_detection_score(pred: Sequence[tuple[Sequence[float] | None, str | None]],
+                           gt: Sequence[tuple[Sequence[float], str | None]], iou_threshold: float = 0.5,
+                           alpha: float = 0.7, beta: float = 0.0, gamma: float = 0.3) -> dict[str, float]:
+    """VLM-R1's multi-object detection reward (``grpo_jsonl.py`` ``detection_score``, its ``weighted_sum``
+    accuracy reward for open-vocabulary detection), as written.
+
+    ``pred`` / ``gt``: ``(box, label)`` pairs (a predicted box that cannot be read is ``None``: IoU 0; a ``None``
+    ground-truth label is not checked, mmrl's rule for data without class names). Greedy matching: repeatedly the
+    unmatched pair of highest :func:`vlm_r1_iou` (the first in prediction-major order on ties), until it falls
+    below ``iou_threshold``; a matched pair whose labels differ (lower-cased) counts IoU 0. ``position = sum of
+    matched IoU / #gt``, ``label_accuracy = #matches with the right label / #gt``, ``completeness = 1 - (miss rate
+    + false-alarm rate) / 2`` with ``miss = unmatched gt / #gt`` and ``false alarm = unmatched predictions /
+    #pred``; ``score = (alpha position + beta label_accuracy + gamma completeness) / (alpha + beta + gamma)``.
+    No ground truth: 1 without predictions, else 0; predictions missing: 0."""
+    if not gt:
+        value = 1.0 if not pred else 0.0
+        return {"score": value, "position": value, "label_accuracy": value, "completeness": value}
+    if not pred:
+        return {"score": 0.0, "position": 0.0, "label_accuracy": 0.0, "completeness": 0.0}
+    ious = [[vlm_r1_iou(p, g) if p is not None else 0.0 for g, _ in gt] for p, _ in pred]
+    free_pred, free_gt = list(range(len(pred))), list(range(len(gt)))
+    matched: list[tuple[float, bool]] = []
+    while free_pred and free_gt:
+        best, bi, bj = -1.0, -1, -1
+        for i in free_pred:
+            for j in free_gt:
+                if ious[i][j] > best:
+                    best, bi, bj = ious[i][j], i, j
+        if best < iou_threshold:
+            break
+        want = gt[bj][1]
+        right = want is None or (pred[bi][1] or "").lower() == want.lower()
+        matched.append((best if right else 0.0, right))
+        free_pred.remove(bi)
+        free_gt.remove(bj)
+    position = sum(v for v, _ in matched) / len(gt) if matched else 0.0
+    label_accuracy = sum(1.0 for _, ok in matched if ok) / len(gt) if matched else 0.0
+    completeness = 1.0 - (len(free_gt) / len(gt) + len(free_pred) / len(pred)) / 2.0
+    score = (alpha * position + beta * label_accuracy + gamma * completeness) / (alpha + beta + gamma)
+    return {"score": score, "position": position, "label_accuracy": label_accuracy, "completeness": completeness}
 
 
 def weighted_precision_recall(pred, gt, iou_threshold: float = 0.5, precision_weight: float = 0.5) -> dict[str, float]:
@@ -387,6 +449,39 @@ def parse_boxes(answer: str) -> list[list[float]]:
     if bare:
         return bare
     raise Unparseable("no box in the answer")
+
+
+_VLM_R1_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_VLM_R1_BOX = re.compile(r"\{.*\[(\d+),\s*(\d+),\s*(\d+),\s*(\d+)]\s*.*\}", re.DOTALL)
+
+
+def parse_vlm_r1_box(text: str) -> list[float]:
+    """The box VLM-R1's REC evaluation reads (``src/eval/test_rec_r1.py`` ``extract_bbox_answer``): the first
+    ``<answer>...</answer>`` block, stripped, then its greedy ``{.*[a, b, c, d] .*}`` regex: four whole numbers in
+    brackets inside braces, the last such list when there are several (the leading ``.*`` is greedy). Where the
+    official code returns ``[0, 0, 0, 0]`` (no answer block, no such box) this raises
+    :class:`~mmrl.rewards._text.Unparseable`, which scores the same (IoU 0, wrong)."""
+    if not isinstance(text, str):
+        raise Unparseable(f"answer is not text (got {type(text).__name__})")
+    block = _VLM_R1_ANSWER.search(text)
+    if block is None:
+        raise Unparseable("no <answer>...</answer> block")
+    box = _VLM_R1_BOX.search(block.group(1).strip())
+    if box is None:
+        raise Unparseable("no '{... [x1, y1, x2, y2] ...}' box of whole numbers in the answer")
+    return [float(v) for v in box.groups()]
+
+
+def vlm_r1_iou(pred: Sequence[float], gt: Sequence[float]) -> float:
+    """VLM-R1's REC IoU (``src/eval/test_rec_r1.py`` ``iou``), as written: the intersection on inclusive pixels,
+    ``(min(x2) - 1) - max(x1) + 1`` per side when ``max(x1) < min(x2) - 1`` (so an overlap of at most 1 px counts
+    0), over the union of the continuous areas. A non-positive union (degenerate boxes) gives 0."""
+    p, g = [float(v) for v in pred], [float(v) for v in gt]
+    x1, y1 = max(p[0], g[0]), max(p[1], g[1])
+    x2, y2 = min(p[2] - 1, g[2] - 1), min(p[3] - 1, g[3] - 1)
+    inter = (x2 - x1 + 1) * (y2 - y1 + 1) if x1 < x2 and y1 < y2 else 0.0
+    union = (p[2] - p[0]) * (p[3] - p[1]) + (g[2] - g[0]) * (g[3] - g[1]) - inter
+    return float(inter) / union if union > 0 else 0.0
 
 
 def _size(value: Any, key: str) -> tuple[float, float]:
@@ -733,6 +828,68 @@ class BoxMatchedIoU(_BoxReward):
         r = matched_iou_completeness(pred, gt, self.iou_threshold, self.iou_weight)
         score = r["score"] * (spam_penalty(len(pred), len(gt)) if self.spam_penalty else 1.0)
         return {self.name: score, "mean_iou": r["mean_iou"], "completeness": r["completeness"]}
+
+
+_FENCED_JSON = re.compile(r"```json(.*?)```", re.DOTALL)
+
+
+@register_reward("box_detection_score")
+class BoxDetectionScore(_BoxReward):
+    """VLM-R1's open-vocabulary detection reward (``accu_reward_method: weighted_sum``; :func:`vlm_r1_detection_score`
+    on the answer read as VLM-R1 reads it).
+
+    Reading, as ``grpo_jsonl.py``: :func:`vlm_r1_clean_text` (the last answer block, lower-cased), then the first
+    fenced ````` ```json ... ``` ````` block, ``json.loads``; each item of the list is a prediction, its
+    ``bbox_2d`` the box (rescaled from ``coord_format`` to original pixels; missing or malformed: IoU 0, still a
+    prediction) and its ``label`` the class. Ground truth: metadata ``boxes`` and, when given, ``labels`` (one
+    string per box; without them labels are not checked). mmrl's rules where VLM-R1 differs: an answer with no
+    fenced JSON block, or one that does not parse, is unparseable (0, counted) where VLM-R1 scores it as an empty
+    prediction, which earns 1 when the ground truth is empty. ``require_tags`` is not used (VLM-R1 reads the whole
+    text when there is no answer block). Extra keys ``position``, ``label_accuracy``, ``completeness``."""
+
+    extra_keys = ("position", "label_accuracy", "completeness")
+    unparseable_extras = {"position": 0.0, "label_accuracy": 0.0, "completeness": 0.0}
+
+    def __init__(self, require_tags: bool = True, coord_format: str | None = None, iou_threshold: float = 0.5,
+                 alpha: float = 0.7, beta: float = 0.0, gamma: float = 0.3) -> None:
+        super().__init__(require_tags, coord_format)
+        self.iou_threshold = _check_threshold(iou_threshold)
+        weights = (float(alpha), float(beta), float(gamma))
+        if min(weights) < 0 or sum(weights) <= 0:
+            raise ValueError(f"alpha, beta, gamma must be >= 0 with a positive sum, got {weights}")
+        self.alpha, self.beta, self.gamma = weights
+
+    def _ground_truth(self, meta: Mapping) -> list[tuple[list[float], str | None]]:
+        boxes = _gt_boxes(meta, self.name)
+        labels = meta.get("labels")
+        if labels is None:
+            return [(b, None) for b in boxes]
+        if not isinstance(labels, (list, tuple)) or len(labels) != len(boxes) or \
+                not all(isinstance(v, str) for v in labels):
+            raise Unjudgeable(f"metadata 'labels' must be one string per box ({len(boxes)}), got {labels!r}")
+        return list(zip(boxes, labels))
+
+    def _score_one(self, text, prompt, meta):
+        gt = self._ground_truth(meta)
+        fmt = self._format(meta)
+        if not isinstance(text, str):
+            raise Unparseable(f"answer is not text (got {type(text).__name__})", self.unparseable_extras)
+        fenced = _FENCED_JSON.search(vlm_r1_clean_text(text))
+        if fenced is None:
+            raise Unparseable("no ```json ... ``` block in the answer", self.unparseable_extras)
+        try:
+            items = list(json.loads(fenced.group(1).strip()))
+        except (ValueError, TypeError):
+            raise Unparseable("the ```json block does not parse as a list", self.unparseable_extras) from None
+        pred = []
+        for item in items:
+            box = _as_box(item.get("bbox_2d")) if isinstance(item, Mapping) else None
+            label = item.get("label") if isinstance(item, Mapping) and isinstance(item.get("label"), str) else None
+            pred.append((None if box is None else
+                         rescale_box(list(box), fmt, meta.get("image_size"), meta.get("input_size")), label))
+        r = vlm_r1_detection_score(pred, gt, self.iou_threshold, self.alpha, self.beta, self.gamma)
+        return {self.name: r["score"], "position": r["position"], "label_accuracy": r["label_accuracy"],
+                "completeness": r["completeness"]}
 
 
 @register_reward("box_weighted_pr")

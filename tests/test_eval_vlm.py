@@ -458,3 +458,106 @@ def test_timezero_convention_reads_answers_with_timezeros_parse():
     assert judge("temporal_grounding", "12.0 to 19.0", meta, tr).pred == [12.0, 19.0]
     assert judge("temporal_grounding", "<answer>[12, 19]</answer>", meta, tr).pred is None
     assert judge("temporal_grounding", "<answer>[12, 19]</answer>", meta, tan).pred == [12.0, 19.0]
+
+
+# ---------------------------------------------------------------------------------------------- VLM-R1's REC protocol
+
+
+def _official_extract_bbox_answer(content):
+    """VLM-R1 src/eval/test_rec_r1.py extract_bbox_answer, its rule written out (no box: [0, 0, 0, 0])."""
+    import re
+
+    block = re.search(r"<answer>(.*?)</answer>", content, re.DOTALL)
+    if block:
+        box = re.search(r"\{.*\[(\d+),\s*(\d+),\s*(\d+),\s*(\d+)]\s*.*\}", block.group(1).strip(), re.DOTALL)
+        if box:
+            return [int(v) for v in box.groups()]
+    return [0, 0, 0, 0]
+
+
+def _official_iou(box1, box2):
+    """VLM-R1 src/eval/test_rec_r1.py iou, its rule written out (inclusive-pixel intersection)."""
+    ix1, iy1 = max(box1[0], box2[0]), max(box1[1], box2[1])
+    ix2, iy2 = min(box1[2] - 1, box2[2] - 1), min(box1[3] - 1, box2[3] - 1)
+    inter = (ix2 - ix1 + 1) * (iy2 - iy1 + 1) if ix1 < ix2 and iy1 < iy2 else 0
+    union = (box1[2] - box1[0]) * (box1[3] - box1[1]) + (box2[2] - box2[0]) * (box2[3] - box2[1]) - inter
+    return float(inter) / union
+
+
+#: REC answers where mmrl's reading and test_rec_r1.py's differ (ground truth [0, 0, 10, 10] on a 112 px image)
+VLM_R1_ANSWERS = {
+    "a0": '<answer>{"bbox_2d": [0, 0, 10, 10]}</answer>',  # both: IoU 1
+    "a1": '<answer>[{"bbox_2d": [50, 50, 60, 60]}, {"bbox_2d": [0, 0, 10, 10]}]</answer>',  # VLM-R1: the last box
+    "a2": "<answer>[0, 0, 10, 10]</answer>",  # a bare list: VLM-R1 needs braces
+    "a3": '<answer>{"bbox_2d": [0.0, 0.0, 10.0, 10.0]}</answer>',  # decimals: VLM-R1 reads whole numbers only
+    "a4": '<answer>{"bbox_2d": [0, 0, 10, 10]}</answer> <answer>{"bbox_2d": [50, 50, 60, 60]}</answer>',  # 1st block
+    "a5": '<answer>{"bbox_2d": [0, 9, 10, 19]}</answer>',  # a 1 px overlap: VLM-R1's IoU 0, continuous 10/190
+}
+
+
+def test_vlm_r1_reading_and_iou_are_test_rec_r1s():
+    from mmrl.rewards._text import Unparseable
+    from mmrl.rewards.grounding import parse_vlm_r1_box, vlm_r1_iou
+
+    gt = [0, 0, 10, 10]
+    for answer in [*VLM_R1_ANSWERS.values(), "no tags {[1, 2, 3, 4]}", '<answer>{"box": [3, 4, 50, 60]} ok}</answer>']:
+        want = _official_extract_bbox_answer(answer)
+        try:
+            got = parse_vlm_r1_box(answer)
+        except Unparseable:
+            got = None
+        assert (got is None and want == [0, 0, 0, 0]) or got == want, answer
+        assert vlm_r1_iou(got or [0, 0, 0, 0], gt) == _official_iou(want, gt)
+    rng = np.random.default_rng(0)
+    for _ in range(2000):  # predictions of every overlap, reversed ones included, against valid ground truths
+        a = rng.integers(0, 30, 4).tolist()
+        x1, y1 = rng.integers(0, 25, 2).tolist()
+        b = [x1, y1, x1 + int(rng.integers(1, 10)), y1 + int(rng.integers(1, 10))]
+        union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1])
+        if union > 0:  # where the official function divides by a positive union (else it fails or is negative)
+            assert vlm_r1_iou(a, b) == _official_iou(a, b)
+        else:
+            assert vlm_r1_iou(a, b) == 0.0
+
+
+def test_rec_convention_vlm_r1_reads_scores_and_samples_as_test_rec_r1(tmp_path, monkeypatch):
+    import random
+
+    write_image(tmp_path / "img.png", 112, 112)
+    ids = list(VLM_R1_ANSWERS)
+    data = write_jsonl(tmp_path / "rec.jsonl", [
+        {"image": "img.png", "id": i, "question": "q", "solution": "s", "task": "grounding", "boxes": [[0, 0, 10, 10]]}
+        for i in ids])
+    seen: list[str] = []
+
+    def sample_eval(self, items, seeds=None):
+        for item in items:
+            self.media(item)  # loaded as the real policy loads them: the sizes the box rescaling reads
+        seen.extend(item.id for item in items)
+        return [VLM_R1_ANSWERS[item.id] for item in items]
+
+    monkeypatch.setattr(QwenVLPolicy, "sample_eval", sample_eval)
+    args = [f"data={data}", "benchmarks=[rec]", "progress=false", "coord_format=qwen25"]
+    mine = run_eval(GROUNDING, [*args, f"output_dir={tmp_path / 'mmrl'}"], echo=quiet)["benchmarks"]["rec"]
+    assert seen == ids  # mmrl's default: every line in file order
+    # mmrl: a0, a2, a3 right (the first box, lenient reading); a4 unparseable (two answer blocks)
+    assert mine["metrics"]["acc@0.5"] == 0.5 and mine["metrics"]["num_unparseable"] == 1
+    assert mine["metrics"]["miou"] == pytest.approx((3 + 10 / 190) / 6)
+
+    seen.clear()
+    theirs = run_eval(GROUNDING, [*args, "rec_convention=vlm_r1", f"output_dir={tmp_path / 'vlm_r1'}"],
+                      echo=quiet)["benchmarks"]["rec"]
+    order = list(ids)
+    random.seed(42)  # test_rec_r1.py: random.seed(42); random.shuffle(data); data = data[:num_samples]
+    random.shuffle(order)
+    assert seen == order[:2000] and seen != ids
+    # VLM-R1: a0, a1 (last box), a4 (first block) right; a2, a3 unparseable; a5's 1 px overlap counts 0
+    want = [_official_iou(_official_extract_bbox_answer(VLM_R1_ANSWERS[i]), [0, 0, 10, 10]) for i in order]
+    assert theirs["metrics"]["acc@0.5"] == sum(v > 0.5 for v in want) / len(want) == 0.5
+    assert theirs["metrics"]["miou"] == pytest.approx(np.mean(want)) == 0.5
+    assert theirs["metrics"]["num_unparseable"] == 2
+    assert theirs["protocol"]["scorer_settings"]["rec_convention"] == "vlm_r1"
+    assert theirs["protocol"]["overridden"]["rec_convention"] == {"default": "mmrl", "used": "vlm_r1"}
+    assert "rec_convention" not in mine["protocol"]["scorer_settings"]  # the default protocol is unchanged
+    with pytest.raises(EvalError, match="rec_convention='refcoco': expected one of mmrl, vlm_r1"):
+        run_eval(GROUNDING, [*args, "rec_convention=refcoco"], echo=quiet)

@@ -47,7 +47,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from mmrl.rewards.geneval import geneval_summary
-from mmrl.rewards.grounding import box_f1, box_iou, temporal_iou
+from mmrl.rewards.grounding import box_f1, box_iou, temporal_iou, vlm_r1_iou
 from mmrl.rewards.ocr import extract_target, ocr_score
 
 __all__ = [
@@ -754,7 +754,8 @@ def _valid_gt_box(box: Any) -> bool:
     return all(math.isfinite(v) for v in (x1, y1, x2, y2)) and x2 > x1 and y2 > y1
 
 
-def rec_scores(preds: Sequence[Any], gts: Sequence[Any], iou_threshold: float = 0.5) -> dict[str, Any]:
+def rec_scores(preds: Sequence[Any], gts: Sequence[Any], iou_threshold: float = 0.5,
+               iou: str = "continuous") -> dict[str, Any]:
     """Referring-expression grounding (RefCOCO/+/g): ``acc@0.5`` and mean IoU over samples.
 
     ``preds``: the predicted box per sample in original-image pixels (``None`` = unparseable: IoU 0,
@@ -766,12 +767,15 @@ def rec_scores(preds: Sequence[Any], gts: Sequence[Any], iou_threshold: float = 
     (``iou(model_answer, ground_truth) > 0.5``, accuracy = ``correct_number / len(data)``, an
     unreadable answer becomes ``[0, 0, 0, 0]``) and REFERENCE.md section 7. VLM-R1's own ``iou()``
     uses an inclusive-pixel intersection that drops overlaps of at most 1 px; mmrl's IoU is the
-    continuous one. ``miou`` (VLM-R1 reports none) = mean IoU over the same samples.
+    continuous one; ``iou="vlm_r1"`` takes that function as written
+    (:func:`mmrl.rewards.grounding.vlm_r1_iou`). ``miou`` (VLM-R1 reports none) = mean IoU over the same samples.
     Returns ``{"acc@0.5" (key from the threshold), "miou", "n", "num_unparseable", "num_unjudged",
     "ious"}`` (``ious``: per sample, NaN for unjudged ones).
     """
     if len(preds) != len(gts):
         raise ValueError(f"got {len(preds)} predictions for {len(gts)} ground truths")
+    if iou not in ("continuous", "vlm_r1"):
+        raise ValueError(f"unknown iou {iou!r}; expected 'continuous' or 'vlm_r1'")
     ious: list[float] = []
     unparseable = unjudged = 0
     for p, g in zip(preds, gts):
@@ -782,7 +786,7 @@ def rec_scores(preds: Sequence[Any], gts: Sequence[Any], iou_threshold: float = 
             unparseable += 1
             ious.append(0.0)
         else:
-            ious.append(box_iou(p, g))
+            ious.append(box_iou(p, g) if iou == "continuous" else vlm_r1_iou(p, g))
     kept = [v for v in ious if not math.isnan(v)]
     return {
         f"acc@{iou_threshold:g}": sum(v > iou_threshold for v in kept) / len(kept) if kept else NAN,

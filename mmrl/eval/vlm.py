@@ -3,7 +3,8 @@
     mmrl eval CONFIG [checkpoint=PATH|base] [benchmarks=[rec,multi_object,temporal_grounding,multiple_choice,
                      numeric,charades_sta]] [data=FILE] [video_dir=DIR] [output_dir=DIR] [limit=N] [batch_size=B]
                      [greedy=true] [seed=S] [max_new_tokens=T] [blind=false] [coord_format=qwen2|qwen25|absolute]
-                     [require_tags=true] [tg_convention=2d_tan|timezero|time_r1] [ema=true] [progress=true]
+                     [require_tags=true] [tg_convention=2d_tan|timezero|time_r1] [rec_convention=mmrl|vlm_r1]
+                     [ema=true] [progress=true]
                      [dotted.config=override ...]
 
 :func:`run_vlm_eval` is what :func:`mmrl.eval.runner.run_eval` calls for a ``qwen_vl`` CONFIG. The policy answers
@@ -80,6 +81,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 import sys
 import time
 from collections import Counter
@@ -125,6 +127,10 @@ VLM_EVAL_KEYS: dict[str, str] = {
     "tg_convention": "temporal grounding: 2d_tan (default: R1@m counts tIoU > m, ground-truth ends clipped to the "
                      "video duration), timezero (tIoU >= m, no clipping) or time_r1 (tIoU > m, no clipping); both "
                      "read the last 'a to|and b' of the whole output",
+    "rec_convention": "rec: mmrl (default: mmrl's box reading, the first box of the one answer block, floats and "
+                      "bare lists read; continuous IoU) or vlm_r1 (VLM-R1 src/eval/test_rec_r1.py as written: its "
+                      "regex on the first answer block, its IoU, and its sample: the lines shuffled by Python's "
+                      "random.seed(42), the first 2000)",
     "ema": FLOW_EVAL_KEYS["ema"],
     "progress": FLOW_EVAL_KEYS["progress"],
 }
@@ -155,7 +161,9 @@ _REC_SOURCE = ("om-ai-lab/VLM-R1 src/eval/test_rec_r1.py: IoU(answer box, ground
                "every sample, an unreadable answer wrong; mIoU over the same samples; continuous-coordinate IoU "
                "(mmrl.rewards.grounding.box_iou). The answer is read by mmrl's box parser (the first box of the one "
                "answer block, as VLM-R1's training reward; floats and bare lists read, two answer blocks "
-               "unparseable), more lenient than test_rec_r1.py's (integers inside {...}, its greedy regex's last box)")
+               "unparseable), more lenient than test_rec_r1.py's (integers inside {...}, its greedy regex's last box); "
+               "rec_convention=vlm_r1 reads, scores and samples as test_rec_r1.py (its extract_bbox_answer, its "
+               "iou() with the inclusive-pixel intersection, the lines shuffled by random.seed(42), the first 2000)")
 _TG_SOURCE = ("microsoft/2D-TAN lib/core/eval.py eval() (R1@m: tIoU > m) and lib/datasets/charades.py (ground-truth "
               "end clipped to the duration); www-Ye/TimeZero evaluate.py process_work_items() with "
               "tg_convention=timezero (tIoU >= m, no clipping, the answer read by its parse_timestamp_output: the "
@@ -182,6 +190,13 @@ VLM_BENCHMARKS: dict[str, _Metric] = {
 #: What each benchmark's rows are scored as (charades_sta is temporal grounding).
 _KIND = {"charades_sta": "temporal_grounding"}
 _JSONL_BENCHMARKS = ("rec", "multi_object", "temporal_grounding", "multiple_choice", "numeric")
+#: ``rec_convention`` -> the scorer settings it adds (``mmrl``, the default, adds none: its protocol hash is the one
+#: evaluations had before the option existed).
+_REC_CONVENTIONS: dict[str, dict[str, Any]] = {
+    "mmrl": {},
+    "vlm_r1": {"rec_convention": "vlm_r1", "reading": "vlm_r1", "iou": "vlm_r1",
+               "subsample": {"shuffle_seed": 42, "first": 2000}},
+}
 _TG_CONVENTIONS = {"2d_tan": {"strict": True, "clip_gt_to_duration": True},
                    "timezero": {"strict": False, "clip_gt_to_duration": False},
                    "time_r1": {"strict": True, "clip_gt_to_duration": False}}
@@ -218,6 +233,7 @@ class VLMEvalOptions:
     coord_format: str | None = None
     require_tags: bool = True
     tg_convention: str = "2d_tan"
+    rec_convention: str = "mmrl"
     ema: bool = True
     progress: bool | None = None
     given: tuple[str, ...] = ()
@@ -274,6 +290,9 @@ def parse_vlm_eval_args(items: Sequence[str]) -> tuple[VLMEvalOptions, list[str]
         elif key == "tg_convention":
             if value not in _TG_CONVENTIONS:
                 raise EvalError(f"tg_convention={value!r}: expected one of {', '.join(_TG_CONVENTIONS)}")
+        elif key == "rec_convention":
+            if value not in _REC_CONVENTIONS:
+                raise EvalError(f"rec_convention={value!r}: expected one of {', '.join(_REC_CONVENTIONS)}")
         else:  # checkpoint, output_dir, data, video_dir
             if value is None or isinstance(value, (dict, list)) or str(value).strip() == "":
                 raise EvalError(f"{key}={value!r}: expected a path or name")
@@ -342,6 +361,8 @@ def _scorer_settings(name: str, options: VLMEvalOptions, coord_format: str | Non
     settings: dict[str, Any] = {"require_tags": options.require_tags}
     if kind in ("rec", "multi_object"):
         settings.update(coord_format=coord_format, iou_threshold=0.5)
+        if kind == "rec":
+            settings.update(_REC_CONVENTIONS[options.rec_convention])
     elif kind == "temporal_grounding":
         settings.update(convention=options.tg_convention, thresholds=[0.3, 0.5, 0.7], time_unit="seconds",
                         **_TG_CONVENTIONS[options.tg_convention])
@@ -472,7 +493,8 @@ def judge(kind: str, answer: str | None, meta: Mapping, settings: Mapping[str, A
     unjudged."""
     from mmrl.rewards._text import Unjudgeable, Unparseable, answer_or_text, parse_number
     from mmrl.rewards.answer import _choices, parse_choice
-    from mmrl.rewards.grounding import BoxF1, BoxIoU, parse_timestamps, parse_timezero_span
+    from mmrl.rewards.grounding import BoxF1, BoxIoU, parse_timestamps, parse_timezero_span, parse_vlm_r1_box, \
+        rescale_box
 
     require_tags = bool(settings.get("require_tags", True))
     try:
@@ -493,7 +515,11 @@ def judge(kind: str, answer: str | None, meta: Mapping, settings: Mapping[str, A
             reward = (BoxIoU if kind == "rec" else BoxF1)(require_tags=require_tags,
                                                           coord_format=settings.get("coord_format"))
             try:
-                boxes, _ = reward._boxes(answer, meta)  # the box rewards' reading: coord_format, rescaling
+                if settings.get("reading") == "vlm_r1":  # test_rec_r1.py's regex, then its rescaling
+                    boxes = [rescale_box(parse_vlm_r1_box(answer), reward._format(meta), meta.get("image_size"),
+                                         meta.get("input_size"))]
+                else:
+                    boxes, _ = reward._boxes(answer, meta)  # the box rewards' reading: coord_format, rescaling
             except Unjudgeable as exc:
                 return Judged(target, judged=False, reason=str(exc), details=details)
             if kind == "multi_object":
@@ -520,7 +546,8 @@ def _official(kind: str, preds: list, gts: list, durations: list, settings: Mapp
     from mmrl.eval import scoring
 
     if kind == "rec":
-        return scoring.rec_scores(preds, gts, iou_threshold=settings.get("iou_threshold", 0.5))
+        return scoring.rec_scores(preds, gts, iou_threshold=settings.get("iou_threshold", 0.5),
+                                  iou=settings.get("iou", "continuous"))
     if kind == "multi_object":
         return scoring.multi_object_f1(preds, gts, iou_threshold=settings.get("iou_threshold", 0.5))
     if kind == "temporal_grounding":
@@ -737,8 +764,12 @@ def plan_vlm_eval(cfg, options: VLMEvalOptions) -> list[_Plan]:
     plans: list[_Plan] = []
     for name in names:
         samples, path, base = found[name]
-        num = len(samples) if options.limit is None else min(options.limit, len(samples))
         settings = _scorer_settings(name, options, coord_format)
+        if "subsample" in settings:  # VLM-R1: random.seed(42); random.shuffle(data); data[:2000]
+            samples = list(samples)
+            random.Random(settings["subsample"]["shuffle_seed"]).shuffle(samples)
+            samples = samples[:settings["subsample"]["first"]]
+        num = len(samples) if options.limit is None else min(options.limit, len(samples))
         generation = _generation(cfg, options, name)
         defaults = {"num_samples": len(samples), "greedy": True, "batch_size": _DEFAULT_BATCH,
                     "max_new_tokens": cfg.generation.max_new_tokens, "require_tags": True}
@@ -746,6 +777,8 @@ def plan_vlm_eval(cfg, options: VLMEvalOptions) -> list[_Plan]:
                 "max_new_tokens": generation["max_new_tokens"], "require_tags": options.require_tags}
         if "convention" in settings:
             defaults["tg_convention"], used["tg_convention"] = "2d_tan", options.tg_convention
+        if _KIND.get(name, name) == "rec":
+            defaults["rec_convention"], used["rec_convention"] = "mmrl", options.rec_convention
         if "coord_format" in settings and options.coord_format is not None:
             defaults["coord_format"] = _model_coord_format(cfg)[1]
             used["coord_format"] = options.coord_format
