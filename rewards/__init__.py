@@ -33,7 +33,7 @@ either kind of batch. Registered: ``think_answer_format``, ``choice_accuracy``,
 ``multi_choice_accuracy`` (TW-GRPO), ``numeric_accuracy``, ``numeric_fuzzy`` (FGRPR),
 ``math_accuracy`` (math-verify), ``chart_accuracy`` (ChartQA's relaxed accuracy) in :mod:`~mmrl.rewards.answer`;
 ``iou``, ``box_coordinate`` (one coordinate, reporting its characters as spans), ``box_f1``,
-``box_matched_iou``, ``box_weighted_pr`` (DIP-R1), ``box_set_f1`` (Falcon-Perception),
+``box_matched_iou``, ``box_detection_score`` (VLM-R1's open-vocabulary detection reward), ``box_weighted_pr`` (DIP-R1), ``box_set_f1`` (Falcon-Perception),
 ``box_salience_iou`` (GRiP), ``temporal_iou``, ``temporal_dual`` (Temporal-R1) in
 :mod:`~mmrl.rewards.grounding`; ``task_routed`` (Mixed-R1) in :mod:`~mmrl.rewards.routing`; ``bmas``
 (Mixed-R1's open-ended reward: bidirectional max-average token-embedding similarity to ``solution``, on a
@@ -81,6 +81,7 @@ from .async_scoring import AsyncScorer  # noqa: E402
 from .compose import ComposedReward, build_rewards  # noqa: E402
 from .remote import RemoteReward, RewardServerError  # noqa: E402
 from .grounding import (  # noqa: E402
+    BoxDetectionScore,
     BoxF1,
     BoxIoU,
     BoxMatchedIoU,
@@ -145,6 +146,7 @@ __all__ = [
     "temporal_iou",
     "BoxIoU",
     "BoxF1",
+    "BoxDetectionScore",
     "BoxMatchedIoU",
     "BoxWeightedPR",
     "BoxSetF1",

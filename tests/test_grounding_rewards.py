@@ -248,6 +248,89 @@ def test_spam_penalty_vlm_r1():
     assert unpenalised([spam], None, [gt])["box_matched_iou"].item() == 1.0
 
 
+def _official_detection_score(pred_boxes, gt_boxes, iou_threshold=0.5, alpha=0.7, beta=0.0, gamma=0.3):
+    """VLM-R1 grpo_jsonl.py detection_score after its JSON reading, its rule written out: greedy matching on its
+    inclusive-pixel iou, a wrong label's match counting IoU 0, position / #gt, completeness 1 - (miss + fa) / 2."""
+    def iou(b1, b2):
+        x1, y1, x2, y2 = max(b1[0], b2[0]), max(b1[1], b2[1]), min(b1[2] - 1, b2[2] - 1), min(b1[3] - 1, b2[3] - 1)
+        inter = (x2 - x1 + 1) * (y2 - y1 + 1) if x1 < x2 and y1 < y2 else 0
+        return float(inter) / ((b1[2] - b1[0]) * (b1[3] - b1[1]) + (b2[2] - b2[0]) * (b2[3] - b2[1]) - inter)
+
+    if not gt_boxes:
+        return 1.0 if not pred_boxes else 0.0
+    if not pred_boxes:
+        return 0.0
+    up, ug = list(range(len(pred_boxes))), list(range(len(gt_boxes)))
+    m = [[iou(p["bbox_2d"], g["bbox_2d"]) for g in gt_boxes] for p in pred_boxes]
+    matches = []
+    while up and ug:
+        best, bi, bj = -1, -1, -1
+        for i in up:
+            for j in ug:
+                if m[i][j] > best:
+                    best, bi, bj = m[i][j], i, j
+        if best < iou_threshold:
+            break
+        ok = pred_boxes[bi]["label"].lower() == gt_boxes[bj]["label"].lower()
+        matches.append((best if ok else 0, ok))
+        up.remove(bi)
+        ug.remove(bj)
+    pos = sum(v for v, _ in matches) / len(gt_boxes) if matches else 0.0
+    lab = sum(1.0 for _, ok in matches if ok) / len(gt_boxes) if matches else 0.0
+    comp = 1.0 - (len(ug) / len(gt_boxes) + len(up) / len(pred_boxes)) / 2.0
+    return (alpha * pos + beta * lab + gamma * comp) / (alpha + beta + gamma)
+
+
+def _fenced(items) -> str:
+    import json
+
+    return "<think>found them</think><answer>```json\n" + json.dumps(items) + "\n```</answer>"
+
+
+def test_box_detection_score_is_vlm_r1s_weighted_sum():
+    from mmrl.rewards.grounding import vlm_r1_detection_score
+
+    r = build_reward("box_detection_score", coord_format="absolute")
+    cat, dog = {"bbox_2d": [0, 0, 10, 10], "label": "cat"}, {"bbox_2d": [20, 0, 30, 10], "label": "dog"}
+    meta = {"boxes": [cat["bbox_2d"], dog["bbox_2d"]], "labels": ["Cat", "dog"]}
+    spurious = {"bbox_2d": [50, 50, 60, 60], "label": "cat"}
+    cases = [  # hand-worked: 0.7 position + 0.3 completeness
+        ([cat, dog, spurious], 0.7 * 1 + 0.3 * (1 - (0 + 1 / 3) / 2)),  # 0.95
+        ([cat], 0.7 * 0.5 + 0.3 * (1 - (0.5 + 0) / 2)),  # 0.575
+        ([{**cat, "label": "dog"}, dog], 0.7 * 0.5 + 0.3 * 1),  # a wrong label: its match counts IoU 0
+        ([cat, cat, dog], 0.7 * 1 + 0.3 * (1 - (0 + 1 / 3) / 2)),  # a duplicate is a false alarm
+        ([{"label": "cat"}, dog], 0.7 * 0.5 + 0.3 * (1 - (0.5 + 0.5) / 2)),  # no box: a prediction with IoU 0
+    ]
+    out = r([_fenced(items) for items, _ in cases], None, [meta] * len(cases))
+    assert out["box_detection_score"].tolist() == pytest.approx([want for _, want in cases])
+    assert out["box_detection_score"][0].item() == pytest.approx(0.95)
+    assert out["label_accuracy"][2].item() == pytest.approx(0.5)
+    # the reading: the LAST answer block, and only a fenced json block (else unparseable, 0 and counted)
+    two_blocks = "<answer>```json\n[]\n```</answer> then <answer>```json\n" + '[{"bbox_2d": [0, 0, 10, 10], ' \
+        '"label": "CAT"}]\n```</answer>'
+    bare = answer('[{"bbox_2d": [0, 0, 10, 10], "label": "cat"}]')
+    out = r([two_blocks, bare], None, [{"boxes": [[0, 0, 10, 10]], "labels": ["cat"]}] * 2)
+    assert out["box_detection_score"].tolist() == pytest.approx([1.0, 0.0])
+    assert r.last_info["num_unparseable"] == 1
+    # without labels in the metadata, labels are not checked
+    assert r([_fenced([{**cat, "label": "dog"}])], None, [{"boxes": [[0, 0, 10, 10]]}])["box_detection_score"].item() \
+        == pytest.approx(1.0)
+    # against the official function on random scenes (labels from two classes, overlaps of every size)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        def boxes(n):
+            out = []
+            for _ in range(n):
+                x, y = rng.integers(0, 40, 2).tolist()
+                out.append({"bbox_2d": [x, y, x + int(rng.integers(2, 15)), y + int(rng.integers(2, 15))],
+                            "label": str(rng.choice(["cat", "dog"]))})
+            return out
+        gt, pred = boxes(int(rng.integers(0, 4))), boxes(int(rng.integers(0, 5)))
+        got = vlm_r1_detection_score([(p["bbox_2d"], p["label"]) for p in pred],
+                                     [(g["bbox_2d"], g["label"]) for g in gt])["score"]
+        assert got == pytest.approx(_official_detection_score(pred, gt), abs=1e-12)
+
+
 def test_matched_iou_and_completeness():
     gt = [[0, 0, 10, 10], [20, 0, 30, 10]]
     two = matched_iou_completeness([[0, 0, 10, 10], [20, 0, 26, 10]], gt)  # IoUs 1 and 0.6
