@@ -314,6 +314,12 @@ class OptimConfig:
     ema_warmup: bool = opt(False, "Flow-GRPO's EMA decay warm-up: at optimizer step s the decay is "
                            "min(ema_decay, (1 + s) / (10 + s)) (Flow-GRPO always warms up; its recipes: decay 0.9, "
                            "interval 8, warm-up on).")
+    ema_every_minibatch: bool = opt(False, "Flow-GRPO's call pattern: its train_sd3.py calls ema.step after every "
+                                    "training batch with the number of optimizer steps taken so far, so each "
+                                    "qualifying step's update is applied once after the step and again after each "
+                                    "of the next window's first gradient_accumulation_steps - 1 minibatches (on "
+                                    "unchanged weights): with 8 minibatches per step, one-minus-decay 1 - 0.9^8 = "
+                                    "0.57 instead of 0.1. false: one update per optimizer step.")
 
 
 @dataclass
@@ -827,6 +833,8 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         (config.model.family == "qwen_vl" or not a.mask_truncated_completions,
          "algorithm.mask_truncated_completions applies to VLM completions (model.family: qwen_vl); a flow "
          "trajectory always has its sampling.num_steps steps"),
+        (config.optim.ema or not config.optim.ema_every_minibatch,
+         "optim.ema_every_minibatch is how the EMA is updated: set optim.ema: true"),
         (config.logging.keep_last >= 1, "logging.keep_last must be >= 1"),
         (config.optim.ema_update_interval >= 1 and 0.0 <= config.optim.ema_decay <= 1.0,
          "optim.ema_update_interval must be >= 1 and optim.ema_decay in [0, 1]"),

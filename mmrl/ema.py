@@ -21,7 +21,7 @@ batches of a gradient-accumulation window that do not step the optimizer, so wit
 qualifying optimizer step gets ``k`` identical lerps (effective one-minus-decay ``1 - d^k``). mmrl's trainer calls
 :meth:`EMA.update` once per optimizer step; it equals the anchor for ``train.gradient_accumulation_steps = 1``, and
 calling ``update(params, optimizer_step)`` after every micro-batch with the unchanged step count reproduces the
-anchor in the other cases too.
+anchor in the other cases too: ``optim.ema_every_minibatch`` makes the trainer do that.
 
 Resume: :meth:`EMA.state_dict` holds the shadows, the step counter and the number of updates; :meth:`load_state_dict`
 puts every shadow on its live parameter's device and in its dtype (checkpoints are loaded on the CPU, often in

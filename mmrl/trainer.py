@@ -773,6 +773,10 @@ class Trainer:
                                 ratio_max = max(ratio_max, float(value)) if active else ratio_max
                             else:
                                 add(key, float(value), active)
+                    if self.ema is not None and c.optim.ema_every_minibatch and g < len(group) - 1:
+                        # Flow-GRPO calls ema.step after every training batch with the optimizer steps taken so
+                        # far: the batches before the step repeat the last step's update on unchanged weights
+                        self.ema.update(policy.named_trainable_parameters(), self.optimizer_steps)
                 step_losses.append(step_loss)
                 # the optimizer's own parameters: under FSDP the list taken before a forward can hold the gathered
                 # tensors of a module still unsharded then, not the shards the gradients are reduced into

@@ -264,3 +264,44 @@ def test_existing_run_is_never_overwritten(tmp_path, tiny_path, capsys):
     assert main(args) == 0  # the default resume=auto finds the run complete
     assert "nothing to do" in capsys.readouterr().out
     assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
+def test_ema_every_minibatch_is_flow_grpos_call_pattern(tmp_path, tiny_path, monkeypatch):
+    """optim.ema_every_minibatch: Flow-GRPO's train_sd3.py calls ema.step(params, global_step) after every training
+    batch, global_step the optimizer steps taken so far: a window of 2 minibatches calls it with the last step's count
+    on unchanged weights, then with the new count after the step. The shadow is the plain lerp over those calls."""
+    from mmrl.ema import EMA
+
+    calls, instances = [], []
+    original = EMA.update
+
+    def update(self, params, optimizer_step=None):
+        if not instances:
+            instances.append((self, {k: v.detach().clone() for k, v in self.shadow.items()}))
+        calls.append((optimizer_step, {k: p.detach().clone() for k, p in params.items()}))
+        return original(self, params, optimizer_step)
+
+    monkeypatch.setattr(EMA, "update", update)
+    _run(tmp_path, tiny_path, "train.steps=2", "logging.eval_every=0", "train.inner_epochs=2",
+         "train.gradient_accumulation_steps=2", "optim.lr=1e-2", "optim.ema=true", "optim.ema_every_minibatch=true",
+         "optim.ema_decay=0.9")
+    steps = [s for s, _ in calls]
+    assert steps == [0, 1, 1, 2, 2, 3, 3, 4]  # 2 updates x 2 inner epochs, one optimizer step of 2 minibatches each
+    for k in range(1, 4):  # the repeated call sees the weights of the step it repeats
+        first, again = calls[2 * k - 1][1], calls[2 * k][1]
+        assert all(torch.equal(first[n], again[n]) for n in first)
+    ema, start = instances[0]
+    shadow = {k: v.clone() for k, v in start.items()}
+    for _, params in calls:
+        for k in shadow:
+            shadow[k] += 0.1 * (params[k] - shadow[k])
+    assert ema.num_updates == 8
+    for k in shadow:
+        torch.testing.assert_close(ema.shadow[k], shadow[k], rtol=1e-6, atol=1e-7)
+    # the default: one call per optimizer step
+    calls.clear()
+    _run(tmp_path / "plain", tiny_path, "train.steps=1", "logging.eval_every=0", "train.inner_epochs=2",
+         "train.gradient_accumulation_steps=2", "optim.ema=true")
+    assert [s for s, _ in calls] == [1, 2]
+    with pytest.raises(Exception, match="optim.ema_every_minibatch is how the EMA is updated: set optim.ema: true"):
+        load_config(TINY_RECIPE, ["optim.ema_every_minibatch=true"])
