@@ -32,6 +32,7 @@ metadata lacks what the reward needs is NaN. :class:`ComposedReward` and :func:`
 either kind of batch. Registered: ``think_answer_format``, ``choice_accuracy``,
 ``multi_choice_accuracy`` (TW-GRPO), ``numeric_accuracy``, ``numeric_fuzzy`` (FGRPR),
 ``math_accuracy`` (math-verify), ``chart_accuracy`` (ChartQA's relaxed accuracy) in :mod:`~mmrl.rewards.answer`;
+``video_r1_accuracy`` (Video-R1's accuracy by problem type) in :mod:`~mmrl.rewards.video_r1`;
 ``iou``, ``box_coordinate`` (one coordinate, reporting its characters as spans), ``box_f1``,
 ``box_matched_iou``, ``box_detection_score`` (VLM-R1's open-vocabulary detection reward), ``box_weighted_pr`` (DIP-R1), ``box_set_f1`` (Falcon-Perception),
 ``box_salience_iou`` (GRiP), ``temporal_iou``, ``temporal_dual`` (Temporal-R1) in
@@ -64,7 +65,7 @@ from ._base import (
 )
 
 # Importing the modules registers their rewards; none imports a model library at import time.
-from . import aesthetic, answer, bmas, clipscore, diversity, geneval, grounding, hps, imagereward, jpeg, ocr, pickscore, pixel, reference, remote, routing, shapeworld, video, vlm_judge  # noqa: E402,F401  (registration side effect)
+from . import aesthetic, answer, bmas, clipscore, diversity, geneval, grounding, hps, imagereward, jpeg, ocr, pickscore, pixel, reference, remote, routing, shapeworld, video, video_r1, vlm_judge  # noqa: E402,F401  (registration side effect)
 from . import claimdiff, medix, perception_r1, pest_feature, video_ver  # noqa: E402,F401  (judged perception rewards)
 from ._text import TextReward  # noqa: E402
 from .answer import (  # noqa: E402
@@ -107,6 +108,7 @@ from .geneval import GenEval, GenEvalPartial, geneval_summary  # noqa: E402
 from .shapeworld import ShapeWorldPartial, ShapeWorldReward  # noqa: E402
 from .reference import DinoEmbedder, DinoReference  # noqa: E402
 from .video import SegmentalVideoReward  # noqa: E402
+from .video_r1 import VideoR1Accuracy  # noqa: E402
 from .vlm_judge import PromptEcho, VLMJudge  # noqa: E402
 
 __all__ = [
@@ -147,6 +149,7 @@ __all__ = [
     "BoxIoU",
     "BoxF1",
     "BoxDetectionScore",
+    "VideoR1Accuracy",
     "BoxMatchedIoU",
     "BoxWeightedPR",
     "BoxSetF1",
