@@ -28,7 +28,9 @@ name                       kwargs                                      extra key
                            abs_tol=1e-9``
 ``numeric_fuzzy``          ``require_tags=True, rule="fgrpr",          ``relative_error``
                            tau=0.5``
-``math_accuracy``          ``require_tags=True, timeout_seconds=5``    (none)
+``math_accuracy``          ``require_tags=True, timeout_seconds=5,     (none)
+                           convention="mmrl"`` (``"trl"``: TRL's
+                           ``accuracy_reward``)
 ``chart_accuracy``         ``require_tags=True,                        (none)
                            max_relative_change=0.05``
 =========================  ==========================================  ================================
@@ -444,16 +446,26 @@ class MathAccuracy(TextReward):
     math-verify bounds its work with ``SIGALRM``, which only works in the main thread: elsewhere (and
     with ``timeout_seconds=None``) it runs without a time limit. A ``SIGALRM`` timer already running
     (a watchdog) is re-armed afterwards with the time it had left.
+
+    ``convention="trl"``: TRL's ``trl.rewards.accuracy_reward`` as written: the gold parsed with math-verify's
+    defaults (unparseable: NaN, TRL's ``None``), the WHOLE completion (not the answer block) parsed with
+    ``LatexExtractionConfig(normalization_config=NormalizationConfig(units=True), boxed_match_priority=0,
+    try_extract_without_anchor=False)`` and ``extraction_mode="first_match"`` (so an answer must be LaTeX:
+    ``$...$`` or ``\\boxed{}``; plain ``3`` reads nothing), then ``verify(gold, answer)``; an answer that reads
+    nothing scores 0 (counted as unparseable). ``require_tags`` does not apply there.
     """
 
-    def __init__(self, require_tags: bool = True, timeout_seconds: int | None = 5) -> None:
+    def __init__(self, require_tags: bool = True, timeout_seconds: int | None = 5, convention: str = "mmrl") -> None:
         super().__init__()
         try:
             import math_verify  # noqa: F401
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise ImportError("math_accuracy needs the math-verify package: pip install 'math-verify[antlr4_13_2]'") from exc
+        if convention not in ("mmrl", "trl"):
+            raise ValueError(f"unknown convention {convention!r}; expected 'mmrl' or 'trl'")
         self.require_tags = bool(require_tags)
         self.timeout_seconds = timeout_seconds
+        self.convention = convention
 
     def _timeout(self) -> int | None:
         if self.timeout_seconds is None or threading.current_thread() is not threading.main_thread():
@@ -478,6 +490,8 @@ class MathAccuracy(TextReward):
         from math_verify import verify
 
         sol = _solution_text(meta, self.name)
+        if self.convention == "trl":
+            return self._score_trl(text, str(sol))
         answer = answer_or_text(text, self.require_tags)
         with _keep_outer_alarm():
             gold = self._parse(str(sol))
@@ -487,3 +501,19 @@ class MathAccuracy(TextReward):
             if not pred:
                 raise Unparseable("math-verify found no expression in the answer")
             return float(verify(gold, pred, timeout_seconds=self._timeout()))
+
+    def _score_trl(self, text: str, sol: str) -> float:
+        from latex2sympy2_extended import NormalizationConfig
+        from math_verify import LatexExtractionConfig, parse, verify
+
+        timeout = self._timeout()
+        with _keep_outer_alarm():
+            gold = parse(sol, parsing_timeout=timeout)
+            if not gold:
+                raise Unjudgeable(f"math-verify could not parse metadata 'solution' {sol!r} (TRL skips the sample)")
+            pred = parse(text, extraction_config=[LatexExtractionConfig(
+                normalization_config=NormalizationConfig(units=True), boxed_match_priority=0,
+                try_extract_without_anchor=False)], extraction_mode="first_match", parsing_timeout=timeout)
+            if not pred:
+                raise Unparseable("math-verify found no LaTeX answer in the completion (TRL's extraction)")
+            return float(verify(gold, pred, timeout_seconds=timeout))

@@ -372,3 +372,36 @@ def test_chart_accuracy_reward():
     assert loose(["<answer>7</answer>"], None, [{"solution": 7.5}])["chart_accuracy"].tolist() == [1.0]
     with pytest.raises(ValueError, match="max_relative_change"):
         build_reward("chart_accuracy", max_relative_change=-1)
+
+
+def test_math_accuracy_trl_convention_is_trls_accuracy_reward():
+    """convention="trl": trl.rewards.accuracy_reward (TRL 1.16) as it calls math-verify, written out here."""
+    from latex2sympy2_extended import NormalizationConfig
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    def trl(content, sol):
+        gold = parse(sol)
+        if not gold:
+            return None
+        answer = parse(content, extraction_config=[LatexExtractionConfig(
+            normalization_config=NormalizationConfig(units=True), boxed_match_priority=0,
+            try_extract_without_anchor=False)], extraction_mode="first_match")
+        return float(verify(gold, answer))
+
+    cases = [("<answer>3</answer>", "3", 0.0),  # plain text: TRL's extraction needs LaTeX
+             (r"My answer is \boxed{\frac{1}{3}}", r"\frac{1}{3}", 1.0),  # TRL's own docstring example
+             (r"My answer is \boxed{\frac{1}{2}}", r"\frac{1}{3}", 0.0),
+             ("The answer is $12$ apples", "12", 1.0),
+             (r"first $\frac{1}{2}$, finally $\boxed{3}$", "3", 1.0),  # boxed first (boxed_match_priority=0)
+             ("no math here", "5", 0.0),
+             ("$3$", "hello world", None)]  # the gold does not parse: TRL skips it (None), mmrl NaN
+    r = build_reward("math_accuracy", convention="trl")
+    out = r([c for c, _, _ in cases], None, [{"solution": s} for _, s, _ in cases])["math_accuracy"].tolist()
+    for (content, sol, value), got in zip(cases, out):
+        want = trl(content, sol)
+        assert want == value, content
+        assert (math.isnan(got) and want is None) or got == want, content
+    # the default reads the answer block and plain numbers
+    assert build_reward("math_accuracy")(["<answer>3</answer>"], None, [{"solution": "3"}])["math_accuracy"].item() == 1.0
+    with pytest.raises(ValueError, match="unknown convention"):
+        build_reward("math_accuracy", convention="verl")
