@@ -561,3 +561,82 @@ def test_rec_convention_vlm_r1_reads_scores_and_samples_as_test_rec_r1(tmp_path,
     assert "rec_convention" not in mine["protocol"]["scorer_settings"]  # the default protocol is unchanged
     with pytest.raises(EvalError, match="rec_convention='refcoco': expected one of mmrl, vlm_r1"):
         run_eval(GROUNDING, [*args, "rec_convention=refcoco"], echo=quiet)
+
+
+# ---------------------------------------------------------------------------------------------- VSI-Bench
+
+
+def _official_vsi(rows):
+    """thinking-in-space lmms_eval/tasks/vsibench/utils.py: process_results then aggregate_results, written out."""
+    mca = ["object_rel_direction_easy", "object_rel_direction_medium", "object_rel_direction_hard",
+           "object_rel_distance", "route_planning", "obj_appearance_order"]
+
+    def fuzzy_matching(pred):
+        return pred.split(" ")[0].rstrip(".").strip()
+
+    def mra(pred, target, start=.5, end=.95, interval=.05):
+        conf = np.linspace(start, end, int((end - start) / interval + 2))
+        return (abs(pred - target) / target <= 1 - conf).mean()
+
+    def to_float(x):
+        try:
+            return float(x)
+        except BaseException:
+            return None
+
+    per = {}
+    for prediction, qtype, gt in rows:
+        if qtype in mca:
+            value = 1.0 if fuzzy_matching(prediction).lower() == gt.lower() else 0.0
+        else:
+            try:
+                value = mra(to_float(fuzzy_matching(prediction)), to_float(gt))
+            except TypeError:
+                value = 0.0
+        per.setdefault(qtype, []).append(value)
+    out = {t: float(np.mean(v)) for t, v in per.items()}
+    if "object_rel_direction_easy" in out:
+        out["object_rel_direction"] = sum(out.pop(t) for t in mca[:3]) / 3.0
+    return sum(out.values()) / len(out), out
+
+
+VSI = [  # (id, question_type, ground_truth, the model's answer)
+    ("v0", "object_counting", "4", "4"),  # MRA 1
+    ("v1", "object_counting", "10", "8 chairs."),  # first word 8: error 0.2, 6 of the 10 thresholds (below)
+    ("v2", "object_abs_distance", "2.5", "<think>far</think><answer>3.0</answer>"),  # the answer block: 0.2 -> 0.6
+    ("v3", "room_size_estimation", "20", "about 20"),  # first word 'about': 0
+    ("v4", "object_rel_direction_easy", "B", "B."),  # 1
+    ("v5", "object_rel_direction_medium", "A", "b"),  # 0
+    ("v6", "object_rel_direction_hard", "C", "c"),  # 1 (case-insensitive)
+    ("v7", "route_planning", "D", "D. turn left"),  # 1
+    ("v8", "obj_appearance_order", "A", "The answer is A"),  # 0
+]
+
+
+def test_vsi_bench_scores_as_the_official_lmms_eval_task(tmp_path, monkeypatch):
+    from mmrl.eval.scoring import vsi_bench_prompt, vsi_mean_relative_accuracy
+
+    write_image(tmp_path / "img.png", 56, 56)
+    lines = [{"image": "img.png", "id": i, "question": vsi_bench_prompt("how many?", t, ["A. x", "B. y"]),
+              "solution": g, "task": "vsi_bench", "question_type": t, "ground_truth": g} for i, t, g, _ in VSI]
+    lines.append({"image": "img.png", "id": "bad", "question": "q", "solution": "0", "task": "vsi_bench",
+                  "question_type": "object_counting", "ground_truth": "0"})  # a zero truth cannot be scored
+    data = write_jsonl(tmp_path / "vsi.jsonl", lines)
+    answers = {i: a for i, _, _, a in VSI} | {"bad": "3"}
+    monkeypatch.setattr(QwenVLPolicy, "sample_eval", lambda self, items, seeds=None: [answers[x.id] for x in items])
+    summary = run_eval(GROUNDING, [f"data={data}", "benchmarks=[vsi_bench]", "progress=false",
+                                   f"output_dir={tmp_path / 'out'}"], echo=quiet)
+    got = summary["benchmarks"]["vsi_bench"]["metrics"]
+    readable = [("3.0" if i == "v2" else a, t, g) for i, t, g, a in VSI]  # v2 read from its answer block
+    overall, categories = _official_vsi(readable)
+    assert got["overall"] == pytest.approx(overall, abs=1e-12)
+    for name, value in categories.items():
+        assert got[name] == pytest.approx(value, abs=1e-12), name
+    # by hand: an error of exactly 0.2 passes 6 thresholds, not 7: 1 - 0.8 is 0.19999999999999996 in floats, as the
+    # official code computes it; counting (1 + 0.6) / 2, distance 0.6, room 0, direction (1 + 0 + 1) / 3, route 1,
+    # order 0
+    assert overall == pytest.approx((0.8 + 0.6 + 0 + 2 / 3 + 1 + 0) / 6)
+    assert got["num_unjudged"] == 1 and got["n"] == 9
+    assert vsi_mean_relative_accuracy(8, 10) == pytest.approx(0.6) and vsi_mean_relative_accuracy(5, 4) == 0.6
+    assert vsi_bench_prompt("how far?", "object_abs_distance") == ("These are frames of a video.\nhow far?\nPlease "
+                                                                     "answer the question using a single word or phrase.")

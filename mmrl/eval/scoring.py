@@ -954,6 +954,80 @@ def choice_accuracy(preds: Sequence[Any], gts: Sequence[Any]) -> dict[str, Any]:
     return accuracy_mean(scores)
 
 
+#: VSI-Bench's question types (vision-x-nyu/thinking-in-space lmms_eval/tasks/vsibench/utils.py): multiple-choice
+#: answers (accuracy) and numerical answers (mean relative accuracy)
+VSI_MCA_TYPES = ("object_rel_direction_easy", "object_rel_direction_medium", "object_rel_direction_hard",
+                 "object_rel_distance", "route_planning", "obj_appearance_order")
+VSI_NA_TYPES = ("object_abs_distance", "object_counting", "object_size_estimation", "room_size_estimation")
+
+
+def vsi_mean_relative_accuracy(pred: float, target: float, start: float = 0.5, end: float = 0.95,
+                               interval: float = 0.05) -> float:
+    """VSI-Bench's MRA as its ``mean_relative_accuracy`` computes it: the fraction of the thresholds
+    ``np.linspace(start, end, int((end - start) / interval + 2))`` (10 of them for .5:.95:.05, the float count
+    8.999... + 2 truncating to 10) at which ``|pred - target| / target <= 1 - threshold``."""
+    thresholds = np.linspace(start, end, int((end - start) / interval + 2))
+    return float((abs(pred - target) / target <= 1 - thresholds).mean())
+
+
+def vsi_bench_prompt(question: str, question_type: str, options: Sequence[str] | None = None) -> str:
+    """The question text VSI-Bench's ``vsibench_doc_to_text`` builds (its default pre / post prompts)."""
+    if question_type in VSI_NA_TYPES:
+        return "These are frames of a video.\n" + question + "\nPlease answer the question using a single word or phrase."
+    if question_type in VSI_MCA_TYPES:
+        return "\n".join(["These are frames of a video.", question, "Options:\n" + "\n".join(options or []),
+                          "Answer with the option's letter from the given choices directly."])
+    raise ValueError(f"unknown VSI-Bench question type {question_type!r}")
+
+
+def vsi_bench_sample_score(pred: str, question_type: str, ground_truth: str) -> float:
+    """One VSI-Bench answer's score (``vsibench_process_results``): the prediction's first space-separated word
+    with trailing dots removed (``fuzzy_matching``); a multiple-choice type scores its case-insensitive equality
+    with the ground truth, a numerical type the MRA of the two read as floats (either unreadable: 0)."""
+    word = pred.split(" ")[0].rstrip(".").strip()
+    if question_type in VSI_MCA_TYPES:
+        return 1.0 if word.lower() == str(ground_truth).lower() else 0.0
+    if question_type not in VSI_NA_TYPES:
+        raise ValueError(f"unknown VSI-Bench question type {question_type!r}")
+    try:
+        return vsi_mean_relative_accuracy(float(word), float(ground_truth))
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def vsi_bench_scores(preds: Sequence[Any], gts: Sequence[Any]) -> dict[str, Any]:
+    """VSI-Bench (Yang et al. 2024, "Thinking in Space", arXiv 2412.14171) as ``vsibench_aggregate_results``: the
+    mean score per question type (:func:`vsi_bench_sample_score`), the three relative-direction types averaged
+    into one ``object_rel_direction``, ``overall`` the mean of the resulting (up to 8) categories. Reported as
+    fractions (the official table multiplies by 100).
+
+    ``preds``: the model's answer text (``None`` = no answer: 0, kept); ``gts``: ``{"question_type",
+    "ground_truth"}`` or ``None`` = unjudged (left out, counted)."""
+    if len(preds) != len(gts):
+        raise ValueError(f"got {len(preds)} predictions for {len(gts)} ground truths")
+    per_type: dict[str, list[float]] = {}
+    scores: list[float] = []
+    unjudged = unparseable = 0
+    for p, g in zip(preds, gts):
+        if g is None:
+            unjudged += 1
+            scores.append(NAN)
+            continue
+        if p is None:
+            unparseable += 1
+        value = 0.0 if p is None else vsi_bench_sample_score(str(p), g["question_type"], g["ground_truth"])
+        per_type.setdefault(g["question_type"], []).append(value)
+        scores.append(value)
+    categories = {t: float(np.mean(v)) for t, v in per_type.items()}
+    directions = [t for t in VSI_MCA_TYPES[:3] if t in categories]
+    if "object_rel_direction_easy" in categories:  # the official merges the three only when "easy" is there
+        categories["object_rel_direction"] = sum(categories.pop(t) for t in directions) / 3.0
+    return {"overall": float(np.mean(list(categories.values()))) if categories else NAN,
+            **{f"{t}": v for t, v in sorted(categories.items())},
+            "n": sum(len(v) for v in per_type.values()), "num_unparseable": unparseable, "num_unjudged": unjudged,
+            "scores": scores}
+
+
 def numeric_accuracy(
     preds: Sequence[Any], gts: Sequence[Any], rel_tol: float = 1e-6, abs_tol: float = 1e-9,
 ) -> dict[str, Any]:

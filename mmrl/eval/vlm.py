@@ -1,7 +1,7 @@
 """``mmrl eval`` for vision-language policies (``model.family: qwen_vl``): grounding and VLM benchmarks.
 
     mmrl eval CONFIG [checkpoint=PATH|base] [benchmarks=[rec,multi_object,temporal_grounding,multiple_choice,
-                     numeric,charades_sta]] [data=FILE] [video_dir=DIR] [output_dir=DIR] [limit=N] [batch_size=B]
+                     numeric,vsi_bench,charades_sta]] [data=FILE] [video_dir=DIR] [output_dir=DIR] [limit=N] [batch_size=B]
                      [greedy=true] [seed=S] [max_new_tokens=T] [blind=false] [coord_format=qwen2|qwen25|absolute]
                      [require_tags=true] [tg_convention=2d_tan|timezero|time_r1] [rec_convention=mmrl|vlm_r1]
                      [ema=true] [progress=true]
@@ -30,6 +30,9 @@ benchmark              samples                         metrics (headline first)
                        annotations (3720 queries)      ``video_dir=`` (``<video_id>.mp4``, not shipped)
 ``multiple_choice``    task ``multiple_choice`` / mc   ``accuracy``: :func:`~mmrl.eval.scoring.choice_accuracy`
 ``numeric``            task ``numeric`` / counting     ``accuracy``: :func:`~mmrl.eval.scoring.numeric_accuracy`
+``vsi_bench``          task ``vsi_bench`` (VSI-Bench   ``overall`` and one score per question type:
+                       lines: ``question_type``,       :func:`~mmrl.eval.scoring.vsi_bench_scores` (thinking-in-
+                       ``ground_truth``, a video)      space's lmms-eval task: first-word match, MRA)
 =====================  ==============================  ===========================================================
 
 The JSONL benchmarks read the format mmrl trains on (:mod:`mmrl.data.vlm`) from ``data=FILE`` (default: the
@@ -103,8 +106,8 @@ __all__ = ["VLM_EVAL_KEYS", "VLM_BENCHMARKS", "TASK_BENCHMARKS", "GREY", "CHARAD
 #: The eval keys of a vision-language evaluation; every other key must be a dotted config override.
 VLM_EVAL_KEYS: dict[str, str] = {
     "checkpoint": FLOW_EVAL_KEYS["checkpoint"],
-    "benchmarks": "list of rec, multi_object, temporal_grounding, multiple_choice, numeric (the lines of data=FILE "
-                  "with that task) and charades_sta (the shipped Charades-STA test annotations, videos from "
+    "benchmarks": "list of rec, multi_object, temporal_grounding, multiple_choice, numeric, vsi_bench (the lines of "
+                  "data=FILE with that task) and charades_sta (the shipped Charades-STA test annotations, videos from "
                   "video_dir=); default: every task in data=FILE",
     "data": "a VLM JSONL file (mmrl.data.vlm format; tiny:grounding, tiny:temporal_grounding, "
             "shapeworld:<split>:<n>[:<tasks>]); default: the config's data.dataset",
@@ -142,6 +145,7 @@ TASK_BENCHMARKS: dict[str, str] = {
     "temporal_grounding": "temporal_grounding",
     "multiple_choice": "multiple_choice", "mc": "multiple_choice",
     "numeric": "numeric", "counting": "numeric",
+    "vsi_bench": "vsi_bench", "vsibench": "vsi_bench",
 }
 
 
@@ -186,10 +190,18 @@ VLM_BENCHMARKS: dict[str, _Metric] = {
     "numeric": _Metric("accuracy", "correct", ("correct",), "mmrl.eval.scoring.numeric_accuracy",
                        "the answer's one number (mmrl.rewards._text.parse_number) within max(1e-6 |gt|, 1e-9) of the "
                        "solution's"),
+    "vsi_bench": _Metric("overall", "score", ("score",), "mmrl.eval.scoring.vsi_bench_scores",
+                         "vision-x-nyu/thinking-in-space lmms_eval/tasks/vsibench/utils.py: the answer's first word "
+                         "(trailing dots removed); multiple-choice types its case-insensitive match with "
+                         "ground_truth, numerical types the mean relative accuracy over thresholds .50:.05:.95 "
+                         "(|pred - gt| / gt <= 1 - threshold); the mean per question type, the three relative-"
+                         "direction types averaged into one, overall the mean of the categories. The answer is the "
+                         "output's <answer> block when it has one (mmrl's rule, for think/answer models), else the "
+                         "whole output as lmms-eval reads it"),
 }
 #: What each benchmark's rows are scored as (charades_sta is temporal grounding).
 _KIND = {"charades_sta": "temporal_grounding"}
-_JSONL_BENCHMARKS = ("rec", "multi_object", "temporal_grounding", "multiple_choice", "numeric")
+_JSONL_BENCHMARKS = ("rec", "multi_object", "temporal_grounding", "multiple_choice", "numeric", "vsi_bench")
 #: ``rec_convention`` -> the scorer settings it adds (``mmrl``, the default, adds none: its protocol hash is the one
 #: evaluations had before the option existed).
 _REC_CONVENTIONS: dict[str, dict[str, Any]] = {
@@ -479,6 +491,23 @@ def _target(kind: str, meta: Mapping) -> Any:
             raise Unjudgeable(f"metadata 'solution' {solution!r} is not a choice letter ({exc})") from None
     if kind == "numeric":
         return _number_solution(meta, "numeric")
+    if kind == "vsi_bench":
+        from mmrl.eval.scoring import VSI_MCA_TYPES, VSI_NA_TYPES
+
+        qtype = meta.get("question_type")
+        if qtype not in VSI_MCA_TYPES + VSI_NA_TYPES:
+            raise Unjudgeable(f"metadata 'question_type' {qtype!r} is not a VSI-Bench question type")
+        truth = meta.get("ground_truth", meta.get("solution"))
+        if truth is None:
+            raise Unjudgeable("metadata has no 'ground_truth' (needed by vsi_bench)")
+        if qtype in VSI_NA_TYPES:
+            try:
+                if float(truth) == 0:
+                    raise ValueError
+            except (TypeError, ValueError):
+                raise Unjudgeable(f"metadata 'ground_truth' {truth!r} is not a non-zero number (a numerical "
+                                  f"VSI-Bench answer; the relative error divides by it)") from None
+        return {"question_type": qtype, "ground_truth": str(truth)}
     raise ValueError(kind)
 
 
@@ -534,6 +563,8 @@ def judge(kind: str, answer: str | None, meta: Mapping, settings: Mapping[str, A
             pred = list(parse_timestamps(answer_or_text(answer, require_tags)))
         elif kind == "multiple_choice":
             pred = parse_choice(answer_or_text(answer, require_tags), _choices(meta))
+        elif kind == "vsi_bench":
+            pred = answer_or_text(answer, False) if "<answer>" in answer else answer  # scored by its first word
         else:
             pred = parse_number(answer_or_text(answer, require_tags))
     except Unparseable as exc:
@@ -559,6 +590,8 @@ def _official(kind: str, preds: list, gts: list, durations: list, settings: Mapp
     if kind == "numeric":
         return scoring.numeric_accuracy(preds, gts, rel_tol=settings.get("rel_tol", 1e-6),
                                         abs_tol=settings.get("abs_tol", 1e-9))
+    if kind == "vsi_bench":
+        return scoring.vsi_bench_scores(preds, gts)
     raise ValueError(kind)
 
 
@@ -575,6 +608,8 @@ def sample_scores(kind: str, judged: Judged, settings: Mapping[str, Any]) -> tup
     elif kind == "temporal_grounding":
         scores = {"tiou": r["tious"][0], **{f"r1@{m:g}": r[f"r1@{m:g}"] for m in settings.get("thresholds",
                                                                                             (0.3, 0.5, 0.7))}}
+    elif kind == "vsi_bench":
+        scores = {"score": r["scores"][0]}
     else:
         scores = {"correct": r["accuracy"]}
     scores = {k: _float(v) for k, v in scores.items()}
