@@ -238,6 +238,9 @@ class AlgorithmConfig:
     reward_combination: str = opt("sum_then_normalize", "Several rewards: sum_then_normalize (Flow-GRPO, TRL) or "
                                   "normalize_then_sum (DanceGRPO, MixGRPO, GDPO).",
                                   choices=("sum_then_normalize", "normalize_then_sum"))
+    clamp_summed_advantage: bool = opt(False, "normalize_then_sum only: advantage_clamp applies to the weighted "
+                                       "sum (MixGRPO's train_grpo_flux.py) instead of to each reward's advantage "
+                                       "(DanceGRPO's video script, the default).")
     batch_normalize_sum: bool = opt(False, "normalize_then_sum only: GDPO's final step, the summed advantages "
                                     "normalised over the whole batch, (A - mean) / (std + eps), unbiased std (GDPO, "
                                     "arXiv 2601.05242).")
@@ -872,6 +875,9 @@ def validate(config: Config, *, check_files: bool = True) -> None:
                               f"trainable steps of a {s.num_steps}-step schedule)")
     if s.noise_schedule and len(s.noise_schedule) != s.num_steps:
         raise ConfigError(f"sampling.noise_schedule has {len(s.noise_schedule)} levels for {s.num_steps} steps")
+    if a.clamp_summed_advantage and a.reward_combination != "normalize_then_sum":
+        raise ConfigError("algorithm.clamp_summed_advantage clamps the sum of normalize_then_sum: set "
+                          "algorithm.reward_combination=normalize_then_sum")
     if a.batch_normalize_sum and a.reward_combination != "normalize_then_sum":
         raise ConfigError("algorithm.batch_normalize_sum is GDPO's step after normalize_then_sum: set "
                           "algorithm.reward_combination=normalize_then_sum")

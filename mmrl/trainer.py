@@ -441,9 +441,11 @@ class Trainer:
         def default() -> torch.Tensor:
             if a.per_prompt_stat_tracking:
                 return self.tracker.update(keys_all, gathered, weights=weights, mode=a.reward_combination,
-                                           batch_normalize=a.batch_normalize_sum)
+                                           batch_normalize=a.batch_normalize_sum,
+                                           clamp_sum=a.clamp_summed_advantage)
             return combine_rewards(gathered, group_ids, weights=weights, mode=a.reward_combination,
-                                   batch_normalize=a.batch_normalize_sum, **self.estimator_kwargs)
+                                   batch_normalize=a.batch_normalize_sum, clamp_sum=a.clamp_summed_advantage,
+                                   **self.estimator_kwargs)
 
         estimators = self._users("advantages")
         drop = None

@@ -146,6 +146,22 @@ def test_combine_modes_differ_and_match_formula():
         combine_rewards({"a": a}, groups, weights={"c": 1.0})
 
 
+def test_clamp_sum_is_mixgrpos_clamp_of_the_summed_advantage():
+    """MixGRPO's train_grpo_flux.py: each reward normalised per group ((r - mean) / (std + 1e-8), unbiased std),
+    summed with its weight, the sum clamped to +-adv_clip_max (5); DanceGRPO's video script clamps each reward."""
+    one = torch.tensor([1.0] + [0.0] * 11)  # one sample right on all three rewards, a group of 12
+    rewards = {"hps": one, "imagereward": one.clone(), "pickscore": one.clone()}
+    kw = dict(mode="normalize_then_sum", scale="group", std_ddof=1, eps=1e-8, clamp=5.0)
+    per_reward = 11 / 12 / statistics.stdev([1.0] + [0.0] * 11)  # (1 - 1/12) / std = 3.175
+    each = combine_rewards(rewards, [0] * 12, **kw)  # each component clamped at 5: nothing to clamp
+    assert each[0].item() == pytest.approx(3 * per_reward, rel=1e-6) and each[0].item() > 9.5
+    summed = combine_rewards(rewards, [0] * 12, clamp_sum=True, **kw)
+    assert summed[0].item() == 5.0  # the official advantage of that sample
+    assert summed[1:].tolist() == pytest.approx(each[1:].tolist())  # -0.866 in both
+    with pytest.raises(ValueError, match="clamp_sum clamps the sum of normalize_then_sum"):
+        combine_rewards(rewards, [0] * 12, clamp_sum=True, mode="sum_then_normalize")
+
+
 def test_gaussian_rank_advantages():
     from statistics import NormalDist
 

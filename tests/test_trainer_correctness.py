@@ -205,6 +205,26 @@ def test_gdpo_batch_normalises_the_summed_advantages(tmp_path, tiny_sd3):
         flow_config(tmp_path, tiny_sd3, "algorithm.batch_normalize_sum=true")
 
 
+def test_clamp_summed_advantage_clamps_the_sum_not_each_reward(tmp_path, tiny_sd3):
+    common = ["rewards={brightness: 1.0, saturation: 0.5}", "algorithm.reward_combination=normalize_then_sum",
+              "algorithm.scale=group", "algorithm.advantage_clamp=0.5"]
+    got = {}
+    for on in (False, True):
+        config = flow_config(tmp_path / str(on), tiny_sd3, *common, f"algorithm.clamp_summed_advantage={str(on).lower()}")
+        trainer = build_trainer(config)
+        items = trainer.prompts.next_batch(2)
+        rollout, scores = trainer._sample(items, torch.Generator().manual_seed(0), {"rollout": 0.0, "reward": 0.0})
+        got[on], _ = trainer._advantages(rollout, scores)
+        a = config.algorithm
+        parts = [w * group_advantages(scores[k], rollout.prompts, scale="group", eps=a.eps, std_ddof=a.std_ddof,
+                                      clamp=None if on else 0.5) for k, w in (("brightness", 1.0), ("saturation", 0.5))]
+        want = sum(parts).clamp(-0.5, 0.5) if on else sum(parts)
+        assert torch.allclose(got[on], want, atol=1e-6)
+    assert got[True].abs().max().item() <= 0.5 < got[False].abs().max().item()  # the clamp binds differently
+    with pytest.raises(ConfigError, match="clamp_summed_advantage"):
+        flow_config(tmp_path, tiny_sd3, "algorithm.clamp_summed_advantage=true")
+
+
 # -------------------------------------------------------------------------------------- dr_grpo constant
 
 

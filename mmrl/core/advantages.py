@@ -170,6 +170,7 @@ def combine_rewards(
     mode: str = "sum_then_normalize",
     estimator: str = "grpo",
     batch_normalize: bool = False,
+    clamp_sum: bool = False,
     **estimator_kwargs: Any,
 ) -> Tensor:
     """Advantages from several named rewards.
@@ -185,6 +186,9 @@ def combine_rewards(
     over the whole batch, ``(A - mean(A)) / (std(A) + eps)`` with the unbiased std and ``eps`` (1e-4) of its
     reference implementation, over every sample at least one reward could judge (a sample with every component
     NaN is left out of the statistics and gets exactly 0).
+    ``clamp_sum`` (``normalize_then_sum`` only): the estimator's ``clamp`` applies to the summed advantage
+    (MixGRPO's ``train_grpo_flux.py``: each reward normalised per group, weighted, summed, then clamped to
+    ``adv_clip_max``) instead of to each component (DanceGRPO's video script clamps each reward's advantage).
     """
     if mode not in COMBINE_MODES:
         raise ValueError(f"unknown reward combination {mode!r}; expected one of {COMBINE_MODES}")
@@ -194,6 +198,8 @@ def combine_rewards(
         raise ValueError("combine_rewards needs at least one reward component")
     if batch_normalize and mode != "normalize_then_sum":
         raise ValueError("batch_normalize is GDPO's step after normalize_then_sum; use mode='normalize_then_sum'")
+    if clamp_sum and mode != "normalize_then_sum":
+        raise ValueError("clamp_sum clamps the sum of normalize_then_sum; use mode='normalize_then_sum'")
     weights = dict(weights or {})
     unknown = set(weights) - set(components)
     if unknown:
@@ -205,7 +211,8 @@ def combine_rewards(
     if mode == "sum_then_normalize":
         total = sum(weights.get(k, 1.0) * v.double() for k, v in components.items())
         return norm(total, group_ids, **estimator_kwargs).to(out_dtype)
-    total = sum(weights.get(k, 1.0) * norm(v.double(), group_ids, **estimator_kwargs) for k, v in components.items())
+    component_kwargs = {**estimator_kwargs, "clamp": None} if clamp_sum else estimator_kwargs
+    total = sum(weights.get(k, 1.0) * norm(v.double(), group_ids, **component_kwargs) for k, v in components.items())
     if batch_normalize:
         # over the scorable samples only (every component NaN: no score), which then get exactly 0, as TRL's
         # normalize_then_sum leaves its all-NaN rows out of the batch statistics
@@ -216,6 +223,8 @@ def combine_rewards(
         std = kept.std() if kept.numel() > 1 else torch.zeros(())
         mean = kept.mean() if kept.numel() else torch.zeros(())
         total = torch.where(judged, (total - mean) / (std + eps), torch.zeros_like(total))
+    if clamp_sum and estimator_kwargs.get("clamp") is not None:
+        total = total.clamp(-estimator_kwargs["clamp"], estimator_kwargs["clamp"])
     return total.to(out_dtype)
 
 
@@ -238,12 +247,12 @@ class PerPromptStatTracker:
 
     def update(self, prompts: Sequence[str], rewards: Mapping[str, Tensor] | Tensor,
                weights: Mapping[str, float] | None = None, mode: str = "sum_then_normalize",
-               batch_normalize: bool = False) -> Tensor:
+               batch_normalize: bool = False, clamp_sum: bool = False) -> Tensor:
         self.prompts_seen.update(prompts)
         components = {"reward": rewards} if isinstance(rewards, Tensor) else dict(rewards)
         if not self.keep_history:
             return combine_rewards(components, list(prompts), weights=weights, mode=mode,
-                                   batch_normalize=batch_normalize, **self.estimator_kwargs)
+                                   batch_normalize=batch_normalize, clamp_sum=clamp_sum, **self.estimator_kwargs)
         if mode != "sum_then_normalize":
             raise ValueError("keep_history tracks one total reward: use mode='sum_then_normalize'")
         total = sum((weights or {}).get(k, 1.0) * v.double() for k, v in components.items())
