@@ -142,7 +142,26 @@ def save_checkpoint(
 
 class CheckpointError(ValueError):
     """A checkpoint that is there but cannot be read (a damaged file, a missing part): the message names it and
-    the previous complete checkpoint to resume from instead."""
+    the previous complete checkpoint to resume from instead (:meth:`for_reading` words it for ``mmrl eval`` and
+    ``mmrl sample``, which read a checkpoint rather than resume one)."""
+
+    def __init__(self, message: str, *, path: Path | None = None, what: str | None = None,
+                 earlier: Path | None = None):
+        super().__init__(message)
+        self.path, self.what, self.earlier = path, what, earlier
+
+    def for_reading(self, command: str) -> str:
+        """The message for a command that reads the checkpoint: ``command`` ``"eval"`` (``checkpoint=``) or
+        ``"sample"`` (the folder argument)."""
+        if self.path is None:
+            return str(self)
+        if self.earlier is None:
+            hint = "the run has no earlier complete checkpoint"
+        elif command == "eval":
+            hint = f"evaluate the previous complete one with checkpoint={self.earlier}"
+        else:
+            hint = f"sample from the previous complete one: mmrl sample {self.earlier}"
+        return f"checkpoint {self.path} is damaged: {self.what}; {hint}"
 
 
 def damaged(path: str | Path, what: str) -> CheckpointError:
@@ -153,7 +172,8 @@ def damaged(path: str | Path, what: str) -> CheckpointError:
                if match and int(STEP_DIR.match(p.name).group(1)) < int(match.group(1))]
     hint = (f"resume from the previous complete one with resume={earlier[-1]}, or delete {path} (resume=auto then "
             f"takes the latest complete checkpoint)") if earlier else f"delete {path} to start over"
-    return CheckpointError(f"checkpoint {path} is damaged: {what}; {hint}")
+    return CheckpointError(f"checkpoint {path} is damaged: {what}; {hint}", path=path, what=what,
+                           earlier=earlier[-1] if earlier else None)
 
 
 def read_state(path: str | Path, required: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -132,12 +132,14 @@ def _cmd_config(args) -> int:
                 raise UsageError("--quick: an `mmrl pretrain` config renders its images; it has no data lines to "
                                  "check (validate it without --quick)")
             unchecked = ", files not checked" if command == "sft" and args.no_check_files else ""
-            print(f"{args.config}: ok (an `mmrl {command}` config{unchecked})")
-            if command == "sft" and not args.no_check_files:
+            data_lines = []
+            if command == "sft" and not args.no_check_files:  # checked before "ok" is printed
                 from mmrl.sft import check_sft_data
 
-                for line in check_sft_data(config, media=not args.quick):
-                    print(f"  data {line}")
+                data_lines = list(check_sft_data(config, media=not args.quick))
+            print(f"{args.config}: ok (an `mmrl {command}` config{unchecked})")
+            for line in data_lines:
+                print(f"  data {line}")
         else:
             import yaml
 
@@ -305,9 +307,12 @@ def _vlm_items(args) -> list:
 
 
 def _load_weights(policy, ckpt: Path, no_ema: bool) -> None:
-    from mmrl.checkpoint import evaluated_weights, load_trainable
+    from mmrl.checkpoint import CheckpointError, evaluated_weights, load_trainable
 
-    weights, _ = evaluated_weights(ckpt, ema=not no_ema)  # the EMA weights are what the run evaluated
+    try:
+        weights, _ = evaluated_weights(ckpt, ema=not no_ema)  # the EMA weights are what the run evaluated
+    except CheckpointError as exc:
+        raise UsageError(exc.for_reading("sample")) from None
     try:
         load_trainable(policy.named_trainable_parameters(), weights, ckpt)
     except ValueError as exc:
@@ -569,21 +574,22 @@ def make_parser() -> argparse.ArgumentParser:
 
     ev = command("eval", "evaluate a policy on benchmarks (image generators: ocr, geneval, t2i_compbench, dpg_bench, "
                          "hpsv2, reward:NAME[@SET], fid, diversity; vision-language policies: rec, multi_object, "
-                         "temporal_grounding, charades_sta, multiple_choice, numeric), or --compare evaluations "
+                         "temporal_grounding, charades_sta, multiple_choice, numeric, vsi_bench), or --compare evaluations "
                          "already made",
                  epilog="Image generators: checkpoint=PATH|base, benchmarks=[ocr,geneval,t2i_compbench[:CAT+CAT],"
                         "dpg_bench,hpsv2[:STYLE],reward:NAME[+NAME][@SET],fid[@SET],diversity[@SET]], output_dir=DIR, "
                         "limit=N, images_per_prompt=K, seed=S, num_steps=T, resolution=R, guidance=G, prompts=FILE, "
                         "detector=DIR, clip_model=DIR, reward_kwargs={NAME: {...}}, ema=BOOL, progress=BOOL; the "
-                        "benchmarks' own keys: t2i_split, blip_model, blip_image_size, np_num, noun_phrases, "
-                        "spacy_model, t2i_detector, t2i_detector_threshold, t2i_clip_model, official_quirks "
+                        "benchmarks' own keys: t2i_split, blip_model, blip_checkpoint, blip_image_size, np_num, noun_phrases, "
+                        "spacy_model, t2i_detector, t2i_detector_threshold, t2i_clip_model, t2i_clip_dtype, official_quirks "
                         "(T2I-CompBench, DPG-Bench), dpg_csv, dpg_vqa_model, dpg_grids, hpsv2_prompts, hps_model, "
                         "hps_version, hpsv2_jpeg, reference_images, inception, fid_mode, kid_subsets, "
                         "kid_subset_size, diversity_model, diversity_distance. "
                         "Vision-language policies (model.family qwen_vl): checkpoint, benchmarks=[rec,multi_object,"
-                        "temporal_grounding,charades_sta,multiple_choice,numeric], data=FILE, video_dir=DIR, "
+                        "temporal_grounding,charades_sta,multiple_choice,numeric,vsi_bench], data=FILE, video_dir=DIR, "
                         "batch_size=N, greedy=BOOL, seed=S, max_new_tokens=N, blind=BOOL, coord_format, "
-                        "require_tags=BOOL, tg_convention=2d_tan|timezero, output_dir, limit, ema, progress. "
+                        "require_tags=BOOL, tg_convention=2d_tan|timezero|time_r1, rec_convention=mmrl|vlm_r1, output_dir, "
+                        "limit, ema, progress. "
                         "Dotted keys override the config. Writes samples.jsonl, protocol.json, summary.json, "
                         "report.html (+ images/ and grids/ for generators) to output_dir (default "
                         "RUN/eval/<checkpoint>); an existing output_dir is resumed. "
@@ -806,12 +812,14 @@ def _ordinary_errors() -> tuple[type[BaseException], ...]:
     has been raised)."""
     from mmrl.checkpoint import CheckpointError
     from mmrl.data.prompts import DataError
+    from mmrl.eval.runner import EvalError
     from mmrl.pipelines.flow.loading import ModelLoadError
     from mmrl.rewards.remote import RewardServerError
     from mmrl.score import ScoreError
 
-    return (ConfigError, UsageError, DataError, ModelLoadError, RewardServerError, ScoreError, CheckpointError,
-            FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError)
+    # EvalError: also from `mmrl train`, when an in-training benchmark's scorer cannot be built (weights not there)
+    return (ConfigError, UsageError, DataError, EvalError, ModelLoadError, RewardServerError, ScoreError,
+            CheckpointError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError)
 
 
 def _print_error(exc: BaseException) -> None:

@@ -563,7 +563,8 @@ def read_config_file(path: Path, *, folder_hint: str = "") -> tuple[str, Any]:
     if path.is_dir():
         raise ConfigError(f"{path} is a folder, not a config file" + folder_hint)
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        hint = "" if path.is_absolute() else f" (relative paths resolve from the working directory {Path.cwd()})"
+        raise ConfigError(f"config file not found: {path}{hint}")
     try:
         text = path.read_text(encoding="utf-8")
         data = yaml.load(text, Loader=_UniqueKeyLoader) or {}

@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +229,7 @@ class Trainer:
             variant.setup(policy, config)
         self.scorer = scorer
         self.reward_counts: dict[str, float] = {}  # per update: unparseable / NaN counts of the reward components
+        self.nan_reasons_shown: set[tuple[str, str]] = set()  # (reward, reason) already printed
         self.variant_stats: dict[str, float] = {}  # per update: what the variants and their extra passes report
         #: the score components entering the advantage and their weights (the reward's, as the variants leave them)
         self.advantage_weights: dict[str, float] = dict(reward_fn.weights)
@@ -406,12 +408,18 @@ class Trainer:
         return {k: torch.cat([p[k].float().cpu() for p in parts]) for k in parts[0]}
 
     def _count_reward_info(self, info: dict) -> None:
-        """Unparseable outputs (scored 0) and unjudgeable samples (NaN), counted per reward component."""
+        """Unparseable outputs (scored 0) and unjudgeable samples (NaN), counted per reward component; the first
+        time a component gives a NaN for a reason (its ``nan_samples``), that reason is printed once."""
         for name, component in (info or {}).get("components", {}).items():
             for key in ("num_unparseable", "num_nan"):
                 if component.get(key):
                     tag = f"reward_info/{name}/{key}"
                     self.reward_counts[tag] = self.reward_counts.get(tag, 0.0) + float(component[key])
+            reasons = Counter(str(v) for v in (component.get("nan_samples") or {}).values())
+            for reason, count in reasons.most_common():
+                if (name, reason) not in self.nan_reasons_shown and len(self.nan_reasons_shown) < 20:
+                    self.nan_reasons_shown.add((name, reason))  # each reason once, at most 20 in a run
+                    self._warn(f"reward {name}: NaN for {count} sample(s) of this batch: {reason}")
 
     def _users(self, stage: str) -> list:
         """The configured variants that override ``stage``, in config order."""

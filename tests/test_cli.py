@@ -176,6 +176,17 @@ def test_config_validate_reads_pretrain_and_sft_configs_by_their_own_schema(caps
     assert "image_size: 32" in capsys.readouterr().out
 
 
+def test_config_validate_of_an_sft_config_says_ok_only_when_its_data_is(tmp_path, capsys):
+    from fixtures import write_image, write_jsonl
+
+    write_image(tmp_path / "a.png", 32, 32)
+    data = write_jsonl(tmp_path / "sft.jsonl", [{"image": "a.png", "question": "q", "solution": "s"}])  # no target
+    sft = REPO / "configs" / "shapes" / "sft_qwen_vl.yaml"
+    assert main(["config", "validate", str(sft), f"data.train={data}"]) == 2
+    out = capsys.readouterr()
+    assert "ok" not in out.out and "sft_target" in out.err
+
+
 def test_train_with_overrides_and_no_config(monkeypatch):
     seen = {}
 
@@ -517,3 +528,18 @@ def test_the_done_line_reports_the_reward_of_the_first_and_last_quarter_of_the_r
     assert reward_trend(rows * 10).endswith("(mean of the first and of the last 10 updates)")  # at most 10
     assert reward_trend(rows[:3]) == "reward 0 -> 0.2"
     assert reward_trend([{"loss": 1.0}]) == "no reward logged"
+
+
+def test_an_in_training_benchmark_whose_weights_are_missing_is_one_line(tmp_path, capsys, monkeypatch):
+    """The scorer of an in-training benchmark is built once the policy is: weights it cannot find offline (here
+    T2I-CompBench's BLIP-VQA) stop `mmrl train` with one line, not a traceback."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache("Salesforce/blip-vqa-capfilt-large", "config.json"), str):
+        pytest.skip("the BLIP-VQA weights are in this machine's hub cache: nothing is missing")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code = main(["train", TINY_RECIPE, f"output_dir={tmp_path}", "train.steps=1", "eval.every=1",
+                 "eval.benchmarks=[t2i_compbench]", "eval.limit=1", "logging.progress_bar=false"])
+    assert code == 2
+    err = one_error(capsys, "t2i_compbench", "blip_model")
+    assert err.count("blip_model=") == 1

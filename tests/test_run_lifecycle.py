@@ -238,8 +238,13 @@ def test_evaluated_weights_prefer_ema_and_name_a_damaged_file(tmp_path):
     assert not is_ema and torch.equal(weights["w"], live["w"])
     (tmp_path / "step_2" / "ema.pt").write_bytes(b"junk")
     with pytest.raises(CheckpointError, match=rf"checkpoint .*step_2 is damaged: ema.pt cannot be read .*"
-                                              rf"resume={tmp_path / 'step_1'}"):
+                                              rf"resume={tmp_path / 'step_1'}") as info:
         evaluated_weights(tmp_path / "step_2")
+    # mmrl eval and mmrl sample read a checkpoint: their advice names their own way to pick the previous one
+    assert info.value.for_reading("eval").endswith(f"evaluate the previous complete one with "
+                                                   f"checkpoint={tmp_path / 'step_1'}")
+    assert info.value.for_reading("sample").endswith(f"mmrl sample {tmp_path / 'step_1'}")
+    assert "resume=" not in info.value.for_reading("eval")
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])

@@ -105,12 +105,17 @@ class HalfNaN:
     def __call__(self, images, prompts=None, metadata=None):
         score = images.float().mean(dim=(1, 2, 3))
         score[1::2] = float("nan")
-        self.last_info = {"num_nan": len(score[1::2]), "reasons": {"test": len(score[1::2])}}
+        self.last_info = {"num_nan": len(score[1::2]), "reasons": {"test": len(score[1::2])},
+                          "nan_samples": {i: "the test cannot judge odd samples" for i in range(1, len(score), 2)}}
         return {self.name: score}
 
 
-def test_nan_rewards_are_counted_and_excluded(tmp_path, tiny_path):
+def test_nan_rewards_are_counted_and_excluded(tmp_path, tiny_path, capsys):
     metrics = _run(tmp_path, tiny_path, "train.steps=1", "logging.eval_every=0", "rewards={test_half_nan: 1.0}")
+    # the reason is printed once (not per batch): what to fix in the data or the reward
+    out = capsys.readouterr()
+    said = [line for line in (out.out + out.err).splitlines() if "the test cannot judge odd samples" in line]
+    assert len(said) == 1 and said[0].startswith("mmrl: warning: reward test_half_nan: NaN for 2 sample(s)"), said
     assert metrics[0]["samples/nan_reward"] == 2.0
     assert math.isfinite(metrics[0]["reward/mean"]) and math.isfinite(metrics[0]["loss"])
     # NaN samples get advantage 0; the other two (one per group) have no group partner either

@@ -346,8 +346,8 @@ def parse_benchmark(name: str, options: EvalOptions) -> BenchmarkSpec:
     if name in _NOT_YET:
         raise EvalError(f"benchmark {name!r}: {_NOT_YET[name]}")
     hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
-    raise EvalError(f"unknown benchmark {name!r}; {hint}benchmarks: ocr, geneval, reward:NAME[+NAME...][@SET] "
-                    f"(SET: {', '.join(REWARD_SETS)}; without @SET: prompts=FILE)")
+    raise EvalError(f"unknown benchmark {name!r}; {hint}benchmarks: ocr, geneval, {', '.join(PLUGINS)}, "
+                    f"reward:NAME[+NAME...][@SET] (SET: {', '.join(REWARD_SETS)}; without @SET: prompts=FILE)")
 
 
 @dataclass(frozen=True)
@@ -721,7 +721,7 @@ def _resolve_checkpoint(options: EvalOptions, run_dir: Path) -> _Checkpoint:
     try:
         weights, ema = evaluated_weights(ckpt, options.ema)  # as mmrl sample
     except CheckpointError as exc:
-        raise EvalError(str(exc)) from None
+        raise EvalError(exc.for_reading("eval")) from None
     return _Checkpoint(ckpt, run, ema, weights, weights_sha256(weights))
 
 
