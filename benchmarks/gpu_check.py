@@ -12,7 +12,8 @@ the weights' values), written to a temporary folder and loaded by mmrl exactly a
   (bf16, LoRA r32, CFG 4.5, 10 SDE steps, 9 trained), the reward replaced by the weightless ``brightness``;
 * ``vlm``: a Qwen2.5-VL-3B-sized model (36 decoder layers of 2048, 32 vision blocks of 1280, vocabulary 151,936;
   3.75B parameters) through ``configs/gpu/qwen25vl3b_rec_grpo.yaml`` (bf16, full fine-tuning of the language
-  model, vision frozen, beta 0.04, 256 new tokens) on ShapeWorld grounding questions, SDPA attention.
+  model with the vision tower frozen and no checkpointing, as its figures were first measured; beta 0.04, 256 new
+  tokens) on ShapeWorld grounding questions, SDPA attention.
 
 For each: build seconds, then ``--warmup`` updates and ``--steps`` timed updates of ``Trainer.step`` (rollout,
 rewards, training pass, optimizer step), printing seconds per update (and its rollout / training parts), samples
@@ -235,7 +236,8 @@ def check_flow(args, work: Path, device: str, dtype: torch.dtype, cuda: bool) ->
                  "data.prompts=shapeworld:train", f"data.prompts_per_step={args.flow_prompts}",
                  f"data.group_size={args.flow_group}", f"train.batch_size={args.flow_group}",
                  "train.gradient_accumulation_steps=1", f"train.sample_batch_size={args.flow_group}",
-                 f"train.reward_batch_size={args.flow_group}", "rewards={brightness: 1.0}", "optim.ema=false"]
+                 f"train.reward_batch_size={args.flow_group}", "rewards={brightness: 1.0}", "optim.ema=false",
+                 "optim.ema_every_minibatch=false"]
     if args.smoke:
         overrides += ["model.dtype=float32", "train.mixed_precision=\"no\"", "model.resolution=32",
                       "sampling.max_sequence_length=16", "sampling.num_steps=4"]
@@ -260,7 +262,10 @@ def check_vlm(args, work: Path, device: str, dtype: torch.dtype, cuda: bool, cac
                  f"data.prompts_per_step={args.vlm_prompts}", f"data.group_size={args.vlm_group}",
                  f"train.batch_size={args.vlm_group}", "train.gradient_accumulation_steps=1",
                  f"generation.max_new_tokens={args.vlm_new_tokens}", f"generation.cache_implementation={cache}",
-                 f"generation.engine={engine}"]
+                 f"generation.engine={engine}",
+                 # the workload its recorded figures were measured on (the recipe now trains the vision tower with
+                 # gradient checkpointing, as VLM-R1's run_grpo_rec.sh)
+                 "model.freeze_vision=true", "model.gradient_checkpointing=false"]
     if args.smoke:
         overrides += ["model.dtype=float32", "train.mixed_precision=\"no\""]
         if engine == "vllm":

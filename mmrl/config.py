@@ -838,7 +838,8 @@ def validate(config: Config, *, check_files: bool = True) -> None:
          "algorithm.mask_truncated_completions applies to VLM completions (model.family: qwen_vl); a flow "
          "trajectory always has its sampling.num_steps steps"),
         (config.optim.ema or not config.optim.ema_every_minibatch,
-         "optim.ema_every_minibatch is how the EMA is updated: set optim.ema: true"),
+         "optim.ema_every_minibatch is how the EMA is updated: set optim.ema: true (or, without an EMA, "
+         "optim.ema_every_minibatch: false)"),
         (config.logging.keep_last >= 1, "logging.keep_last must be >= 1"),
         (config.optim.ema_update_interval >= 1 and 0.0 <= config.optim.ema_decay <= 1.0,
          "optim.ema_update_interval must be >= 1 and optim.ema_decay in [0, 1]"),

@@ -541,5 +541,4 @@ def test_an_in_training_benchmark_whose_weights_are_missing_is_one_line(tmp_path
     code = main(["train", TINY_RECIPE, f"output_dir={tmp_path}", "train.steps=1", "eval.every=1",
                  "eval.benchmarks=[t2i_compbench]", "eval.limit=1", "logging.progress_bar=false"])
     assert code == 2
-    err = one_error(capsys, "t2i_compbench", "blip_model")
-    assert err.count("blip_model=") == 1
+    one_error(capsys, "t2i_compbench", "set blip_model=")

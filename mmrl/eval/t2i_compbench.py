@@ -1072,8 +1072,7 @@ class T2ICompBenchScorer(Scorer):
         except MissingWeightsError as exc:
             key = ("blip_model" if config.needs_blip and self.blip is None else
                    "t2i_detector" if config.needs_detector and self.detector is None else "t2i_clip_model")
-            hint = "" if f"{key}=" in str(exc) else f" (set {key}=<hub id or folder>)"
-            raise _error(f"t2i_compbench: {exc}{hint}") from None
+            raise _error(f"t2i_compbench: {exc} (set {key}=<hub id or folder>)") from None
 
     # ------------------------------------------------------------------------------------------- parts
 
