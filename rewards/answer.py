@@ -21,7 +21,8 @@ Registered rewards and their keyword arguments:
 =========================  ==========================================  ================================
 name                       kwargs                                      extra keys
 =========================  ==========================================  ================================
-``think_answer_format``    (none)                                      (none)
+``think_answer_format``    ``convention="mmrl"`` (``r1``, ``time_r1``,   (none)
+                           ``vlm_r1_rec``: the anchors' patterns)
 ``choice_accuracy``        ``require_tags=True``                       (none)
 ``multi_choice_accuracy``  ``require_tags=True, partial_credit=True``  ``exact``
 ``numeric_accuracy``       ``require_tags=True, rel_tol=1e-6,          ``abs_error``
@@ -250,18 +251,41 @@ def _number_solution(meta: Mapping, reward: str) -> float:
 # --------------------------------------------------------------------------------------------
 
 
+#: ``think_answer_format``'s anchor conventions: the pattern and how it is matched
+_R1_FORMAT = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOTALL)
+_VLM_R1_REC_FORMAT = re.compile(r"<think>.*?</think>\s*<answer>.*?\{.*\[\d+,\s*\d+,\s*\d+,\s*\d+\].*\}.*?</answer>",
+                                re.DOTALL)
+FORMAT_CONVENTIONS = ("mmrl", "r1", "time_r1", "vlm_r1_rec")
+
+
 @register_reward("think_answer_format")
 class ThinkAnswerFormat(TextReward):
     """1.0 for ``<think>...</think><answer>...</answer>`` exactly once each, else 0 (:func:`think_answer_format`).
 
-    Needs no metadata. This is the strict form of the format reward of VLM-R1 / Video-R1 / Time-R1.
+    Needs no metadata. This is the strict form of the format reward of VLM-R1 / Video-R1 / Time-R1; ``convention``
+    takes an anchor's own instead:
+
+    * ``"r1"``: ``re.fullmatch(r"<think>.*?</think>\s*<answer>.*?</answer>", text, re.DOTALL)``, the generic
+      ``format_reward`` of VLM-R1's ``grpo_jsonl.py`` and Video-R1's ``grpo.py`` (a second answer block or an empty
+      answer passes);
+    * ``"time_r1"``: the same pattern on the stripped text (Time-R1's ``main.py`` ``format_reward``);
+    * ``"vlm_r1_rec"``: VLM-R1's REC ``format_reward_rec`` (``qwen_module.py``): ``re.search`` (text around the
+      blocks allowed) of ``<think>.*?</think>\s*<answer>.*?\{.*\[\d+,\s*\d+,\s*\d+,\s*\d+\].*\}.*?</answer>``,
+      so the answer must hold a whole-number box inside braces.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, convention: str = "mmrl") -> None:
         super().__init__()
+        if convention not in FORMAT_CONVENTIONS:
+            raise ValueError(f"unknown convention {convention!r}; expected one of {FORMAT_CONVENTIONS}")
+        self.convention = convention
 
     def _score_one(self, text, prompt, meta):
-        return think_answer_format(text)
+        if self.convention == "mmrl":
+            return think_answer_format(text)
+        if self.convention == "vlm_r1_rec":
+            return float(_VLM_R1_REC_FORMAT.search(text) is not None)
+        return float(_R1_FORMAT.fullmatch(text.strip() if self.convention == "time_r1" else text) is not None)
 
 
 @register_reward("choice_accuracy")

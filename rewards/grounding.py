@@ -73,6 +73,7 @@ __all__ = [
     "valid_box",
     "parse_boxes",
     "parse_vlm_r1_box",
+    "parse_time_r1_span",
     "vlm_r1_iou",
     "vlm_r1_clean_text",
     "vlm_r1_detection_score",
@@ -452,6 +453,7 @@ def parse_boxes(answer: str) -> list[list[float]]:
 
 
 _VLM_R1_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_VLM_R1_TRAIN_BOX = re.compile(r"\[(\d+),\s*(\d+),\s*(\d+),\s*(\d+)]")
 _VLM_R1_BOX = re.compile(r"\{.*\[(\d+),\s*(\d+),\s*(\d+),\s*(\d+)]\s*.*\}", re.DOTALL)
 
 
@@ -649,23 +651,46 @@ class BoxIoU(_BoxReward):
     ``hit_threshold=t`` makes the score the benchmark's hit instead, 1 when ``IoU > t`` (strict, as
     ``acc@t``) and 0 otherwise: the REC metric itself as the reward (mmrl's option; VLM-R1 trains on the
     IoU). The extra key ``raw_iou`` always holds the continuous value.
+
+    ``convention="vlm_r1"``: VLM-R1's training ``iou_reward`` (``src/open-r1-multimodal/src/open_r1/vlm_modules/
+    qwen_module.py``) as written: the FIRST ``<answer>`` block's first ``[x1, y1, x2, y2]`` of whole numbers, and
+    :func:`vlm_r1_iou` (inclusive-pixel intersection); an answer it cannot read scores 0 (unparseable).
     """
 
     extra_keys = ("acc@0.5", "raw_iou")
     unparseable_extras = {"acc@0.5": 0.0, "raw_iou": 0.0}
 
     def __init__(self, require_tags: bool = True, coord_format: str | None = None,
-                 hit_threshold: float | None = None) -> None:
+                 hit_threshold: float | None = None, convention: str = "mmrl") -> None:
         super().__init__(require_tags, coord_format)
         self.hit_threshold = None if hit_threshold is None else _check_threshold(hit_threshold)
+        if convention not in ("mmrl", "vlm_r1"):
+            raise ValueError(f"unknown convention {convention!r}; expected 'mmrl' or 'vlm_r1'")
+        self.convention = convention
+
+    def _vlm_r1_box(self, text: str, meta: Mapping) -> list[float]:
+        """VLM-R1's training ``iou_reward`` reading (``qwen_module.py``): the first answer block's first
+        ``[a, b, c, d]`` of whole numbers (no braces needed), rescaled from the sample's coordinate format."""
+        fmt = self._format(meta)
+        block = _VLM_R1_ANSWER.search(text) if isinstance(text, str) else None
+        box = _VLM_R1_TRAIN_BOX.search(block.group(1).strip()) if block is not None else None
+        if box is None:
+            raise Unparseable("no [x1, y1, x2, y2] of whole numbers in the first answer block (VLM-R1's reading)",
+                              self.unparseable_extras)
+        return rescale_box([float(v) for v in box.groups()], fmt, meta.get("image_size"), meta.get("input_size"))
 
     def _score_one(self, text, prompt, meta):
-        pred, gt = self._boxes(text, meta)
+        if self.convention == "vlm_r1":
+            gt = _gt_boxes(meta, self.name)
+            pred = [self._vlm_r1_box(text, meta)] if gt else []
+        else:
+            pred, gt = self._boxes(text, meta)
         if not gt:
             raise Unjudgeable("metadata 'boxes' is empty (iou needs a ground-truth box)")
         if not pred:
             raise Unparseable("the answer has no box", self.unparseable_extras)
-        iou = max(box_iou(pred[0], g) for g in gt)
+        overlap = vlm_r1_iou if self.convention == "vlm_r1" else box_iou
+        iou = max(overlap(pred[0], g) for g in gt)
         score = iou if self.hit_threshold is None else float(iou > self.hit_threshold)
         return {self.name: score, "acc@0.5": float(iou > 0.5), "raw_iou": iou}
 
@@ -1049,6 +1074,24 @@ def parse_timestamps(text: str) -> tuple[float, float]:
 _TIMEZERO_SPAN = re.compile(r"(\d+\.?\d*) (to|and) (\d+\.?\d*)")
 
 
+_TIME_R1_SPAN = re.compile(r"(\d+\.?\d*) (to|and) (\d+\.?\d*)", re.IGNORECASE)
+
+
+def parse_time_r1_span(text: str) -> tuple[float, float]:
+    """Time-R1's training parse (``main.py`` ``parse_timestamp_output``): the LAST ``<answer>`` block's last
+    ``<number> to|and <number>`` (one space each side, case-insensitive, plain decimals); raises
+    :class:`Unparseable` where it returns None."""
+    if not isinstance(text, str):
+        raise Unparseable(f"answer is not text (got {type(text).__name__})")
+    blocks = _VLM_R1_ANSWER.findall(text)
+    if not blocks:
+        raise Unparseable("no <answer>...</answer> block")
+    spans = _TIME_R1_SPAN.findall(blocks[-1])
+    if not spans:
+        raise Unparseable("no '<start> to <end>' span in the last answer block (Time-R1's parse)")
+    return float(spans[-1][0]), float(spans[-1][2])
+
+
 def parse_timezero_span(text: str) -> tuple[float, float]:
     """TimeZero's evaluation parse (www-Ye/TimeZero ``evaluate.py`` ``parse_timestamp_output``): the last
     ``<number> to|and <number>`` anywhere in the whole output, tags or not; raises :class:`Unparseable` where
@@ -1140,14 +1183,20 @@ class TemporalIoU(_SpanReward):
     ``raw_tiou`` stay the plain tIoU. With ``hit_threshold`` the hit is taken on the plain tIoU, so the two
     options do not combine.
     The extra key ``raw_tiou`` always holds the continuous, plain tIoU.
+
+    ``convention="time_r1"``: the span read as Time-R1's training reward reads it (:func:`parse_time_r1_span`).
     """
 
     extra_keys = ("r1@0.3", "r1@0.5", "r1@0.7", "raw_tiou")
     unparseable_extras = {"r1@0.3": 0.0, "r1@0.5": 0.0, "r1@0.7": 0.0, "raw_tiou": 0.0}
 
     def __init__(self, require_tags: bool = True, time_unit: str = "seconds",
-                 hit_threshold: float | None = None, boundary_penalty: bool = False) -> None:
+                 hit_threshold: float | None = None, boundary_penalty: bool = False,
+                 convention: str = "mmrl") -> None:
         super().__init__(require_tags, time_unit)
+        if convention not in ("mmrl", "time_r1"):
+            raise ValueError(f"unknown convention {convention!r}; expected 'mmrl' or 'time_r1'")
+        self.convention = convention
         self.hit_threshold = None if hit_threshold is None else _check_threshold(hit_threshold)
         if not isinstance(boundary_penalty, bool):
             raise ValueError(f"boundary_penalty must be true or false, got {boundary_penalty!r}")
@@ -1161,7 +1210,8 @@ class TemporalIoU(_SpanReward):
         scale = self._scale(meta)
         duration = _duration(meta, f"{self.name} with boundary_penalty") if self.boundary_penalty else None
         try:
-            s, e = parse_timestamps(answer_or_text(text, self.require_tags))
+            s, e = parse_time_r1_span(text) if self.convention == "time_r1" else \
+                parse_timestamps(answer_or_text(text, self.require_tags))
         except Unparseable as exc:
             raise Unparseable(exc.reason, self.unparseable_extras) from None
         s, e = s * scale, e * scale

@@ -405,3 +405,22 @@ def test_math_accuracy_trl_convention_is_trls_accuracy_reward():
     assert build_reward("math_accuracy")(["<answer>3</answer>"], None, [{"solution": "3"}])["math_accuracy"].item() == 1.0
     with pytest.raises(ValueError, match="unknown convention"):
         build_reward("math_accuracy", convention="verl")
+
+
+def test_think_answer_format_conventions_are_the_anchors_patterns():
+    """The anchors' format rewards written out: VLM-R1 / Video-R1 format_reward (fullmatch), Time-R1's (fullmatch on
+    the stripped text), VLM-R1's REC format_reward_rec (search, a whole-number box in braces required)."""
+    r1 = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOTALL)
+    rec = re.compile(r"<think>.*?</think>\s*<answer>.*?\{.*\[\d+,\s*\d+,\s*\d+,\s*\d+\].*\}.*?</answer>", re.DOTALL)
+    official = {"r1": lambda t: r1.fullmatch(t) is not None, "time_r1": lambda t: r1.fullmatch(t.strip()) is not None,
+                "vlm_r1_rec": lambda t: rec.search(t) is not None}
+    texts = ["<think>a</think><answer>b</answer>", " <think>a</think>\n<answer>b</answer>\n",
+             "<think>a</think><answer></answer>", "<think>a</think><answer>1</answer><answer>2</answer>",
+             'pre <think>x</think> <answer>{"bbox_2d": [1, 2, 3, 4]}</answer> post',
+             '<think>x</think><answer>{"bbox_2d": [1.5, 2, 3, 4]}</answer>', "<answer>b</answer>"]
+    for convention, rule in official.items():
+        got = build_reward("think_answer_format", convention=convention)(texts)["think_answer_format"].tolist()
+        assert got == [float(rule(t)) for t in texts], convention
+    mmrl = build_reward("think_answer_format")(texts)["think_answer_format"].tolist()
+    assert mmrl == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0]  # the strict default: one non-empty block of each
+    assert build_reward("think_answer_format", convention="r1")(texts)["think_answer_format"].tolist()[2:4] == [1.0, 1.0]

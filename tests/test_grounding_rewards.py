@@ -789,3 +789,71 @@ def test_crop_recall_reads_the_crop_in_the_answers_frame():
     assert scores["crop_recall"].tolist() == pytest.approx([0.5])
     missing = build_reward("crop_recall")(["<tool>crop(0, 0, 5, 5)</tool>"], [None], [{"boxes": [[0, 0, 1, 1]]}])
     assert math.isnan(float(missing["crop_recall"][0]))  # no coord_format: not judged, never read as pixels
+
+
+def test_iou_vlm_r1_convention_is_vlm_r1s_training_iou_reward():
+    """convention="vlm_r1": qwen_module.py iou_reward written out (first answer block, first whole-number box, its
+    inclusive-pixel IoU; anything unreadable 0), on absolute coordinates (its resize is the coord_format rescale)."""
+    import re
+
+    def official(content, sol):
+        def iou(b1, b2):
+            x1, y1 = max(b1[0], b2[0]), max(b1[1], b2[1])
+            x2, y2 = min(b1[2] - 1, b2[2] - 1), min(b1[3] - 1, b2[3] - 1)
+            inter = (x2 - x1 + 1) * (y2 - y1 + 1) if x1 < x2 and y1 < y2 else 0
+            return float(inter) / ((b1[2] - b1[0]) * (b1[3] - b1[1]) + (b2[2] - b2[0]) * (b2[3] - b2[1]) - inter)
+        reward = 0.0
+        try:
+            block = re.search(r"<answer>(.*?)</answer>", content, re.DOTALL)
+            if block:
+                box = re.search(r"\[(\d+),\s*(\d+),\s*(\d+),\s*(\d+)]", block.group(1).strip())
+                if box:
+                    reward = iou([int(v) for v in box.groups()], sol)
+        except Exception:
+            pass
+        return reward
+
+    gt = [10, 10, 30, 30]
+    answers = ['<answer>{"bbox_2d": [10, 10, 30, 30]}</answer>', "<answer>[12,11,30,31] and [0,0,5,5]</answer>",
+               "<answer>[0, 0, 5, 5]</answer><answer>[10, 10, 30, 30]</answer>",  # the FIRST block
+               "<answer>[10.5, 10, 30, 30]</answer>", "no tags [10, 10, 30, 30]", "<answer>[29, 10, 40, 30]</answer>",
+               "<think>[1, 1, 2, 2]</think><answer>box [15, 15, 25, 25]</answer>"]
+    r = build_reward("iou", coord_format="absolute", convention="vlm_r1")
+    got = r(answers, None, [{"boxes": [gt]}] * len(answers))["iou"].tolist()
+    want = [official(a, gt) for a in answers]
+    assert got == pytest.approx(want, abs=1e-6)
+    assert want[:3] == pytest.approx([1.0, (18 * 19) / (400 + 18 * 20 - 18 * 19), 0.0])
+    assert want[5] == 0.0 and build_reward("iou", coord_format="absolute")(  # 1 px overlap: continuous IoU > 0
+        [answers[5]], None, [{"boxes": [gt]}])["iou"].item() > 0
+    assert r.last_info["num_unparseable"] == 2  # the float box and the untagged answer
+    with pytest.raises(ValueError, match="unknown convention"):
+        build_reward("iou", convention="vlm-r1")
+
+
+def test_temporal_iou_time_r1_convention_is_time_r1s_training_parse():
+    """convention="time_r1": main.py parse_timestamp_output written out (the LAST answer block's last
+    '<a> to|and <b>', case-insensitive) and iou_timestamp_reward_v2's boundary factors."""
+    import re
+
+    def official(content, sol, duration):
+        blocks = re.findall(r"<answer>(.*?)</answer>", content, re.DOTALL)
+        if not blocks:
+            return 0.0
+        spans = re.findall(r"(\d+\.?\d*) (to|and) (\d+\.?\d*)", blocks[-1], re.IGNORECASE)
+        if not spans:
+            return 0.0
+        a, b = float(spans[-1][0]), float(spans[-1][2])
+        s, e = sol
+        iou = max(0, min(b, e) - max(a, s)) / (max(b, e) - min(a, s))
+        return iou * (1 - abs(s / duration - a / duration)) * (1 - abs(e / duration - b / duration))
+
+    sol, duration = (2.0, 6.0), 20.0
+    answers = ["<answer>2.0 to 6.0</answer>", "<answer>1 to 2</answer><answer>3 TO 7.5</answer>",
+               "<answer>from 2 and 5 then 3 to 6</answer>", "<answer>[2.0, 6.0]</answer>", "2.0 to 6.0",
+               "<answer>2.0-6.0</answer>"]
+    r = build_reward("temporal_iou", boundary_penalty=True, convention="time_r1")
+    got = r(answers, None, [{"timestamps": list(sol), "duration": duration}] * len(answers))["temporal_iou"].tolist()
+    assert got == pytest.approx([official(a, sol, duration) for a in answers], abs=1e-6)
+    assert got[1] == pytest.approx(3 / 5.5 * (1 - 1 / 20) * (1 - 1.5 / 20))  # the last block, "TO" read
+    assert got[3:] == [0.0, 0.0, 0.0]  # mmrl's default reads [2.0, 6.0] and 2.0-6.0; Time-R1's parse does not
+    assert r.last_info["num_unparseable"] == 3
