@@ -248,7 +248,7 @@ def _build_policy(config: Config, device: torch.device | str = "cpu"):
         gradient_checkpointing=m.gradient_checkpointing, time_shift=s.time_shift,
         noise_schedule=list(s.noise_schedule) or None,
         keep_x0=s.intermediate == "x0" and any("intermediate_images" in v.needs for v in build_variants(config)),
-        merge_threshold=s.merge_threshold, merge_groups=s.merge_groups,
+        merge_threshold=s.merge_threshold, merge_groups=s.merge_groups, final_image=s.final_image,
         sample_batch_size=config.train.sample_batch_size, device=device,
     )
 

@@ -128,6 +128,10 @@ class SamplingConfig:
     intermediate: str = opt("ode", "How dense credit gets the image a step leads to: 'ode' (ODE completion to "
                             "sigma = 0, as TP-GRPO / DenseGRPO / TempFlow-GRPO) or 'x0' (one-step prediction "
                             "x - sigma v, no extra model evaluations).", choices=("ode", "x0"))
+    final_image: str = opt("sample", "What a rollout decodes for the rewards: 'sample' (the last step's sampled latent, "
+                           "Flow-GRPO) or 'prediction' (the last step's clean prediction x - sigma v, DanceGRPO's "
+                           "pred_original); the trajectory and its log-probs are the same.",
+                           choices=("sample", "prediction"))
 
 
 @dataclass

@@ -211,3 +211,24 @@ def test_cfg_gradient_flows_through_the_conditional_branch_only(tiny_sd3):
     assert any(float(g.abs().max()) > 0 for g in grads)
     for g, e in zip(grads, expected):
         torch.testing.assert_close(g, e, atol=1e-6 + 1e-4 * float(e.abs().max()), rtol=1e-4)
+
+
+def test_final_image_prediction_decodes_the_last_clean_prediction(tiny_sd3):
+    """final_image="prediction" (DanceGRPO's pred_original): the rollout's trajectory and log-probs are the same, the
+    decoded image is that of x - sigma v at the last step instead of the last sampled latent."""
+    sample = make_policy(tiny_sd3)
+    prediction = make_policy(tiny_sd3, final_image="prediction")
+    a = sample.rollout(["a cat"], 2, generator=torch.Generator().manual_seed(0))
+    b = prediction.rollout(["a cat"], 2, generator=torch.Generator().manual_seed(0))
+    assert a.plan.sde[-1]  # the last step is stochastic here
+    torch.testing.assert_close(a.latents, b.latents, atol=0, rtol=0)
+    torch.testing.assert_close(a.old_logps, b.old_logps, atol=0, rtol=0)
+    with torch.no_grad():
+        cond = {k: v[b.prompt_index] for k, v in b.cond.items()}
+        last = b.latents[:, -2]
+        v = prediction._velocity(prediction.transformer, last, torch.full((2,), len(b.timesteps) - 1), b.timesteps, cond)
+        want = prediction.family.decode(last - b.sigmas[-2].item() * v)
+    torch.testing.assert_close(b.images, want.cpu(), atol=1e-5, rtol=1e-5)
+    assert (a.images - b.images).abs().max() > 1e-3  # the last step's own noise is not in the scored image
+    with pytest.raises(ValueError, match="final_image"):
+        make_policy(tiny_sd3, final_image="x0")

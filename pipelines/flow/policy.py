@@ -104,6 +104,10 @@ class FlowPolicy:
             gradient-carrying forward of :meth:`logprobs` (train mode); rollouts, old log-probs, the reference,
             intermediate images and evaluation run in eval mode, so with dropout 0 the first ratio is exactly 1.
         gradient_checkpointing: diffusers' per-block activation checkpointing in the training forward.
+        final_image: what a rollout decodes and the rewards score: ``"sample"``, the last step's sampled latent, or
+            ``"prediction"``, the last step's clean prediction ``x - sigma v`` (DanceGRPO's ``train_grpo_flux.py``
+            decodes ``pred_original`` of its last ``flux_step``, whose own SDE noise never reaches the image). The
+            trajectory and its log-probs are the same either way; after an ODE last step the two are equal.
     """
 
     def __init__(self, family, *, num_steps: int = 10, eval_num_steps: int = 10, resolution: int = 32,
@@ -113,7 +117,10 @@ class FlowPolicy:
                  lora: dict | None = None, gradient_checkpointing: bool = False, sample_batch_size: int = 16,
                  time_shift: float | None = None, noise_schedule: list[float] | None = None,
                  keep_x0: bool = False, merge_threshold: float | None = None, merge_groups: int | None = None,
-                 device: torch.device | str = "cpu"):
+                 final_image: str = "sample", device: torch.device | str = "cpu"):
+        if final_image not in ("sample", "prediction"):
+            raise ValueError(f"final_image must be 'sample' or 'prediction', got {final_image!r}")
+        self.final_image = final_image
         if negative_prompt and family.name == "flux":
             raise ValueError(
                 f"sampling.negative_prompt={negative_prompt!r} is not supported for model.family='flux': FLUX.1 is "
@@ -365,6 +372,8 @@ class FlowPolicy:
                 v = self._velocity(self.transformer, xb, torch.full((b,), s), timesteps.to(self.device), batch_cond)
                 if x0_pred is not None:  # x0_hat = x - sigma v (REFERENCE.md section 1), free: v is computed anyway
                     x0_pred[rows, s] = (xb.float() - sigmas[s].item() * v).cpu()
+                if s == num_steps - 1 and self.final_image == "prediction":
+                    final = (xb.float() - sigmas[s].item() * v.float()).to(xb.dtype)
                 out = sde_step(xb, v, sigmas[s].item(), sigmas[s + 1].item(),
                                kind=self.sde if plan.sde[s] else "ode",
                                noise_level=noise_levels[s].item() if plan.sde[s] else None,
@@ -374,7 +383,7 @@ class FlowPolicy:
                 latents[rows, s + 1] = xb.cpu()
                 if s in train_pos:
                     old_logps[rows, train_pos[s]] = out.log_prob.cpu()
-            chunk = self.family.decode(xb).cpu()
+            chunk = self.family.decode(final if self.final_image == "prediction" else xb).cpu()
             images_list.append(chunk)
             if on_chunk is not None:
                 on_chunk(chunk, [prompts[i] for i in prompt_index[rows].tolist()],
