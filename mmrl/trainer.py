@@ -1044,7 +1044,15 @@ class Trainer:
                                         wandb_project=c.logging.wandb_project, config=config_to_dict(c),
                                         resume_step=resumed)
         history: list[dict[str, float]] = []
-        health = RunHealth(warn=self._warn)
+        health = RunHealth(warn=lambda message: None)
+        if resumed:  # the streaks and histories the run had reached: its logged updates replayed, silently
+            from mmrl.eval.report import read_jsonl
+
+            rows, _ = read_jsonl(self.output_dir / "metrics.jsonl")
+            for row in rows:
+                if isinstance(row.get("step"), (int, float)) and 1 <= row["step"] <= resumed:
+                    health.check(row)
+        health.warn = self._warn
         progress = None
         if acc.is_main_process and c.logging.progress_bar:
             from tqdm.auto import tqdm

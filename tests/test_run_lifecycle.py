@@ -92,6 +92,18 @@ def test_health_warns_on_a_run_with_nothing_to_learn(tmp_path, monkeypatch, caps
     metrics = _metrics(run)
     assert [m["health/no_signal_streak"] for m in metrics] == [1.0, 2.0, 3.0]
     assert [m["health/warnings"] for m in metrics] == [0.0, 0.0, 1.0]
+    # 2 updates, then resumed for the third: the streak carries over and the warning comes at update 3 as above
+    split = tmp_path / "split"
+    common = ["logging.progress_bar=false", "logging.tensorboard=false", "logging.eval_every=0",
+              "generation.max_new_tokens=8", "train.inner_epochs=1", "logging.save_every=1"]
+    assert main(["train", str(REPO / "configs/tiny/vlm_grounding.yaml"), f"output_dir={split}", "train.steps=2",
+                 *common]) == 0
+    capsys.readouterr()
+    assert main(["train", str(REPO / "configs/tiny/vlm_grounding.yaml"), f"output_dir={split}", "train.steps=3",
+                 "resume=auto", *common]) == 0
+    resumed_out = capsys.readouterr()
+    assert "3 updates in a row with no trainable signal" in resumed_out.out + resumed_out.err
+    assert [m["health/no_signal_streak"] for m in _metrics(split)] == [1.0, 2.0, 3.0]
 
 
 def test_health_rules_by_hand():
