@@ -361,6 +361,8 @@ def build_trainer(config: Config):
             raise ConfigError(f"eval: {exc}") from None
     accelerator = build_accelerator(config)
     torch.manual_seed(config.seed + accelerator.process_index)
+    if config.train.allow_tf32:  # for the whole process, as the anchors set it (PyTorch's default: off)
+        torch.backends.cuda.matmul.allow_tf32 = True
     prompts = build_source(config)
     reward_fn = build_reward_fn(config)  # also probes remote reward servers: before the (slow) policy load
     policy = build_policy(config, device=accelerator.device)

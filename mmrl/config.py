@@ -354,6 +354,10 @@ class TrainConfig:
                                "but float summation order; with several it decides which samples share a step.",
                                choices=("auto", "samples", "groups"))
     mixed_precision: str = opt("bf16", "accelerate mixed precision.", choices=("no", "bf16", "fp16"))
+    allow_tf32: bool = opt(False, "CUDA: let float32 matmuls use TF32 (torch.backends.cuda.matmul.allow_tf32, for "
+                           "the whole process), as Flow-GRPO (config.allow_tf32, default on) and DanceGRPO "
+                           "(--allow_tf32) run: the fp32 parts (VAE decode, fp32 reward models) get faster and "
+                           "round to TF32. false leaves PyTorch's default (off). No effect on CPU.")
     reward_batch_size: int = opt(32, "Images per reward call.")
     sample_batch_size: int = opt(16, "Trajectories per sampling forward pass on each process.")
     overlap_scoring: bool | str = opt("auto", "Flow policies: score each decoded chunk of sample_batch_size images "

@@ -310,3 +310,16 @@ def test_ema_every_minibatch_is_flow_grpos_call_pattern(tmp_path, tiny_path, mon
     assert [s for s, _ in calls] == [1, 2]
     with pytest.raises(Exception, match="optim.ema_every_minibatch is how the EMA is updated: set optim.ema: true"):
         load_config(TINY_RECIPE, ["optim.ema_every_minibatch=true"])
+
+
+def test_allow_tf32_sets_the_matmul_flag(tmp_path, tiny_path, monkeypatch):
+    """train.allow_tf32: the process-wide flag Flow-GRPO and DanceGRPO set (no effect on the CPU numbers); off
+    leaves PyTorch's default."""
+    from mmrl.build import build_trainer
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    args = [f"output_dir={tmp_path / 'a'}", f"model.pretrained={tiny_path}", *TINY, "train.steps=1"]
+    build_trainer(load_config(TINY_RECIPE, args))
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+    build_trainer(load_config(TINY_RECIPE, [*args[1:], f"output_dir={tmp_path / 'b'}", "train.allow_tf32=true"]))
+    assert torch.backends.cuda.matmul.allow_tf32 is True
