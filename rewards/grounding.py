@@ -457,20 +457,22 @@ _VLM_R1_TRAIN_BOX = re.compile(r"\[(\d+),\s*(\d+),\s*(\d+),\s*(\d+)]")
 _VLM_R1_BOX = re.compile(r"\{.*\[(\d+),\s*(\d+),\s*(\d+),\s*(\d+)]\s*.*\}", re.DOTALL)
 
 
-def parse_vlm_r1_box(text: str) -> list[float]:
+def parse_vlm_r1_box(text: str, training: bool = False) -> list[float]:
     """The box VLM-R1's REC evaluation reads (``src/eval/test_rec_r1.py`` ``extract_bbox_answer``): the first
     ``<answer>...</answer>`` block, stripped, then its greedy ``{.*[a, b, c, d] .*}`` regex: four whole numbers in
     brackets inside braces, the last such list when there are several (the leading ``.*`` is greedy). Where the
     official code returns ``[0, 0, 0, 0]`` (no answer block, no such box) this raises
-    :class:`~mmrl.rewards._text.Unparseable`, which scores the same (IoU 0, wrong)."""
+    :class:`~mmrl.rewards._text.Unparseable`, which scores the same (IoU 0, wrong). ``training=True``: its training
+    ``iou_reward`` (``qwen_module.py``) instead, the block's first ``[a, b, c, d]`` of whole numbers, no braces."""
     if not isinstance(text, str):
         raise Unparseable(f"answer is not text (got {type(text).__name__})")
     block = _VLM_R1_ANSWER.search(text)
     if block is None:
         raise Unparseable("no <answer>...</answer> block")
-    box = _VLM_R1_BOX.search(block.group(1).strip())
+    box = (_VLM_R1_TRAIN_BOX if training else _VLM_R1_BOX).search(block.group(1).strip())
     if box is None:
-        raise Unparseable("no '{... [x1, y1, x2, y2] ...}' box of whole numbers in the answer")
+        raise Unparseable("no [x1, y1, x2, y2] of whole numbers in the first answer block" if training else
+                          "no '{... [x1, y1, x2, y2] ...}' box of whole numbers in the answer")
     return [float(v) for v in box.groups()]
 
 
@@ -668,23 +670,20 @@ class BoxIoU(_BoxReward):
             raise ValueError(f"unknown convention {convention!r}; expected 'mmrl' or 'vlm_r1'")
         self.convention = convention
 
-    def _vlm_r1_box(self, text: str, meta: Mapping) -> list[float]:
-        """VLM-R1's training ``iou_reward`` reading (``qwen_module.py``): the first answer block's first
-        ``[a, b, c, d]`` of whole numbers (no braces needed), rescaled from the sample's coordinate format."""
-        fmt = self._format(meta)
-        block = _VLM_R1_ANSWER.search(text) if isinstance(text, str) else None
-        box = _VLM_R1_TRAIN_BOX.search(block.group(1).strip()) if block is not None else None
-        if box is None:
-            raise Unparseable("no [x1, y1, x2, y2] of whole numbers in the first answer block (VLM-R1's reading)",
-                              self.unparseable_extras)
-        return rescale_box([float(v) for v in box.groups()], fmt, meta.get("image_size"), meta.get("input_size"))
+    def _vlm_r1_boxes(self, text: str, meta: Mapping) -> tuple[list[list[float]], list[list[float]]]:
+        """``(pred, gt)`` as VLM-R1's training ``iou_reward`` reads the answer (:func:`parse_vlm_r1_box` with
+        ``training=True``), rescaled from the sample's coordinate format."""
+        gt, fmt = _gt_boxes(meta, self.name), self._format(meta)
+        if not gt:  # no ground truth: NaN (the caller), whatever the answer
+            return [], gt
+        try:
+            box = parse_vlm_r1_box(text, training=True)
+        except Unparseable as exc:
+            raise Unparseable(exc.reason, self.unparseable_extras) from None
+        return [rescale_box(box, fmt, meta.get("image_size"), meta.get("input_size"))], gt
 
     def _score_one(self, text, prompt, meta):
-        if self.convention == "vlm_r1":
-            gt = _gt_boxes(meta, self.name)
-            pred = [self._vlm_r1_box(text, meta)] if gt else []
-        else:
-            pred, gt = self._boxes(text, meta)
+        pred, gt = self._vlm_r1_boxes(text, meta) if self.convention == "vlm_r1" else self._boxes(text, meta)
         if not gt:
             raise Unjudgeable("metadata 'boxes' is empty (iou needs a ground-truth box)")
         if not pred:
