@@ -243,6 +243,7 @@ def _build_policy(config: Config, device: torch.device | str = "cpu"):
     return FlowPolicy(
         family, num_steps=s.num_steps, eval_num_steps=s.eval_num_steps, resolution=m.resolution, sde=s.sde,
         noise_level=s.noise_level, guidance_scale=s.guidance_scale, negative_prompt=s.negative_prompt,
+        cfg_detach_uncond=s.cfg_detach_uncond,
         train_steps=s.train_steps, timestep_fraction=s.timestep_fraction, window_size=s.window_size,
         window_shift_every=s.window_shift_every, share_group_noise=s.share_group_noise, lora=lora,
         gradient_checkpointing=m.gradient_checkpointing, time_shift=s.time_shift,

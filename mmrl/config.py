@@ -92,13 +92,21 @@ class SamplingConfig:
     guidance_scale: float = opt(4.5, "Classifier-free guidance scale; 1.0 disables CFG (one forward per step).")
     negative_prompt: str = opt("", "Negative prompt for classifier-free guidance (SD3 with guidance_scale > 1; "
                                "rejected for FLUX, which is guidance-distilled, and for SD3 without CFG).")
+    cfg_detach_uncond: bool = opt(True, "SD3 with classifier-free guidance: the training forward detaches the "
+                                  "unconditional half, so the policy gradient flows through the conditional branch "
+                                  "only (guidance_scale x its gradient), as Flow-GRPO's scripts/train_sd3.py did from "
+                                  "2d76907 (2025-07) and the forks built on it (TP-GRPO, ...) do. false: the gradient "
+                                  "flows through both halves (plus (1 - guidance_scale) x the unconditional branch's), "
+                                  "as the newest Flow-GRPO train_sd3.py / train_sd3_fast.py (74db691) compute it. The "
+                                  "values (log-probs, ratios) are the same either way.")
     max_sequence_length: int = opt(256, "T5 token budget for prompt encoding (SD3/FLUX).")
     time_shift: float | None = opt(None, "null: the model scheduler's sigmas (SD3.5: shift 3; FLUX: resolution-"
                                    "dependent shift). A number: sigma = s t / (1 + (s - 1) t) on uniform t "
                                    "(DanceGRPO --shift 3).")
     sde: str = opt("flow_grpo", "SDE step: 'flow_grpo' (Flow-GRPO sde), 'dance' (DanceGRPO), 'cps' "
                    "(coefficient-preserving, Flow-GRPO cps).", choices=("flow_grpo", "dance", "cps"))
-    noise_level: float = opt(0.7, "SDE noise level: a for flow_grpo (0.7) and cps (0.8), eta for dance (0.3).")
+    noise_level: float | None = opt(None, "SDE noise level: a for flow_grpo and cps, eta for dance. null: the anchor's "
+                                    "default for the chosen sde (flow_grpo 0.7, cps 0.8, dance 0.3).")
     train_steps: str = opt("fraction",
                            "Which steps are SDE and trained: 'fraction' (Flow-GRPO: SDE everywhere, train the first "
                            "int(T*timestep_fraction)), 'random_fraction' (DanceGRPO: a random int((T-1)*timestep_fraction) "
@@ -172,7 +180,8 @@ class GenerationConfig:
         "A conversation between User and Assistant. The user asks a question about the image or video, and the "
         "Assistant answers it. The Assistant first thinks about the reasoning process and then gives the answer. "
         "The reasoning process and answer are enclosed within <think> </think> and <answer> </answer> tags.",
-        "System message (R1-style think/answer format, as VLM-R1 / Video-R1); null for none.")
+        "System message (the R1-style think/answer instruction); null for none. Video-R1 sends no system message and "
+        "writes its instruction into the user text (its QUESTION_TEMPLATE: use question_template).")
     question_template: str = opt("{question}", "User text; {question} is replaced by the sample's question.")
     min_pixels: int | None = opt(None, "Image pixel budget floor for the processor (Qwen: 3136 = 4 x 28 x 28).")
     max_pixels: int | None = opt(None, "Image pixel budget ceiling (VLM-R1: 12845056; lower it to save memory).")
@@ -245,6 +254,15 @@ class AlgorithmConfig:
     clamp_summed_advantage: bool = opt(False, "normalize_then_sum only: advantage_clamp applies to the weighted "
                                        "sum (MixGRPO's train_grpo_flux.py) instead of to each reward's advantage "
                                        "(DanceGRPO's video script, the default).")
+    drop_zero_advantage: bool = opt(False, "Flow-GRPO's filter (scripts/train_sd3.py): before training, each "
+                                    "process leaves out its samples whose advantage is 0 at every trained step, "
+                                    "keeping randomly chosen ones back in until the kept count divides into the "
+                                    "update's minibatches (one per minibatch where none moves, as TP-GRPO's fork "
+                                    "pads); the "
+                                    "minibatch count stays ceil(samples / train.batch_size) and each holds an "
+                                    "equal share of the kept samples, so a minibatch's mean runs over the "
+                                    "informative samples (a larger step than over all of them) and the dropped ones "
+                                    "carry no KL term. false (TRL, DanceGRPO): every sample is trained.")
     batch_normalize_sum: bool = opt(False, "normalize_then_sum only: GDPO's final step, the summed advantages "
                                     "normalised over the whole batch, (A - mean) / (std + eps), unbiased std (GDPO, "
                                     "arXiv 2601.05242).")
@@ -347,9 +365,9 @@ class TrainConfig:
                               "computes it), so the loss and gradient do not depend on the chunk size.")
     minibatch_order: str = opt("auto", "How each inner epoch orders an update's samples before cutting minibatches: "
                                "'samples' shuffles every sample (TRL, Flow-GRPO); 'groups' shuffles the groups and "
-                               "keeps each group's samples together (verl's contiguous groups, in a seeded order), so "
-                               "a minibatch holds as few distinct prompts as its size allows; 'auto': 'groups' where "
-                               "the policy runs each distinct prompt once per forward (VLM, model.share_prompt_prefix), "
+                               "keeps each group's samples together (verl's repeat-interleaved groups with "
+                               "balance_batch off, in a seeded order), so a minibatch holds as few distinct "
+                               "prompts as its size allows; 'auto': 'groups' where the policy runs each distinct prompt once per forward (VLM, model.share_prompt_prefix), "
                                "'samples' otherwise. With one optimizer step per update the order changes nothing "
                                "but float summation order; with several it decides which samples share a step.",
                                choices=("auto", "samples", "groups"))
@@ -809,7 +827,7 @@ def validate(config: Config, *, check_files: bool = True) -> None:
          "ratio would weight each chunk's KL by the whole trajectory's ratio with only the chunk's gradient)"),
         (s.num_steps >= 2, "sampling.num_steps must be >= 2"),
         (0.0 < s.timestep_fraction <= 1.0, "sampling.timestep_fraction must be in (0, 1]"),
-        (s.noise_level >= 0.0, "sampling.noise_level must be >= 0"),
+        (s.noise_level is None or s.noise_level >= 0.0, "sampling.noise_level must be >= 0"),
         (s.window_size >= 1, "sampling.window_size must be >= 1"),
         (s.window_shift_every >= 1, "sampling.window_shift_every must be >= 1"),
         (d.group_size >= 2, "data.group_size must be >= 2 (group-relative advantages need a group)"),
@@ -858,6 +876,9 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         (config.model.family != "sd3" or not s.negative_prompt or s.guidance_scale > 1.0,
          "sampling.negative_prompt is used by classifier-free guidance only: set sampling.guidance_scale > 1 or "
          "leave the negative prompt empty"),
+        (s.cfg_detach_uncond or (config.model.family == "sd3" and s.guidance_scale > 1.0),
+         "sampling.cfg_detach_uncond: false changes the gradient of classifier-free guidance's unconditional half, "
+         "which only SD3 with sampling.guidance_scale > 1 has; leave it at true"),
         (bool(config.rewards), "rewards: at least one reward is needed"),
         (config.model.family == "qwen_vl" or config.model.resolution % 16 == 0,
          "model.resolution must be a multiple of 16"),

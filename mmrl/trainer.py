@@ -140,6 +140,22 @@ def minibatch_order(group_ids: torch.Tensor, order: str, generator: torch.Genera
     return torch.sort(rank[inverse] * n + torch.arange(n)).indices  # a group's samples in stored order
 
 
+def informative_rows(advantages: torch.Tensor, num_minibatches: int, generator: torch.Generator) -> torch.Tensor:
+    """``algorithm.drop_zero_advantage``: the rows (a bool mask over this process's samples) one update trains under
+    Flow-GRPO's filter (``scripts/train_sd3.py``): every sample whose advantage is non-zero at some step, plus randomly
+    chosen zero-advantage ones (``torch.randperm`` over them, as there) until the kept count is a multiple of
+    ``num_minibatches``, when enough of them are left. Where no sample moves, one per minibatch is kept instead of
+    none, as TurningPoint-GRPO's fork of the script pads (``true_count == 0``; Flow-GRPO's own reshape of an empty
+    batch fails)."""
+    keep = advantages.reshape(len(advantages), -1).abs().sum(-1) != 0
+    count = int(keep.sum())
+    missing = num_minibatches if count == 0 else -count % num_minibatches
+    zero = torch.nonzero(~keep).flatten()
+    if missing and len(zero) >= missing:
+        keep[zero[torch.randperm(len(zero), generator=generator)[:missing]]] = True
+    return keep
+
+
 class RewardBatches:
     """Regroups the sampler's chunks (``sample_batch_size`` images) into reward calls of exactly
     ``reward_batch_size`` images (the last one shorter), so ``train.reward_batch_size`` means the same with
@@ -237,6 +253,7 @@ class Trainer:
         self._eval_plan = None  # eval.benchmarks read once (mmrl.eval.runner.plan_training_eval)
         self.initial_eval: dict[str, float] = {}  # eval.benchmarks of the untrained weights (update 0 of this run)
         self.eval_headlines: dict[str, str] = {}  # benchmark -> the logged key of its headline metric
+        self.kept_rows: torch.Tensor | None = None  # algorithm.drop_zero_advantage: the last update's trained rows
         self.optimizer_steps = 0
 
     # ------------------------------------------------------------------------------------------ sizes
@@ -643,7 +660,7 @@ class Trainer:
         live_samples = 0
         if rollout.old_logps is None and not on_policy:
             if getattr(policy, "deterministic_training_forward", False) and not self._needs("old_logps") \
-                    and sampler_mode is None and entropy is None:
+                    and sampler_mode is None and entropy is None and not a.drop_zero_advantage:
                 live_samples = min(n, t.batch_size * t.gradient_accumulation_steps)
             rollout.old_logps = self._old_logps(rollout, perms[0], step_chunks, skip=live_samples, entropy=entropy)
             entropy_pending = False
@@ -681,6 +698,11 @@ class Trainer:
             advantages = variant.transform(TransformContext(
                 advantages=advantages, scores=scores or {}, rollout=rollout, update=self.update,
                 total_updates=c.train.steps, stats=self.variant_stats, policy=policy, rows=rows))
+        num_minibatches = -(-n // t.batch_size)
+        self.kept_rows = None  # algorithm.drop_zero_advantage: the rows trained this update
+        if a.drop_zero_advantage:
+            self.kept_rows = informative_rows(advantages.cpu(), num_minibatches, generator)
+            perms = [perm[self.kept_rows[perm]] for perm in perms]
         surrogates = self._users("surrogate")
         max_length = self._max_actions(rollout)
         sequence_chunks = a.ratio_level == "sequence" and len(step_chunks) > 1
@@ -699,7 +721,8 @@ class Trainer:
             weights[key] = weights.get(key, 0.0) + weight
 
         for epoch, perm in enumerate(perms):
-            minibatches = [perm[i:i + t.batch_size] for i in range(0, n, t.batch_size)]
+            minibatches = [perm[i:i + t.batch_size] for i in range(0, n, t.batch_size)] if self.kept_rows is None \
+                else list(torch.tensor_split(perm, num_minibatches))  # Flow-GRPO: equal shares of the kept rows
             for first in range(0, len(minibatches), t.gradient_accumulation_steps):
                 group = minibatches[first:first + t.gradient_accumulation_steps]
                 live = on_policy or (live_samples > 0 and epoch == 0 and first == 0)  # old log-probs = live ones
@@ -1344,6 +1367,8 @@ class Trainer:
         # trained; the informative ones are the trained ones whose advantage is not all zero
         moving = advantages.reshape(len(advantages), -1).abs().sum(-1).cpu() > 0
         trained = rollout.mask.sum(-1) > 0  # the rows of this process's advantages, as trained
+        if self.kept_rows is not None:  # algorithm.drop_zero_advantage left the others out
+            trained &= self.kept_rows
         counts = torch.tensor([float(trained.sum()), float((trained & moving).sum())], device=acc.device)
         if acc.num_processes > 1:
             counts = acc.reduce(counts, reduction="sum")

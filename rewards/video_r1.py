@@ -25,12 +25,16 @@ mmrl's rules where the anchor's code is silent or batch-bound:
   every type), and an unknown or missing ``problem_type`` or a missing ``solution`` is NaN with the reason
   (the anchor gives 0 to an unknown type);
 * a solution without an answer block is read whole (stripped): Video-R1's data wraps every solution in
-  ``<answer>`` tags, where its ``extract_answer`` would give ``""``.
+  ``<answer>`` tags, where its ``extract_answer`` would give ``""``;
+* an answer that reads as a non-finite number (``nan``, ``inf``) is not a number: 0. In the anchor ``float("nan")``
+  parses, its relative error is NaN, and ``min(1, max(0, nan))`` returns 0, so ``nan`` scores 1.0 in every
+  ``regression`` question, a reward hack a policy finds.
 
 Extra key: none. ``problem_type`` names also accept mmrl's task spellings ``multiple_choice`` and ``numeric``.
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Mapping
 
@@ -64,10 +68,12 @@ def word_error_rate(reference: str, hypothesis: str) -> float:
 
 
 def _number(text: str) -> float | None:
+    """The answer as a finite float, else None (mmrl's rule for ``nan`` / ``inf``: see the module docstring)."""
     try:
-        return float(text.replace(",", ""))
+        value = float(text.replace(",", ""))
     except ValueError:
         return None
+    return value if math.isfinite(value) else None
 
 
 @register_reward("video_r1_accuracy")

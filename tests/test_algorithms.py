@@ -166,6 +166,7 @@ VLM_OPTIONS = {
     "trust_grpo": {"thinking": "test_variant_length", "outcome": "test_variant_correct"},
     "ga_grpo": {"reward": "test_variant_correct"},
     "t_grpo": {"reward": "test_variant_correct"},
+    "length_control": {"reward": "test_variant_correct", "min_tokens": 0},
     "a_grae": {"reward": "test_variant_correct"},
     "focal_advantage": {"reward": "test_variant_correct"},
     "lens": {"reward": "test_variant_correct"},

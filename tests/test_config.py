@@ -135,6 +135,8 @@ RANGE_ERRORS = [
     (["rewards={box_coordinate: 1}"], r"reward 'box_coordinate' needs the argument\(s\) coordinate"),
     (["rewards={brightness: {weight: 1, kwargs: [1]}}"], "kwargs must be a mapping"),
     (["output_dir=''"], "output_dir must not be empty"),
+    (["sampling.guidance_scale=1.0", "sampling.cfg_detach_uncond=false"],
+     "cfg_detach_uncond: false changes the gradient of classifier-free guidance's unconditional half"),
 ]
 
 

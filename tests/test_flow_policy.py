@@ -99,6 +99,23 @@ def test_window_modes_use_ode_outside_the_window(tiny_sd3):
     torch.testing.assert_close(policy.logprobs(rollout, torch.arange(2)).logps, rollout.old_logps, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("sde, expected", [("flow_grpo", 0.7), ("cps", 0.8), ("dance", 0.3)])
+def test_noise_level_defaults_to_the_anchor_of_the_chosen_sde(tiny_sd3, sde, expected):
+    """sampling.noise_level null (the config default) takes each SDE's anchor value: Flow-GRPO a = 0.7, Flow-GRPO's
+    cps a = 0.8, DanceGRPO eta = 0.3; a number given is kept whatever the SDE."""
+    from mmrl.config import config_from_dict
+
+    config = config_from_dict({"rewards": {"jpeg_compressibility": 1.0}, "data": {"prompt_list": ["a cat"]}},
+                             [f"sampling.sde={sde}"], check_files=False)
+    assert config.sampling.noise_level is None
+    policy = make_policy(tiny_sd3, sde=sde)
+    assert policy.noise_level == expected
+    rollout = policy.rollout(["a cat"], 1, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(rollout.noise_levels[rollout.plan.sde.bool()],
+                               torch.full((int(rollout.plan.sde.sum()),), expected))
+    assert make_policy(tiny_sd3, sde=sde, noise_level=0.5).noise_level == 0.5
+
+
 def test_shared_group_noise(tiny_sd3):
     policy = make_policy(tiny_sd3, share_group_noise=True)
     rollout = policy.rollout(["a cat", "a dog"], 2, generator=torch.Generator().manual_seed(0))
@@ -184,7 +201,7 @@ def test_sd3_resolution_outside_the_positional_embedding_is_a_clear_error(tiny_s
     assert policy.resolution == 32  # unchanged
 
 
-def test_cfg_gradient_flows_through_the_conditional_branch_only(tiny_sd3):
+def test_cfg_gradient_flows_through_the_conditional_branch_only_unless_asked(tiny_sd3):
     """Flow-GRPO's training forward detaches the unconditional half of the CFG batch (``scripts/train_sd3.py``
     ``compute_log_prob``: ``noise_pred_uncond.detach()``): the guided velocity's values are the usual ones, and its
     gradient is ``guidance_scale`` x the conditional branch's, written out here from a forward of that branch alone."""
@@ -211,6 +228,21 @@ def test_cfg_gradient_flows_through_the_conditional_branch_only(tiny_sd3):
     assert any(float(g.abs().max()) > 0 for g in grads)
     for g, e in zip(grads, expected):
         torch.testing.assert_close(g, e, atol=1e-6 + 1e-4 * float(e.abs().max()), rtol=1e-4)
+
+    # detach_uncond=False (sampling.cfg_detach_uncond: false, the newest Flow-GRPO compute_log_prob): the same
+    # values, and the gradient of uncond + 4.5 (text - uncond) through both branches, written out from the two
+    # branches' forwards alone
+    both = family.velocity(model, x, t, cond, negative, 4.5, detach_uncond=False)
+    torch.testing.assert_close(both, guided, atol=0, rtol=0)
+    grads_both = torch.autograd.grad((both * weights).sum(), params)
+    uncond_graph = family.velocity(model, x, t, {k: v.expand(2, *v.shape[1:]) for k, v in negative.items()}, None, 1.0)
+    text = family.velocity(model, x, t, cond, None, 1.0)
+    expected_both = torch.autograd.grad((((1 - 4.5) * uncond_graph + 4.5 * text) * weights).sum(), params)
+    differs = False
+    for g, e, c in zip(grads_both, expected_both, expected):
+        torch.testing.assert_close(g, e, atol=1e-6 + 1e-4 * float(e.abs().max()), rtol=1e-4)
+        differs |= not torch.allclose(g, c, atol=1e-3 * float(c.abs().max()) + 1e-8, rtol=1e-3)
+    assert differs  # the unconditional branch's gradient is really there
 
 
 def test_final_image_prediction_decodes_the_last_clean_prediction(tiny_sd3):

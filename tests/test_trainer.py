@@ -323,3 +323,15 @@ def test_allow_tf32_sets_the_matmul_flag(tmp_path, tiny_path, monkeypatch):
     assert torch.backends.cuda.matmul.allow_tf32 is False
     build_trainer(load_config(TINY_RECIPE, [*args[1:], f"output_dir={tmp_path / 'b'}", "train.allow_tf32=true"]))
     assert torch.backends.cuda.matmul.allow_tf32 is True
+
+
+def test_cfg_detach_uncond_reaches_the_policys_training_forward(tmp_path, tiny_path):
+    """sampling.cfg_detach_uncond (default true) is what the built policy's training forward uses; the gradients of
+    the two settings are checked against the branches' own in test_flow_policy."""
+    from mmrl.build import build_trainer
+
+    args = [f"model.pretrained={tiny_path}", *TINY, "train.steps=1"]
+    assert build_trainer(load_config(TINY_RECIPE, [f"output_dir={tmp_path / 'a'}", *args])).policy.cfg_detach_uncond
+    both = build_trainer(load_config(TINY_RECIPE, [f"output_dir={tmp_path / 'b'}", *args,
+                                                   "sampling.cfg_detach_uncond=false"])).policy
+    assert both.cfg_detach_uncond is False and both.guidance_scale > 1

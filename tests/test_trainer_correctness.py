@@ -320,3 +320,54 @@ def test_negative_prompt_is_rejected_where_nothing_would_use_it(tmp_path, tiny_s
     with pytest.raises(ConfigError, match="classifier-free guidance only"):
         flow_config(tmp_path, tiny_sd3, "sampling.negative_prompt=blurry", "sampling.guidance_scale=1.0")
     assert flow_config(tmp_path, tiny_sd3, "sampling.negative_prompt=blurry").sampling.guidance_scale > 1
+
+
+# ------------------------------------------------------------------------------- Flow-GRPO's zero-advantage filter
+
+
+@register_reward("test_first_prompt_constant")
+class FirstPromptConstant:
+    """Brightness, except that the update's first prompt scores 0.5 on every image: its group's advantages are all
+    exactly 0."""
+
+    name = "test_first_prompt_constant"
+    needs_prompts = True
+
+    def __init__(self):
+        self.last_info = {}
+
+    def __call__(self, images, prompts=None, metadata=None):
+        brightness = images.float().mean(dim=(1, 2, 3))
+        constant = torch.tensor([p == prompts[0] for p in prompts])
+        return {self.name: torch.where(constant, torch.full_like(brightness, 0.5), brightness)}
+
+
+def test_informative_rows_pads_to_the_minibatch_count():
+    """Flow-GRPO's mask: the samples that move, plus random zero ones until the count divides the minibatches."""
+    from mmrl.trainer import informative_rows
+
+    advantages = torch.tensor([0.0, 0.0, 1.0, 0.0, -1.0, 0.0, 0.0])
+    keep = informative_rows(advantages, 4, torch.Generator().manual_seed(0))
+    assert keep[2] and keep[4] and int(keep.sum()) == 4  # 2 that move + 2 of the 5 zero ones
+    assert int(informative_rows(advantages, 2, torch.Generator()).sum()) == 2  # already a multiple: no padding
+    assert int(informative_rows(torch.zeros(6), 3, torch.Generator()).sum()) == 3  # none moves: one per minibatch
+    per_step = torch.tensor([[0.0, 0.0], [0.0, 0.3], [0.0, 0.0]])  # [N, T]: a row is kept if any step moves
+    assert informative_rows(per_step, 1, torch.Generator()).tolist() == [False, True, False]
+
+
+def test_drop_zero_advantage_trains_the_informative_samples_only(tmp_path, tiny_sd3):
+    """algorithm.drop_zero_advantage (Flow-GRPO's filter): 2 prompts x 4 images, the first prompt's group all zero,
+    2 minibatches of 4 accumulated into one step. The kept 4 are split 2 + 2, so each minibatch's mean runs over
+    informative samples: on-policy (ratio 1, no KL) the gradient is (8 / 4) x the one with every sample trained,
+    whose zero-advantage half adds nothing but its share of the mean; the dropped samples are not counted trained."""
+    common = ["rewards={test_first_prompt_constant: 1.0}", "train.inner_epochs=1",
+              "train.gradient_accumulation_steps=2", "algorithm.beta=0"]
+    every, grads_every, _ = one_update(flow_config(tmp_path / "a", tiny_sd3, *common))
+    dropped, grads_dropped, _ = one_update(flow_config(tmp_path / "b", tiny_sd3, *common,
+                                                       "algorithm.drop_zero_advantage=true"))
+    assert len(grads_every) == len(grads_dropped) == 1
+    assert every["samples/trained"] == 8 and every["samples/informative"] == 4
+    assert dropped["samples/trained"] == 4 and dropped["samples/informative"] == 4
+    assert grads_every[0].norm() > 0
+    torch.testing.assert_close(grads_dropped[0], 2.0 * grads_every[0], rtol=1e-4,
+                               atol=1e-6 * float(grads_every[0].norm()))

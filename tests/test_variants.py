@@ -1,6 +1,7 @@
 """Paper variants (GA-GRPO, TW-GRPO, DAPO dynamic sampling, T-GRPO) on cases worked out by hand."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from mmrl.core.variants import (
     token_variance_weights,
     token_weighted_advantages,
 )
+
+REPO = Path(__file__).parents[1]
 
 # ---------------------------------------------------------------------------------------------------------
 # GA-GRPO evidence weighting
@@ -322,6 +325,54 @@ def test_t_grpo_plug_in_leaves_unjudged_answers_out():
     assert asked == [(1, 2, True)]  # half the group size, on the video question only
     assert torch.allclose(out.scores["temporal_bonus"], torch.tensor([0.3, 0.0, 0.0, 0.0, 0.0, 0.0]))
     assert out.weights["temporal_bonus"] == 1.0
+
+
+def test_t_grpo_refuses_normalize_then_sum():
+    """Video-R1 adds the 0.3 bonus to the summed reward and normalises once; normalize_then_sum would normalise the
+    bonus on its own (acc [1, 1, 0, 0], format [1, 0, 1, 0], bonus on the correct ones: [2.60, 0.87, ...] instead of
+    Video-R1's [1.21, 0.16, ...]), so the configuration is refused."""
+    from mmrl.config import ConfigError, load_config
+
+    args = ["algorithm.variants=[{name: t_grpo, reward: temporal_iou}]"]
+    load_config(REPO / "configs/tiny/vlm_video_tg.yaml", args, check_files=False)
+    with pytest.raises(ConfigError, match="t_grpo' adds its bonus .* algorithm.reward_combination=sum_then_normalize"):
+        load_config(REPO / "configs/tiny/vlm_video_tg.yaml", [*args, "algorithm.reward_combination=normalize_then_sum"],
+                    check_files=False)
+
+
+def _video_r1_len_control(acc: list[float], lengths: list[int]) -> list[float]:
+    """Video-R1's grpo_trainer.py with len_control, written out for one group (its local batch is one question's
+    num_generations answers): correct = accuracy > 0.1; with more than one correct, each correct answer of
+    320..512 completion tokens gets +0.2."""
+    selected = [i for i, a in enumerate(acc) if a > 0.1]
+    out = [0.0] * len(acc)
+    if len(selected) > 1:
+        for i in selected:
+            if 320 <= lengths[i] <= 512:
+                out[i] += 0.2
+    return out
+
+
+def test_length_control_is_video_r1s_len_control():
+    from mmrl.core.variants import length_control_rewards
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        groups = 3
+        size = int(torch.randint(1, 7, (1,), generator=gen))
+        acc = torch.rand(groups * size, generator=gen)
+        acc = torch.where(torch.rand(groups * size, generator=gen) < 0.4, torch.zeros_like(acc), acc)
+        lengths = torch.randint(200, 700, (groups * size,), generator=gen)
+        lengths[0], lengths[-1] = 320, 512  # both bounds are inclusive
+        group_ids = torch.arange(groups).repeat_interleave(size)
+        expected = sum((_video_r1_len_control(acc[g * size:(g + 1) * size].tolist(),
+                                              lengths[g * size:(g + 1) * size].tolist()) for g in range(groups)), [])
+        got = length_control_rewards(acc, lengths, group_ids)
+        torch.testing.assert_close(got, torch.tensor(expected), atol=1e-7, rtol=0)
+    # by hand: one group with two correct answers (one of them too long), one with a single correct answer
+    got = length_control_rewards(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.05, float("nan")]),
+                                 torch.tensor([400, 600, 400, 400, 400, 400]), [0, 0, 0, 1, 1, 1])
+    assert got.tolist() == pytest.approx([0.2, 0.0, 0.0, 0.0, 0.0, 0.0])
 
 
 def test_temporal_bonus_feeds_group_advantages():

@@ -126,3 +126,14 @@ def test_each_sample_its_own_type_and_mmrl_rules_for_bad_input():
     assert out[:3] == [1.0, 1.0, 0.0] and all(math.isnan(v) for v in out[3:])
     assert r.last_info["num_unparseable"] == 1
     assert "'essay' is not one of" in r.last_info["nan_samples"][3]
+
+
+@pytest.mark.parametrize("answer", ["nan", "NaN", "inf", "-inf"])
+def test_a_non_finite_regression_answer_scores_0_not_the_anchors_1(answer):
+    """mmrl's rule: Video-R1's code reads "nan" as a float, its relative error is NaN and min(1, max(0, nan)) is 0,
+    so "nan" scores 1.0 on every regression question (a reward hack); here a non-finite answer is not a number."""
+    r = build_reward("video_r1_accuracy")
+    meta = [{"problem_type": "regression", "solution": "<answer>10</answer>"}]
+    assert r([ans(answer)], None, meta)["video_r1_accuracy"].item() == 0.0
+    if answer.lower() == "nan":
+        assert official(ans(answer), "<answer>10</answer>", "regression") == 1.0  # the hack, as the anchor scores it

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmrl.algorithms.base import RewardContext, Rewards, Variant, option, register
+from mmrl.algorithms.base import RewardContext, Rewards, Variant, VariantError, option, register
 from mmrl.core.variants import temporal_contrast_rewards
 
 
@@ -37,6 +37,11 @@ class TGRPO(Variant):
 
     def check(self, config) -> None:
         self.require_reward(config, "reward")
+        if config.algorithm.reward_combination != "sum_then_normalize":
+            raise VariantError("variant 't_grpo' adds its bonus (alpha) to the summed reward before the one "
+                               "normalisation, as Video-R1 does; under normalize_then_sum the bonus would be scaled to "
+                               "unit spread on its own and lose alpha: use algorithm.reward_combination="
+                               "sum_then_normalize")
 
     def rewards(self, ctx: RewardContext) -> Rewards:
         videos = [item for item in ctx.items if getattr(item, "video_path", None)]

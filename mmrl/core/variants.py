@@ -271,7 +271,10 @@ def select_informative_groups(
     mmrl mirrors the reference implementation (verl ``recipe/dapo``, ``filter_groups``): a group is kept when
     the population std (ddof 0) of its rewards is ``> min_std`` (default 0: any difference), or when it has a
     single sample (verl keeps those). NaN rewards (unjudged samples) are left out of the std; a group with
-    no finite reward has std 0. For ``[N, T]`` dense rewards a group is kept if any step column varies.
+    no finite reward has std 0. mmrl's rule: a group of equal rewards has std exactly 0 (the exact zero-spread rule
+    of :mod:`mmrl.core.advantages`), where verl's ``np.std`` of three fp32 0.1s is 1.4e-17 > 0 and keeps the group.
+    Kept singletons get advantage 0 in mmrl (verl's GRPO gives them mean 0 and std 1, so their raw reward;
+    EasyR1 refuses them). For ``[N, T]`` dense rewards a group is kept if any step column varies.
     The trainer drops the unkept samples and samples replacement groups.
 
     Args:
@@ -391,6 +394,39 @@ def temporal_contrast_rewards(
     correct = torch.isfinite(ordered) & (torch.nan_to_num(ordered, nan=0.0) > correct_threshold)
     bonus = torch.where(on & correct, torch.full_like(ordered, alpha), torch.zeros_like(ordered))
     return bonus.float()
+
+
+def length_control_rewards(
+    accuracy: Tensor,
+    lengths: Tensor,
+    group_ids: Tensor | Sequence[Any],
+    *,
+    bonus: float = 0.2,
+    min_length: int = 320,
+    max_length: int = 512,
+    correct_threshold: float = 0.1,
+) -> Tensor:
+    """Video-R1's length control (``--len_control true`` in its released GRPO scripts): a bonus ``[N]`` for correct
+    answers of a moderate length.
+
+    Paper: "Video-R1: Reinforcing Video Reasoning in MLLMs", Feng et al. (2025), arXiv 2503.21776; code
+    ``tulerfeng/Video-R1`` (``src/r1-v/src/open_r1/trainer/grpo_trainer.py``). mmrl mirrors the released trainer:
+    in each group, when more than one response is correct (accuracy reward > ``correct_threshold``), every correct
+    one whose completion has ``min_length <= tokens <= max_length`` gets ``bonus``, added to the summed reward before
+    the group normalisation; nothing otherwise. ``lengths`` are completion token counts (the trained mask's,
+    end-of-turn token included, as the trainer's ``completion_mask``); NaN accuracies (unjudged) are not correct.
+    """
+    acc = torch.as_tensor(accuracy).double().reshape(-1)
+    lengths = torch.as_tensor(lengths).double().reshape(-1).to(acc.device)
+    index, num_groups = group_index(group_ids)
+    index = index.cpu()
+    _check_rows("group_ids", index, acc.numel())
+    _check_rows("lengths", lengths, acc.numel())
+    correct = torch.isfinite(acc) & (torch.nan_to_num(acc, nan=0.0) > correct_threshold)
+    correct_per_group = torch.zeros(num_groups, dtype=torch.long).index_add_(0, index, correct.long().cpu())
+    eligible = correct & (correct_per_group[index] > 1).to(acc.device) & (lengths >= min_length) & \
+        (lengths <= max_length)
+    return torch.where(eligible, torch.full_like(acc, bonus), torch.zeros_like(acc)).float()
 
 
 ADVANTAGE_TRANSFORMS = {

@@ -161,13 +161,14 @@ class FluxFamily:
     # ----------------------------------------------------------------------------------------- velocity
 
     def velocity(self, model, latents: Tensor, timesteps: Tensor, cond: dict[str, Tensor],
-                 negative: dict[str, Tensor] | None, guidance_scale: float) -> Tensor:
+                 negative: dict[str, Tensor] | None, guidance_scale: float, *, detach_uncond: bool = True) -> Tensor:
         """The model's velocity ``v = eps - x0`` (fp32) on packed latents ``[B, L, 4C]``.
 
         ``timesteps`` ``[B]`` are on the scheduler's 0..1000 scale; the transformer gets ``timesteps / 1000``.
         ``guidance_scale`` is FLUX.1-dev's distilled guidance (an input of the transformer, used only when
         ``transformer.config.guidance_embeds``). ``negative`` is always None: FLUX has no classifier-free guidance
-        here, and :class:`~mmrl.pipelines.flow.policy.FlowPolicy` rejects a non-empty ``negative_prompt`` for FLUX.
+        here (so ``detach_uncond`` has nothing to detach), and :class:`~mmrl.pipelines.flow.policy.FlowPolicy`
+        rejects a non-empty ``negative_prompt`` for FLUX.
         Inputs are cast to ``model``'s own dtype (:func:`~mmrl.pipelines.flow.policy.model_dtype`): the load dtype
         for a LoRA policy and for any reference, fp32 for a fully fine-tuned policy.
         """

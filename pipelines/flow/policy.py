@@ -25,7 +25,7 @@ from torch import Tensor
 from mmrl.pipelines.flow.schedule import StepPlan, plan_steps
 from mmrl.core.kl import flow_kl
 from mmrl.distributed import full_weights, unsharded_class
-from mmrl.pipelines.flow.sde import sde_step
+from mmrl.pipelines.flow.sde import DEFAULT_NOISE_LEVELS, sde_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,7 +95,9 @@ class FlowPolicy:
     Args:
         family: a family adapter (``SD3Family``, ``FluxFamily``) holding the loaded pipeline.
         sde: ``flow_grpo | dance | cps`` (see :func:`mmrl.pipelines.flow.sde.sde_step`).
-        noise_level: the SDE noise level (float), used on every SDE step unless ``noise_schedule`` is set.
+        noise_level: the SDE noise level (float), used on every SDE step unless ``noise_schedule`` is set; None: the
+            anchor's default for ``sde`` (:data:`~mmrl.pipelines.flow.sde.DEFAULT_NOISE_LEVELS`: Flow-GRPO 0.7, CPS 0.8,
+            DanceGRPO 0.3).
         guidance_scale: classifier-free guidance (SD3) or distilled guidance (FLUX).
         negative_prompt: the unconditional prompt of SD3's classifier-free guidance; FLUX has no CFG (FLUX.1-dev is
             guidance-distilled), so a non-empty one is a ``ValueError`` there instead of being silently ignored.
@@ -103,6 +105,8 @@ class FlowPolicy:
             the frozen reference copy stays in the load dtype). The LoRA ``dropout`` acts only in the
             gradient-carrying forward of :meth:`logprobs` (train mode); rollouts, old log-probs, the reference,
             intermediate images and evaluation run in eval mode, so with dropout 0 the first ratio is exactly 1.
+        cfg_detach_uncond: with CFG, the training forward detaches the unconditional half (the gradient flows through
+            the conditional branch only); False: through both (:meth:`SD3Family.velocity`).
         gradient_checkpointing: diffusers' per-block activation checkpointing in the training forward.
         final_image: what a rollout decodes and the rewards score: ``"sample"``, the last step's sampled latent, or
             ``"prediction"``, the last step's clean prediction ``x - sigma v`` (DanceGRPO's ``train_grpo_flux.py``
@@ -111,8 +115,9 @@ class FlowPolicy:
     """
 
     def __init__(self, family, *, num_steps: int = 10, eval_num_steps: int = 10, resolution: int = 32,
-                 sde: str = "flow_grpo", noise_level: float = 0.7, guidance_scale: float = 4.5,
-                 negative_prompt: str = "", train_steps: str = "fraction", timestep_fraction: float = 0.99,
+                 sde: str = "flow_grpo", noise_level: float | None = None, guidance_scale: float = 4.5,
+                 negative_prompt: str = "", cfg_detach_uncond: bool = True, train_steps: str = "fraction",
+                 timestep_fraction: float = 0.99,
                  window_size: int = 2, window_shift_every: int = 1, share_group_noise: bool = False,
                  lora: dict | None = None, gradient_checkpointing: bool = False, sample_batch_size: int = 16,
                  time_shift: float | None = None, noise_schedule: list[float] | None = None,
@@ -134,8 +139,11 @@ class FlowPolicy:
         self.eval_num_steps = eval_num_steps
         self.resolution = resolution  # checked by the family (the setter below)
         self.sde = sde
-        self.noise_level = noise_level
+        if sde not in DEFAULT_NOISE_LEVELS:
+            raise ValueError(f"unknown sde {sde!r}; expected one of {', '.join(DEFAULT_NOISE_LEVELS)}")
+        self.noise_level = DEFAULT_NOISE_LEVELS[sde] if noise_level is None else noise_level
         self.guidance_scale = guidance_scale
+        self.cfg_detach_uncond = cfg_detach_uncond
         self.plan_kwargs = dict(mode=train_steps, timestep_fraction=timestep_fraction, window_size=window_size,
                                 shift_every=window_shift_every)
         if train_steps == "entropy_merge":  # E-GRPO: merge consecutive low-entropy steps (schedule.plan_steps)
@@ -149,7 +157,7 @@ class FlowPolicy:
                 raise ValueError(f"sampling.noise_schedule has {len(noise_schedule)} levels for {num_steps} steps")
             self.step_noise_levels = torch.tensor([float(v) for v in noise_schedule])
         else:
-            self.step_noise_levels = torch.full((num_steps,), float(noise_level))
+            self.step_noise_levels = torch.full((num_steps,), float(self.noise_level))
         #: keep the one-step predictions x0 = x - sigma v of every step (intermediate rewards in x0 mode)
         self.keep_x0 = keep_x0
         self.sample_batch_size = sample_batch_size
@@ -332,7 +340,8 @@ class FlowPolicy:
         return torch.randn((n, *shape), generator=generator)
 
     def _velocity(self, model, x: Tensor, step: Tensor, timesteps: Tensor, cond: dict[str, Tensor]) -> Tensor:
-        return self.family.velocity(model, x, timesteps[step], cond, self._negative, self.guidance_scale)
+        return self.family.velocity(model, x, timesteps[step], cond, self._negative, self.guidance_scale,
+                                    detach_uncond=self.cfg_detach_uncond)
 
     @torch.no_grad()
     def rollout(self, prompts: list, group_size: int, *, generator: torch.Generator, update: int = 0,

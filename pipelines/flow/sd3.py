@@ -78,13 +78,15 @@ class SD3Family:
         return scheduler.sigmas.float().clone(), scheduler.timesteps.float().clone()
 
     def velocity(self, model, latents: Tensor, timesteps: Tensor, cond: dict[str, Tensor],
-                 negative: dict[str, Tensor] | None, guidance_scale: float) -> Tensor:
+                 negative: dict[str, Tensor] | None, guidance_scale: float, *, detach_uncond: bool = True) -> Tensor:
         """The model's velocity ``v = eps - x0`` (fp32), with CFG in one batched forward when ``negative`` is given.
 
-        The unconditional half enters the guided velocity detached, as Flow-GRPO's training forward
-        (``scripts/train_sd3.py`` ``compute_log_prob``: ``noise_pred_uncond.detach()``) and its forks do: the values
-        are the same, and the policy gradient flows through the conditional branch only (``guidance_scale`` x its
-        gradient), not ``(1 - guidance_scale)`` x the unconditional one besides.
+        ``detach_uncond`` (``sampling.cfg_detach_uncond``): the unconditional half enters the guided velocity
+        detached, as Flow-GRPO's training forward from 2d76907 (``scripts/train_sd3.py`` ``compute_log_prob``:
+        ``noise_pred_uncond.detach()``) and the forks built on it do: the values are the same, and the policy gradient
+        flows through the conditional branch only (``guidance_scale`` x its gradient). False: through both halves,
+        ``(1 - guidance_scale)`` x the unconditional branch's gradient besides, as the newest Flow-GRPO
+        ``compute_log_prob`` (74db691, no detach) computes it.
 
         Inputs are cast to ``model``'s own dtype (:func:`~mmrl.pipelines.flow.policy.model_dtype`): the load dtype
         for a LoRA policy and for any reference, fp32 for a fully fine-tuned policy."""
@@ -102,7 +104,8 @@ class SD3Family:
         if negative is None:
             return out
         uncond, text = out.chunk(2)
-        uncond = uncond.detach()
+        if detach_uncond:
+            uncond = uncond.detach()
         return uncond + guidance_scale * (text - uncond)
 
     @torch.no_grad()
