@@ -245,7 +245,7 @@ def _build_policy(config: Config, device: torch.device | str = "cpu"):
         noise_level=s.noise_level, guidance_scale=s.guidance_scale, negative_prompt=s.negative_prompt,
         cfg_detach_uncond=s.cfg_detach_uncond,
         train_steps=s.train_steps, timestep_fraction=s.timestep_fraction, window_size=s.window_size,
-        window_shift_every=s.window_shift_every, share_group_noise=s.share_group_noise, lora=lora,
+        window_shift_every=s.window_shift_every, window_range=s.window_range, share_group_noise=s.share_group_noise, lora=lora,
         gradient_checkpointing=m.gradient_checkpointing, time_shift=s.time_shift,
         noise_schedule=list(s.noise_schedule) or None,
         keep_x0=s.intermediate == "x0" and any("intermediate_images" in v.needs for v in build_variants(config)),

@@ -124,6 +124,10 @@ class SamplingConfig:
                                    "(to sigma 0) is never trained: 1.0 trains T-1 steps where Flow-GRPO's script "
                                    "would train all T (mmrl's rule); a fraction that trains no step is an error.")
     window_size: int = opt(2, "SDE window length W for the window modes (Flow-GRPO-Fast 2-3, MixGRPO 4).")
+    window_range: list | None = opt(None, "random_window: [lo, hi], the window's steps lie in lo..hi-1, its start "
+                                    "drawn uniformly from lo..hi-W (Flow-GRPO-Fast's sample.sde_window_range). null: "
+                                    "[0, num_steps // 2], the first half (its recipes' setting). hi is at most "
+                                    "num_steps - 1: the last step is never trained (mmrl's rule).")
     window_shift_every: int = opt(1, "MixGRPO: the window moves forward one step every this many updates.")
     merge_threshold: float | None = opt(None, "entropy_merge: entropy per dimension (nats) a merged step must reach; "
                                         "consecutive steps below it are merged (mmrl.core.credit."
@@ -891,6 +895,16 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         if s.window_size > trainable:
             raise ConfigError(f"sampling.window_size={s.window_size} is longer than the {trainable} trainable steps "
                               f"of a {s.num_steps}-step schedule (the last step is never trained)")
+    if s.window_range is not None:
+        from mmrl.pipelines.flow.schedule import check_window_range
+
+        if s.train_steps != "random_window":
+            raise ConfigError(f"sampling.window_range is where train_steps=random_window draws its window; with "
+                              f"train_steps={s.train_steps} leave it null")
+        try:
+            check_window_range(s.window_range, s.window_size, s.num_steps)
+        except ValueError as exc:
+            raise ConfigError(f"sampling.window_range: {exc}") from None
     if s.train_steps in ("fraction", "random_fraction") and config.model.family != "qwen_vl":
         base = s.num_steps if s.train_steps == "fraction" else s.num_steps - 1
         if int(base * s.timestep_fraction) < 1:

@@ -135,6 +135,9 @@ RANGE_ERRORS = [
     (["rewards={box_coordinate: 1}"], r"reward 'box_coordinate' needs the argument\(s\) coordinate"),
     (["rewards={brightness: {weight: 1, kwargs: [1]}}"], "kwargs must be a mapping"),
     (["output_dir=''"], "output_dir must not be empty"),
+    (["sampling.train_steps=random_window", "sampling.window_range=[0, 10]"],
+     r"sampling.window_range: \[0, 10\] must lie in 0..9"),
+    (["sampling.window_range=[0, 2]"], "sampling.window_range is where train_steps=random_window draws its window"),
     (["sampling.guidance_scale=1.0", "sampling.cfg_detach_uncond=false"],
      "cfg_detach_uncond: false changes the gradient of classifier-free guidance's unconditional half"),
 ]

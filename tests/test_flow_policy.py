@@ -174,6 +174,24 @@ def test_random_plans_are_seeded_and_in_range():
         plan_steps("random_window", 4, window_size=4)
 
 
+def test_window_range_is_where_the_fast_window_starts(tiny_sd3):
+    """sampling.window_range [lo, hi]: Flow-GRPO-Fast's sde_window_range, start uniform in lo..hi-W (its
+    random.randint(lo, hi - W)); the default is the first half, [0, S // 2]; the built policy draws from it."""
+    def starts(**kwargs):
+        return {plan_steps("random_window", 10, window_size=2, generator=torch.Generator().manual_seed(seed),
+                           **kwargs).train[0].item() for seed in range(200)}
+
+    assert starts() == {0, 1, 2, 3} == starts(window_range=[0, 5])
+    assert starts(window_range=[2, 7]) == {2, 3, 4, 5}
+    assert starts(window_range=[0, 9]) == set(range(8))  # up to step 8: the last step (9) is never trained
+    for bad, message in [([0, 10], "must lie in 0..9"), ([3, 4], "holds no window of 2"), ([1], "expected")]:
+        with pytest.raises(ValueError, match=message):
+            plan_steps("random_window", 10, window_size=2, window_range=bad)
+    policy = make_policy(tiny_sd3, train_steps="random_window", window_size=2, window_range=[3, 5])
+    rollout = policy.rollout(["a cat"], 1, generator=torch.Generator().manual_seed(0))
+    assert rollout.plan.train.tolist() == [3, 4] and rollout.plan.sde.tolist() == [False] * 3 + [True] * 2 + [False]
+
+
 # ------------------------------------------------------------------------------------------- negative prompt
 
 

@@ -118,7 +118,8 @@ class FlowPolicy:
                  sde: str = "flow_grpo", noise_level: float | None = None, guidance_scale: float = 4.5,
                  negative_prompt: str = "", cfg_detach_uncond: bool = True, train_steps: str = "fraction",
                  timestep_fraction: float = 0.99,
-                 window_size: int = 2, window_shift_every: int = 1, share_group_noise: bool = False,
+                 window_size: int = 2, window_shift_every: int = 1, window_range: list[int] | None = None,
+                 share_group_noise: bool = False,
                  lora: dict | None = None, gradient_checkpointing: bool = False, sample_batch_size: int = 16,
                  time_shift: float | None = None, noise_schedule: list[float] | None = None,
                  keep_x0: bool = False, merge_threshold: float | None = None, merge_groups: int | None = None,
@@ -145,7 +146,7 @@ class FlowPolicy:
         self.guidance_scale = guidance_scale
         self.cfg_detach_uncond = cfg_detach_uncond
         self.plan_kwargs = dict(mode=train_steps, timestep_fraction=timestep_fraction, window_size=window_size,
-                                shift_every=window_shift_every)
+                                shift_every=window_shift_every, window_range=window_range)
         if train_steps == "entropy_merge":  # E-GRPO: merge consecutive low-entropy steps (schedule.plan_steps)
             self.plan_kwargs.update(merge_threshold=merge_threshold, merge_groups=merge_groups)
         self.share_group_noise = share_group_noise

@@ -14,8 +14,9 @@ Modes:
   update (the anchor draws one per sample), so the trained steps batch across samples; the expected gradient is
   the same.
 * ``random_window`` -- Flow-GRPO-Fast: a window of ``W`` consecutive SDE steps whose start is drawn
-  uniformly from ``0..max(0, S//2 - W)`` (so the window lies in the first half of the schedule), ODE
-  elsewhere; only the window is trained.
+  uniformly from ``lo..hi-W`` of ``window_range`` ``[lo, hi]`` (its ``sample.sde_window_range``; default
+  ``[0, S//2]``, so the window lies in the first half of the schedule, as its recipes set), ODE elsewhere; only
+  the window is trained. ``hi`` is at most ``S - 1`` (mmrl's rule: the last step is never trained).
 * ``sliding_window`` -- MixGRPO (Li et al. 2025, arXiv 2507.21802): a window of ``W`` SDE steps starting at
   ``(update // shift_every) % (S - W)``, i.e. moving forward one step every ``shift_every`` updates and
   wrapping; ODE elsewhere; only the window is trained.
@@ -38,6 +39,7 @@ Modes:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +55,22 @@ class StepPlan:
     sigma_index: torch.Tensor | None = None
 
 
+def check_window_range(window_range: Sequence[int], window_size: int, num_steps: int) -> tuple[int, int]:
+    """``(lo, hi)`` of a ``random_window`` range ``[lo, hi]``, or a ValueError saying what is wrong: two whole
+    numbers with ``0 <= lo``, ``hi <= num_steps - 1`` (the last step is never trained) and room for the window
+    (``hi - lo >= window_size``)."""
+    values = list(window_range) if isinstance(window_range, (list, tuple)) else None
+    if values is None or len(values) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"expected [lo, hi], two whole numbers, got {window_range!r}")
+    low, high = values
+    if low < 0 or high > num_steps - 1:
+        raise ValueError(f"[{low}, {high}] must lie in 0..{num_steps - 1} (the last of the {num_steps} steps is never "
+                         f"trained)")
+    if high - low < window_size:
+        raise ValueError(f"[{low}, {high}] holds no window of {window_size} steps (need hi - lo >= window_size)")
+    return low, high
+
+
 def plan_steps(
     mode: str,
     num_steps: int,
@@ -65,9 +83,11 @@ def plan_steps(
     step_noise_std: torch.Tensor | None = None,
     merge_threshold: float | None = None,
     merge_groups: int | None = None,
+    window_range: Sequence[int] | None = None,
 ) -> StepPlan:
     """The SDE/train plan of one update. ``generator`` drives the random modes (seed it per update).
-    ``entropy_merge`` needs ``step_noise_std`` (``[S]`` or ``[S-1]``, the SDE noise std of each fine step; only
+    ``random_window`` draws its start uniformly from ``lo..hi-W`` of ``window_range`` ``[lo, hi]`` (default
+    ``[0, S // 2]``). ``entropy_merge`` needs ``step_noise_std`` (``[S]`` or ``[S-1]``, the SDE noise std of each fine step; only
     steps ``0..S-2`` are used) and exactly one of ``merge_threshold`` / ``merge_groups``."""
     s = num_steps
     trainable = s - 1
@@ -105,8 +125,10 @@ def plan_steps(
         raise ValueError(f"window of {window_size} steps is longer than the {trainable} trainable steps of a "
                          f"{s}-step schedule")
     if mode == "random_window":
-        high = max(0, s // 2 - window_size)
-        start = int(torch.randint(0, high + 1, (1,), generator=generator).item())
+        # Flow-GRPO-Fast: start uniform in lo..hi-W of sample.sde_window_range (default the first half)
+        low, high = check_window_range(window_range, window_size, s) if window_range is not None else \
+            (0, max(window_size, s // 2))
+        start = int(torch.randint(low, high - window_size + 1, (1,), generator=generator).item())
     else:
         # MixGRPO's progressive window, always whole: W of the trainable steps 0..S-2, wrapping after S-W positions.
         # mmrl's rule. MixGRPO (grpo_states.py, --prog_overlap --roll_back) steps its start through 0..S-2 and
