@@ -257,7 +257,8 @@ class AlgorithmConfig:
                                   choices=("sum_then_normalize", "normalize_then_sum"))
     clamp_summed_advantage: bool = opt(False, "normalize_then_sum only: advantage_clamp applies to the weighted "
                                        "sum (MixGRPO's train_grpo_flux.py) instead of to each reward's advantage "
-                                       "(DanceGRPO's video script, the default).")
+                                       "(DanceGRPO's video script, the default). MixGRPO also divides its reward "
+                                       "weights by their sum: give weights summing to 1 to match it.")
     drop_zero_advantage: bool = opt(False, "Flow-GRPO's filter (scripts/train_sd3.py): before training, each "
                                     "process leaves out its samples whose advantage is 0 at every trained step, "
                                     "keeping randomly chosen ones back in until the kept count divides into the "

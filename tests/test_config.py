@@ -138,6 +138,8 @@ RANGE_ERRORS = [
     (["sampling.train_steps=random_window", "sampling.window_range=[0, 10]"],
      r"sampling.window_range: \[0, 10\] must lie in 0..9"),
     (["sampling.window_range=[0, 2]"], "sampling.window_range is where train_steps=random_window draws its window"),
+    (["sampling.train_steps=random_fraction", "algorithm.variants=[step_gain]"],
+     "its step gains need contiguous trained steps; sampling.train_steps=random_fraction"),
     (["sampling.guidance_scale=1.0", "sampling.cfg_detach_uncond=false"],
      "cfg_detach_uncond: false changes the gradient of classifier-free guidance's unconditional half"),
 ]

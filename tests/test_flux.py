@@ -110,12 +110,17 @@ def test_dance_time_shift_schedule_has_danceGRPO_integer_timesteps():
 
     from mmrl.pipelines.flow.policy import FlowPolicy
 
+    for steps in (10, 16, 25, 28, 50):
+        for shift in (1.0, 2.0, 3.0, 5.0):
+            sigmas, timesteps = FlowPolicy.schedule(SimpleNamespace(time_shift=shift), steps)
+            t = torch.linspace(1, 0, steps + 1)  # the anchor's float32 schedule
+            anchor = (shift * t) / (1 + (shift - 1) * t)
+            torch.testing.assert_close(sigmas, anchor, rtol=0, atol=0)
+            assert timesteps.tolist() == [float(int(s * 1000)) for s in anchor[:-1]], (steps, shift)
     sigmas, timesteps = FlowPolicy.schedule(SimpleNamespace(time_shift=3.0), 16)
-    t = torch.linspace(1, 0, 17)  # the anchor's float32 schedule
-    anchor = 3.0 * t / (1 + 2.0 * t)
-    torch.testing.assert_close(sigmas, anchor, rtol=0, atol=0)
-    assert timesteps.tolist() == [float(int(s * 1000)) for s in anchor[:-1]]
     assert timesteps[1].item() == 978.0 and sigmas[1].item() != 0.978  # 0.97826 -> 978
+    # float32 as the anchor: shift 3, 10 steps, step 3 is 0.87499994 -> 874 (the exact 0.875 would give 875)
+    assert FlowPolicy.schedule(SimpleNamespace(time_shift=3.0), 10)[1][3].item() == 874.0
 
 
 # ------------------------------------------------------------------------------ against diffusers

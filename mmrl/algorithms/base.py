@@ -429,6 +429,11 @@ def build_variants(config: Any) -> list[Variant]:
                                f"model.family={config.model.family}")
         if "intermediate_images" in v.needs and family != "flow":
             raise VariantError(f"variant {v.name!r} needs intermediate images (flow policies only)")
+        if "intermediate_images" in v.needs and config.sampling.train_steps == "random_fraction":
+            raise VariantError(f"variant {v.name!r} scores the image each trained step leads to, so its step gains "
+                               f"need contiguous trained steps; sampling.train_steps=random_fraction trains a random "
+                               f"subset, and each gain would include the untrained steps before it: use fraction, "
+                               f"random_window or sliding_window")
         if ("masked_logps" in v.needs or "perturbed_logps" in v.needs) and family != "vlm":
             raise VariantError(f"variant {v.name!r} needs grey-canvas log-probs (VLM policies only)")
         v.check(config)

@@ -886,8 +886,8 @@ def charades_sta_scores(
       its numbers.
 
     A GT that is missing or not a span with ``end > start`` is unjudged (left out, counted).
-    ``miou`` = mean tIoU over the kept queries (with one prediction per query; 2D-TAN's own mIoU
-    averages its top-3 proposals, which does not apply to a single answer).
+    ``miou`` = mean tIoU over the kept queries, one prediction per query (2D-TAN's ``eval.py`` takes the same
+    top-1 IoU: its ``np.sort(overlap[0])[-3:]`` is over the one IoU of the first prediction).
     Returns ``{"r1@0.3", "r1@0.5", "r1@0.7", "miou", "n", "num_unparseable", "num_unjudged",
     "num_gt_clipped", "tious"}``.
     """
@@ -1020,7 +1020,12 @@ def vsi_bench_scores(preds: Sequence[Any], gts: Sequence[Any]) -> dict[str, Any]
         scores.append(value)
     categories = {t: float(np.mean(v)) for t, v in per_type.items()}
     directions = [t for t in VSI_MCA_TYPES[:3] if t in categories]
-    if "object_rel_direction_easy" in categories:  # the official merges the three only when "easy" is there
+    # thinking-in-space's vsibench_aggregate_results always pops easy / medium / hard (missing as 0) and adds their
+    # sum / 3 as one category; on a full run (all three present) this is the same. mmrl's rule for a partial run
+    # (eval.limit, a subset): the merged category only when "easy" is there, and no zero category for direction
+    # questions never asked (the official would add one: counting 0.1 and route planning 1.0 alone read 0.367
+    # there, 0.55 here)
+    if "object_rel_direction_easy" in categories:
         categories["object_rel_direction"] = sum(categories.pop(t) for t in directions) / 3.0
     return {"overall": float(np.mean(list(categories.values()))) if categories else NAN,
             **{f"{t}": v for t, v in sorted(categories.items())},

@@ -305,11 +305,13 @@ class FlowPolicy:
         """``(sigmas [S+1], timesteps [S])``: the family scheduler's, or with ``time_shift`` set the shifted uniform
         schedule ``sigma = shift t / (1 + (shift - 1) t)`` on ``t = linspace(1, 0, S+1)`` (DanceGRPO's ``--shift``)
         with DanceGRPO's integer timesteps ``int(sigma * 1000)``: the transformer sees ``sigma`` truncated to three
-        decimals (0.978 for 0.97826), the SDE step the exact ``sigma``."""
+        decimals (0.978 for 0.97826), the SDE step the exact ``sigma``. Computed in float32 as there
+        (``sd3_time_shift(shift, torch.linspace(1, 0, S + 1))``), so the truncation falls the same way: at shift 3, 10
+        steps, step 3's sigma is 0.87499994 and its timestep 874, not the 875 of the exact 0.875."""
         if self.time_shift is None:
             return self.family.schedule(num_steps, self.resolution)
-        t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
-        sigmas = (self.time_shift * t / (1 + (self.time_shift - 1) * t)).float()
+        t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
+        sigmas = (self.time_shift * t) / (1 + (self.time_shift - 1) * t)
         return sigmas, torch.trunc(sigmas[:-1] * 1000.0)
 
     def _noise_levels(self, plan: StepPlan) -> Tensor:
