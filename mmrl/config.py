@@ -647,11 +647,27 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     return parsed
 
 
+#: ``model.family: qwen_vl``: the advantage and loss settings a config leaves out are TRL 1.16's ``GRPOConfig``
+#: defaults (``scale_rewards="group"``, the unbiased std, no clamp, ``epsilon=0.2``, ``loss_type="dapo"``); the
+#: dataclass defaults are Flow-GRPO's SD3.5 settings (clip 1e-4, batch std, clamp 5, ``grpo``), which would clip a
+#: VLM's second optimizer step at 1 +- 1e-4
+VLM_ALGORITHM_DEFAULTS: dict[str, Any] = {"scale": "group", "std_ddof": 1, "advantage_clamp": None, "clip_low": 0.2,
+                                          "aggregation": "dapo"}
+
+
+def _with_family_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with :data:`VLM_ALGORITHM_DEFAULTS` under the keys a ``qwen_vl`` config leaves out of ``algorithm``."""
+    model, algorithm = data.get("model"), data.get("algorithm", {})
+    if isinstance(model, dict) and model.get("family") == "qwen_vl" and isinstance(algorithm, dict):
+        data["algorithm"] = {**VLM_ALGORITHM_DEFAULTS, **algorithm}
+    return data
+
+
 def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None, *, check_files: bool = True) -> Config:
     data = dict(data or {})
     for key, value in parse_overrides(overrides or []):
         _set_dotted(data, key, value)
-    config = _build(Config, data)
+    config = _build(Config, _with_family_defaults(data))
     validate(config, check_files=check_files)
     return config
 

@@ -311,3 +311,23 @@ def test_output_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "afile").write_text("")
     with pytest.raises(ConfigError, match="is a file; name a folder"):
         load_config(TINY_RECIPE, [f"output_dir={tmp_path / 'afile'}"])
+
+
+def test_vlm_configs_take_trls_advantage_and_loss_defaults():
+    """model.family: qwen_vl: the algorithm keys a config leaves out are TRL 1.16's GRPOConfig defaults
+    (scale_rewards group, unbiased std, no clamp, epsilon 0.2, loss_type dapo), not Flow-GRPO's clip 1e-4; a key the
+    config or an override sets wins; flow configs keep the dataclass (Flow-GRPO) defaults."""
+    from mmrl.config import config_from_dict
+
+    vlm = {"model": {"family": "qwen_vl", "pretrained": "tiny:qwen2_5_vl"}, "rewards": {"iou": 1.0},
+           "data": {"dataset": "tiny:grounding"}}
+    a = config_from_dict(vlm, check_files=False).algorithm
+    assert (a.scale, a.std_ddof, a.advantage_clamp, a.clip_low, a.clip_high, a.aggregation, a.eps) == \
+        ("group", 1, None, 0.2, None, "dapo", 1e-4)
+    a = config_from_dict({**vlm, "algorithm": {"clip_low": 0.3}}, ["algorithm.aggregation=grpo"],
+                         check_files=False).algorithm
+    assert (a.clip_low, a.aggregation, a.scale) == (0.3, "grpo", "group")
+    flow = config_from_dict({"rewards": {"brightness": 1.0}, "data": {"prompt_list": ["a cat"]}},
+                            check_files=False).algorithm
+    assert (flow.scale, flow.std_ddof, flow.advantage_clamp, flow.clip_low, flow.aggregation) == \
+        ("batch", 0, 5.0, 1e-4, "grpo")
