@@ -447,6 +447,12 @@ def import_attribute(spec: str) -> Any:
         raise ValueError(f"cannot import {attr!r} from {module!r} ({exc})") from None
 
 
+#: fields of the shared sections that one family reads and the other ignores (a set one is warned about)
+VLM_ONLY_FIELDS = {"data": ("dataset", "skip_bad_samples"),
+                   "model": ("freeze_vision", "attn_implementation", "share_prompt_prefix")}
+FLOW_ONLY_FIELDS = {"data": ("prompts", "prompt_list", "eval_prompts", "eval_seeds"), "model": ("resolution",)}
+
+
 def _changed_fields(section: Any) -> list[str]:
     """The fields of a config section whose values differ from their defaults."""
     defaults = type(section)()
@@ -950,6 +956,12 @@ def validate(config: Config, *, check_files: bool = True) -> None:
             "%s ignored: %s applies to %s; a %s policy %s", ", ".join(f"{other}.{k}" for k in changed),
             f"{other}.*", "VLM policies (model.family: qwen_vl)" if flow else "flow policies (sd3, flux)", m.family,
             "samples with sampling.*" if flow else "generates with generation.*")
+    foreign = [f"{section}.{key}" for section, keys in (VLM_ONLY_FIELDS if flow else FLOW_ONLY_FIELDS).items()
+               for key in keys if key in _changed_fields(getattr(config, section))]
+    if foreign:  # the same for the fields of the shared sections that only the other family reads
+        logger.warning("%s ignored: %s read by %s only; this is a %s run", ", ".join(foreign),
+                       "it is" if len(foreign) == 1 else "they are",
+                       "VLM policies (model.family: qwen_vl)" if flow else "flow policies (sd3, flux)", m.family)
     if config.model.family == "qwen_vl":
         if d.dataset is None:
             raise ConfigError("data.dataset: a VLM run needs a JSONL dataset (see mmrl.data.vlm)")

@@ -16,9 +16,12 @@ piece of loop state is in the checkpoint, so ``2 steps + resume + 2 steps`` equa
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
+import os
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -40,7 +43,7 @@ from mmrl.distributed import (broadcast_from_main, check_engine, configure_deeps
                               is_zero3, load_full_optimizer_state)
 from mmrl.ema import EMA
 from mmrl.health import RunHealth
-from mmrl.data.prompts import EmptyBatchError, PromptSource
+from mmrl.data.prompts import DataError, EmptyBatchError, PromptSource
 from mmrl.tracking import MetricsLogger, make_grid_image
 
 logger = logging.getLogger(__name__)
@@ -894,6 +897,8 @@ class Trainer:
         samples.mkdir(parents=True, exist_ok=True)
         prompts = [item if isinstance(item, str) else getattr(item, "prompt", None) or item.question for item in items]
         metadata = [{} if isinstance(item, str) else dict(item.metadata) for item in items]
+        if hasattr(outputs, "prompts"):  # text answers name the items answered (a skipped bad item has none)
+            prompts, metadata = list(outputs.prompts), list(outputs.metadata)
         if isinstance(outputs, torch.Tensor):
             grid = make_grid_image(outputs, rows=len(items))
             grid.save(samples / f"step_{self.update}.png")
@@ -1052,7 +1057,49 @@ class Trainer:
         flag = torch.tensor(float(getattr(self, "stop_signal", None) is not None), device=acc.device)
         return float(acc.reduce(flag, reduction="max") if acc.num_processes > 1 else flag) > 0
 
+    def _lock_output_dir(self):
+        """An exclusive lock on ``output_dir`` for this run (``fcntl.flock`` on ``output_dir/.mmrl-train.lock``, taken
+        by the main process, released when the run ends or its process dies, even by SIGKILL), so a second
+        ``mmrl train`` on the same folder stops with one line instead of resuming from, and writing over, the
+        checkpoints of the first. Returns the open lock file (None where ``fcntl`` does not exist)."""
+        acc = self.accelerator
+        handle, holder = None, ""
+        if acc.is_main_process:
+            try:
+                import fcntl
+            except ImportError:  # not on POSIX: no lock
+                fcntl = None
+            if fcntl is not None:
+                self.output_dir.mkdir(parents=True, exist_ok=True)
+                handle = open(self.output_dir / ".mmrl-train.lock", "a+")
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    handle.seek(0)
+                    handle.truncate()
+                    handle.write(f"{os.getpid()}\n")
+                    handle.flush()
+                except OSError:
+                    handle.seek(0)
+                    holder = handle.read().strip() or "?"
+                    handle.close()
+                    handle = None
+        busy = torch.tensor(float(bool(holder)), device=acc.device)
+        if acc.num_processes > 1:  # every process stops together
+            busy = acc.reduce(busy, reduction="max")
+        if float(busy) > 0:
+            raise ConfigError(f"{self.output_dir} is being trained by another mmrl train (process {holder or '?'}): "
+                              f"wait for it to end, or choose another output_dir (nothing was touched)")
+        return handle
+
     def train(self) -> list[dict[str, float]]:
+        lock = self._lock_output_dir()
+        try:
+            return self._train()
+        finally:
+            if lock is not None:
+                lock.close()  # releases the flock
+
+    def _train(self) -> list[dict[str, float]]:
         c, acc = self.config, self.accelerator
         if not c.resume and latest_checkpoint(self.output_dir / "checkpoints") is not None:
             raise ConfigError(f"{self.output_dir} already holds a run with checkpoints: set resume=auto to continue it "
@@ -1094,7 +1141,12 @@ class Trainer:
             elif c.eval.every:  # resumed: the untrained model's numbers as the first run logged them
                 self.initial_eval = self._logged_initial_eval()
             while self.update < c.train.steps:
-                metrics = self.step()
+                data_state = copy.deepcopy(self.prompts.state_dict())
+                try:
+                    metrics = self.step()
+                except DataError as exc:  # a bad line met mid-run: keep the updates done so far
+                    self._save_before_bad_data(data_state, exc)
+                    raise
                 if c.logging.eval_every and self.update % c.logging.eval_every == 0:
                     metrics.update(self._evaluate())
                 if c.eval.every and self.update % c.eval.every == 0:
@@ -1127,6 +1179,24 @@ class Trainer:
             if self.logger is not None:
                 self.logger.close()
         return history
+
+    def _save_before_bad_data(self, data_state: dict, exc: DataError) -> None:
+        """A data error (a sample whose image or video does not decode, a prompt over the length budget) stopped the
+        update after ``self.update``: the weights are still those of that update, so checkpoint them (with the data
+        position before the failed update, so a resume meets the same samples) unless a checkpoint of it exists, and
+        say how to go on. Single process only: elsewhere the other processes wait in a collective."""
+        c, acc = self.config, self.accelerator
+        folder = self.output_dir / "checkpoints" / f"step_{self.update}"
+        if acc.num_processes > 1 or self.update == 0:
+            return
+        if not folder.exists():
+            self.prompts.load_state_dict(data_state)
+            self.save()
+        hint = "" if c.data.skip_bad_samples else " or set data.skip_bad_samples: true (skipped samples are counted)"
+        print(f"mmrl: update {self.update + 1} of {c.train.steps} stopped on bad data ({' '.join(str(exc).split())}); "
+              f"checkpoint {folder} holds update {self.update}. Fix the data (`mmrl config validate "
+              f"{self.output_dir / 'config.yaml'}` decodes every image and video){hint}, then `mmrl train "
+              f"{self.output_dir / 'config.yaml'} resume=auto` continues from it", file=sys.stderr, flush=True)
 
     def _warn(self, message: str) -> None:
         """A run-health warning, printed on the main process (above the progress bar); ``health/*`` metrics log it."""

@@ -831,13 +831,17 @@ class RemoteReward(Reward):
 
     def _post_score(self, body: bytes, headers: dict, n: int) -> tuple[dict[str, torch.Tensor], dict, dict]:
         answer = self._request("/score", body, headers)
-        scores = answer.get("scores")
+        scores = answer.get("scores") if isinstance(answer, dict) else None
         if not isinstance(scores, dict) or "total" not in scores:
             raise RewardServerError(f"reward server {self.url} answered without scores: {str(answer)[:200]}")
         out = {}
         for key, values in scores.items():
             if not isinstance(values, list) or len(values) != n:
                 raise RewardServerError(f"reward server {self.url} returned {key!r} with a wrong length")
+            bad = [v for v in values if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))]
+            if bad:
+                raise RewardServerError(f"reward server {self.url} returned {key!r} with values that are not numbers "
+                                        f"or null, e.g. {bad[0]!r}")
             out[key] = torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float32)
         spans = answer.get("spans") or {}
         if not isinstance(spans, dict) or any(not isinstance(v, list) or len(v) != n for v in spans.values()):

@@ -187,6 +187,14 @@ def test_the_section_the_other_family_reads_is_named_as_ignored(caplog):
         load_config(TINY_RECIPE, ["generation.temperature=1.0"], check_files=False)  # the default: not set
         load_config(VLM, ["generation.temperature=0.5"], check_files=False)
     assert "ignored" not in caplog.text
+    # the fields of the shared sections that only the other family reads
+    with caplog.at_level("WARNING", logger="mmrl.config"):
+        load_config(TINY_RECIPE, ["data.dataset=tiny:grounding", "model.attn_implementation=sdpa"], check_files=False)
+    assert "data.dataset, model.attn_implementation ignored: they are read by VLM policies" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mmrl.config"):
+        load_config(VLM, ["data.prompt_list=[a cat]", "model.resolution=64"], check_files=False)
+    assert "data.prompt_list, model.resolution ignored: they are read by flow policies" in caplog.text
 
 
 def test_every_numeric_field_has_a_range_check_or_is_unbounded():

@@ -288,3 +288,13 @@ def test_a_json_prompt_file_or_a_folder_is_named(tmp_path):
     (tmp_path / "folder").mkdir()
     with pytest.raises(DataError, match="is a folder, not a prompt file"):
         read_prompts(tmp_path / "folder")
+    (tmp_path / "p.csv").write_text("prompt\na red apple\n")  # the header would be trained on as a prompt
+    with pytest.raises(DataError, match=r"p.csv: a .csv file; prompt files are .txt"):
+        read_prompts(tmp_path / "p.csv")
+
+
+def test_an_empty_jsonl_prompt_is_a_data_error_as_in_prompt_list(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a cat"}\n{"prompt": "   "}\n')
+    with pytest.raises(DataError, match=r"p.jsonl:2: an empty 'prompt'"):
+        read_prompts(path)

@@ -483,3 +483,16 @@ def test_a_missing_or_altered_shipped_benchmark_file_is_one_line(config_file, ca
     assert main(args) == 2
     one_error(capsys, "not the version of the ocr file mmrl pins", "sha256")
     assert not (tmp_path / "out").exists()
+
+
+def test_base_results_go_to_the_run_folder_named_not_the_configs_output_dir(tmp_path):
+    """A copied run with no checkpoint: `mmrl eval COPY` writes COPY/eval/base, not into the folder its config.yaml
+    names as output_dir (the original run's); a config file alone still writes under its output_dir."""
+    from types import SimpleNamespace
+
+    from mmrl.eval.runner import _Checkpoint, default_output_dir
+
+    options, cfg = SimpleNamespace(output_dir=None, ema=True), SimpleNamespace(output_dir=str(tmp_path / "original"))
+    base = _Checkpoint(None, None)
+    assert default_output_dir(options, base, cfg, tmp_path / "copy") == tmp_path / "copy" / "eval" / "base"
+    assert default_output_dir(options, base, cfg) == tmp_path / "original" / "eval" / "base"

@@ -475,3 +475,18 @@ def test_remote_rewards_are_found_inside_compositions_and_routes():
     with pytest.raises(RewardServerError, match=rf"^rewards\.judge: reward server {url}/health"):
         probe_remote_rewards(composed)
     assert probe_remote_rewards(build_rewards({"brightness": 1.0})) == 0
+
+
+@pytest.mark.parametrize("answer, words", [
+    ({"scores": {"total": ["high", 0.5]}}, "returned 'total' with values that are not numbers or null, e.g. 'high'"),
+    ({"scores": {"total": [True, 0.5]}}, "not numbers or null, e.g. True"),
+    ([1, 2], "answered without scores: [1, 2]"),
+])
+def test_a_malformed_score_answer_is_one_clear_error(answer, words):
+    """A server answering a string score or a JSON list: a RewardServerError naming the server, not a ValueError or
+    AttributeError from inside the client."""
+    remote = RemoteReward(f"http://{LOOPBACK}:1", retries=0)
+    remote._request = lambda path, body, headers: answer
+    with pytest.raises(RewardServerError) as err:
+        remote._post_score(b"", {}, 2)
+    assert words in str(err.value) and f"http://{LOOPBACK}:1" in str(err.value)

@@ -335,3 +335,24 @@ def test_cfg_detach_uncond_reaches_the_policys_training_forward(tmp_path, tiny_p
     both = build_trainer(load_config(TINY_RECIPE, [f"output_dir={tmp_path / 'b'}", *args,
                                                    "sampling.cfg_detach_uncond=false"])).policy
     assert both.cfg_detach_uncond is False and both.guidance_scale > 1
+
+
+def test_a_second_train_on_a_busy_output_dir_stops_with_one_line(tmp_path, tiny_path, capsys):
+    """Another mmrl train holds output_dir's lock (an flock, here taken by this test): the run stops with exit 2 and
+    one line, writing nothing; once the lock is released the same command trains."""
+    import fcntl
+
+    run = tmp_path / "run"
+    run.mkdir()
+    args = ["train", str(TINY_RECIPE), f"output_dir={run}", f"model.pretrained={tiny_path}", *TINY, "train.steps=1",
+            "logging.progress_bar=false", "logging.tensorboard=false", "logging.eval_every=0"]
+    with open(run / ".mmrl-train.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("12345\n")
+        held.flush()
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "is being trained by another mmrl train (process 12345)" in err
+        assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
+    assert main(args) == 0  # the holder is gone
+    assert [m["step"] for m in metrics_rows(run)] == [1]

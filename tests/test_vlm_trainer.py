@@ -417,3 +417,49 @@ def test_sampler_correction_needs_the_vllm_engine():
         load_config(REPO / "configs/tiny/vlm_grounding.yaml", ["algorithm.sampler_correction_max=2.0"])
     with pytest.raises(ConfigError, match="sampler_correction_min must be"):
         load_config(REPO / "configs/tiny/vlm_grounding.yaml", ["algorithm.sampler_correction_min=5.0"])
+
+
+def _grounding_lines_with_a_long_question(tmp_path, row: int) -> Path:
+    """The first 6 lines of tiny:grounding (absolute image paths), line ``row``'s question far over 512 tokens."""
+    from mmrl.data.synthetic import resolve_dataset
+
+    source = Path(resolve_dataset("tiny:grounding"))
+    rows = [json.loads(line) for line in source.read_text().splitlines()][:6]
+    for r in rows:
+        r["image"] = str(source.parent / r["image"])
+    rows[row]["question"] = "where " * 3000
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return data
+
+
+def test_a_bad_line_met_mid_run_keeps_the_updates_done(tmp_path, capsys):
+    """A prompt over generation.max_prompt_length met at update 3 (the startup check does not tokenize): the run
+    stops with one line saying what to do, and a checkpoint of update 2 is written (save_every would have written
+    none), at the data position before update 3, so resume=auto meets the same line again."""
+    data = _grounding_lines_with_a_long_question(tmp_path, 4)  # the first line of update 3 (2 per update, in order)
+    run = tmp_path / "run"
+    args = ["train", str(REPO / "configs/tiny/vlm_grounding.yaml"), f"output_dir={run}", *FAST, "train.steps=4",
+            f"data.dataset={data}", "data.shuffle=false", "logging.save_every=0", "logging.eval_every=0"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "update 3 of 4 stopped on bad data" in err and "resume=auto" in err and "skip_bad_samples" in err
+    assert "mmrl: error: prompt longer than generation.max_prompt_length" in err
+    assert [m["step"] for m in _metrics(run)] == [1, 2]
+    state = json.loads((run / "checkpoints" / "step_2" / "state.json").read_text())
+    assert state["update"] == 2 and state["data"]["position"] == 4
+
+
+def test_a_skipped_evaluation_item_leaves_the_evaluation_aligned(tmp_path):
+    """data.skip_bad_samples with a bad line among the evaluation items (the first num_eval_prompts lines): the
+    greedy evaluation answers the others, each scored against its own item (before, the answers and the items were
+    zipped out of step and the reward refused the counts)."""
+    data = _grounding_lines_with_a_long_question(tmp_path, 0)
+    run = tmp_path / "run"
+    assert main(["train", str(REPO / "configs/tiny/vlm_grounding.yaml"), f"output_dir={run}", *FAST, "train.steps=1",
+                 f"data.dataset={data}", "data.shuffle=false", "data.skip_bad_samples=true", "logging.eval_every=1",
+                 "data.num_eval_prompts=3"]) == 0
+    rows = [json.loads(line) for line in (run / "samples" / "step_1.jsonl").read_text().splitlines()]
+    questions = [json.loads(line)["question"] for line in data.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == questions[1:3]
+    assert math.isfinite(_metrics(run)[0]["eval/reward/total"])

@@ -54,9 +54,9 @@ def iter_prompt_file(path: str | Path):
         raise DataError(f"{path} is a folder, not a prompt file")
     if not path.is_file():
         raise DataError(f"prompt file not found: {path}")
-    if path.suffix.lower() == ".json":  # one JSON document would be read as lines of text
-        raise DataError(f"{path}: a .json file; prompt files are .txt (one prompt per line) or .jsonl (one object "
-                        f"with a 'prompt' per line)")
+    if path.suffix.lower() in (".json", ".csv", ".tsv"):  # read as lines of text, a header would become a prompt
+        raise DataError(f"{path}: a {path.suffix.lower()} file; prompt files are .txt (one prompt per line) or .jsonl "
+                        f"(one object with a 'prompt' per line)")
     jsonl = path.suffix.lower() == ".jsonl"
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
@@ -82,6 +82,9 @@ def iter_prompt_file(path: str | Path):
                 yield where, None, f"expected an object with a string 'prompt' field, got {got}"
                 continue
             prompt = record.pop("prompt")
+            if not prompt.strip():  # data.prompt_list refuses an empty prompt too
+                yield where, None, "an empty 'prompt' (a blank prompt has nothing to condition on)"
+                continue
             yield where, PromptItem(prompt.strip(), record), None
 
 

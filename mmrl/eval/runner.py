@@ -878,19 +878,20 @@ def run_eval(config: str | Path, args: Sequence[str] = (), *, echo: Callable[[st
     run_dir = run_dir or Path(cfg.output_dir)  # the run this config trains
     plans = plan_benchmarks(cfg, options)
     ckpt = _resolve_checkpoint(options, run_dir)
-    out = default_output_dir(options, ckpt, cfg)
+    out = default_output_dir(options, ckpt, cfg, run_dir)
     return _run(cfg, options, overrides, plans, ckpt, out, config_file, echo=echo, started=started)
 
 
-def default_output_dir(options, ckpt: "_Checkpoint", cfg) -> Path:
+def default_output_dir(options, ckpt: "_Checkpoint", cfg, run_dir: Path | None = None) -> Path:
     """``output_dir=``, else ``RUN/eval/<checkpoint>`` (``-no_ema`` when its EMA weights are not used), else
-    ``<config output_dir>/eval/base``."""
+    ``<run_dir>/eval/base``: the run folder named on the command line (a copied run writes into its copy), else the
+    config's ``output_dir``."""
     if options.output_dir is not None:
         return Path(options.output_dir)
     if ckpt.path is not None:
         no_ema = (ckpt.path / "ema.pt").is_file() and not options.ema
         return ckpt.run_dir / "eval" / (ckpt.path.name + ("-no_ema" if no_ema else ""))
-    return Path(cfg.output_dir) / "eval" / "base"
+    return Path(run_dir or cfg.output_dir) / "eval" / "base"
 
 
 def open_output_dir(out: Path, generator: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict]]:

@@ -763,7 +763,7 @@ def run_vlm_eval(config: str | Path, args: Sequence[str] = (), *, echo: Callable
     run_dir = run_dir or Path(cfg.output_dir)
     plans = plan_vlm_eval(cfg, options)
     ckpt = _resolve_checkpoint(options, run_dir)
-    out = default_output_dir(options, ckpt, cfg)
+    out = default_output_dir(options, ckpt, cfg, run_dir)
     return _run(cfg, options, overrides, plans, ckpt, out, config_file, echo=echo, started=started)
 
 

@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 
 from mmrl.core.losses import k3_kl
+from mmrl.data.prompts import DataError
 from mmrl.distributed import full_weights, weights_partitioned
 from mmrl.data.prompts import EmptyBatchError
 
@@ -63,8 +64,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 LANGUAGE_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-class PromptTooLongError(ValueError):
-    """A prompt (vision tokens included) longer than generation.max_prompt_length."""
+class PromptTooLongError(DataError):
+    """A prompt (vision tokens included) longer than generation.max_prompt_length (a data error: printed as one line,
+    and a run stopped by it keeps its completed updates)."""
 
 
 @dataclass
@@ -1165,9 +1167,20 @@ class QwenVLPolicy:
         return spans_to_token_mask(self.tokenizer, rollout.completion_ids, rollout.mask, rollout.completions, spans)
 
     @torch.no_grad()
-    def sample_eval(self, items: list, seeds: list[int] | None = None) -> list[str]:
-        """Greedy answers for evaluation items (``seeds`` unused: decoding is deterministic)."""
-        return self.rollout(items, 1, generator=torch.Generator().manual_seed(0), greedy=True).completions
+    def sample_eval(self, items: list, seeds: list[int] | None = None) -> "EvalAnswers":
+        """Greedy answers for evaluation items (``seeds`` unused: decoding is deterministic), with the questions and
+        metadata of the items answered: under ``data.skip_bad_samples`` an item whose media do not load is left
+        out, so the answers may be fewer than the items."""
+        rollout = self.rollout(items, 1, generator=torch.Generator().manual_seed(0), greedy=True)
+        return EvalAnswers(rollout.completions, rollout.prompts, rollout.metadata)
+
+
+class EvalAnswers(list):
+    """Greedy answers (a list of str) with ``prompts`` and ``metadata``, one per answer (:meth:`sample_eval`)."""
+
+    def __init__(self, answers: list[str], prompts: list[str], metadata: list[dict]):
+        super().__init__(answers)
+        self.prompts, self.metadata = list(prompts), [dict(m) for m in metadata]
 
 
 def _per_item_deepstack(out, n: int, *, detach: bool = True) -> list[list[Tensor]]:
