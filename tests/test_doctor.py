@@ -109,3 +109,56 @@ def test_doctor_compares_a_rollout_engine_with_the_trained_model(tmp_path, monke
     monkeypatch.setattr(QwenVLPolicy, "rollout", engine_rollout(0.5))
     bad = by_name(run_doctor(load_config(recipe, [f"output_dir={tmp_path}"])))["rollout_engine_matches_trainer"]
     assert not bad.ok and "= 0.5" in bad.figure
+
+
+def test_doctor_runs_the_trainers_mixed_precision_and_keeps_checking_after_a_crash(tmp_path, monkeypatch):
+    """train.mixed_precision=bf16: the doctor replays under the trainer's autocast (one context per pass: autocast
+    caches its weight casts within a context, which hid the perturbed weights, KL 0 after perturbing), so a correct
+    port passes; a check that raises is that check's FAIL with the message, and the others still report."""
+    from accelerate.state import AcceleratorState
+
+    from mmrl.pipelines.flow.policy import FlowPolicy
+
+    AcceleratorState._reset_state()  # accelerate's process-wide state keeps its mixed precision: reset around bf16
+    try:
+        checks = run_doctor(load_config(TINY_RECIPE, [f"output_dir={tmp_path}", "train.mixed_precision=bf16"]))
+    finally:
+        AcceleratorState._reset_state()
+    assert all(c.ok for c in checks), [c for c in checks if not c.ok]
+    assert float(by_name(checks)["reference_is_base"].figure.rsplit(" ", 1)[1]) > 0
+
+    def broken_export(self, directory, state_dict=None):
+        raise RuntimeError("no LoRA module named to_q")
+
+    monkeypatch.setattr(FlowPolicy, "export", broken_export)
+    checks = by_name(run_doctor(load_config(TINY_RECIPE, [f"output_dir={tmp_path}"])))
+    assert not checks["export_reloads"].ok
+    assert checks["export_reloads"].figure == "raised RuntimeError: no LoRA module named to_q"
+    assert [c for c in checks if c != "export_reloads" and not checks[c].ok] == []
+
+
+def test_doctor_catches_a_sampler_whose_velocity_is_off_by_5e_4(tmp_path, monkeypatch):
+    """A flow log-prob is a mean over the latent's elements, so a sampler velocity 5e-4 off moves it by about 5e-6:
+    the fp32 flow tolerance (2e-6) catches it, where 1e-5 let it through."""
+    from mmrl.pipelines.flow.policy import FlowPolicy
+
+    velocity = FlowPolicy._velocity
+
+    def sampler_off(self, model, x, step, timesteps, cond):
+        v = velocity(self, model, x, step, timesteps, cond)
+        return v * (1 + 5e-4) if not torch.is_grad_enabled() and self._sampling else v
+
+    rollout = FlowPolicy.rollout
+
+    def flagged(self, *args, **kwargs):
+        self._sampling = True
+        try:
+            return rollout(self, *args, **kwargs)
+        finally:
+            self._sampling = False
+
+    monkeypatch.setattr(FlowPolicy, "_sampling", False, raising=False)
+    monkeypatch.setattr(FlowPolicy, "_velocity", sampler_off)
+    monkeypatch.setattr(FlowPolicy, "rollout", flagged)
+    check = by_name(run_doctor(load_config(TINY_RECIPE, [f"output_dir={tmp_path}"])))["replay_matches_rollout"]
+    assert not check.ok and "(tolerance 2e-06)" in check.figure
