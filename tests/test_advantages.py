@@ -203,3 +203,28 @@ def test_bad_inputs_raise():
         group_advantages(torch.zeros(3), [0, 0])
     with pytest.raises(ValueError, match=r"\[N\] or \[N, T\]"):
         group_advantages(torch.zeros(2, 2, 2), [0, 0])
+
+
+def test_nansum_then_normalize_is_trls_nansum():
+    """TRL 1.16 (grpo_trainer.py): rewards = nansum(rewards_per_func * weights) over the reward functions (a None, a
+    reward that does not apply, is NaN there), then the group mean and unbiased std, (r - mean) / (std + 1e-4). Two
+    tasks in one batch, each reward NaN on the other's rows: sum_then_normalize leaves every row out (advantage 0);
+    nansum scores each by the reward that applies, as TRL; a row every reward leaves NaN stays out (TRL sums it to 0)."""
+    iou = torch.tensor([0.9, 0.1, float("nan"), float("nan"), 0.5, 0.2, float("nan"), float("nan")])
+    acc = torch.tensor([float("nan"), float("nan"), 1.0, 0.0, float("nan"), float("nan"), 0.0, 1.0])
+    groups = [0, 0, 0, 0, 1, 1, 1, 1]
+    w = {"iou": 1.0, "acc": 2.0}
+    kw = dict(scale="group", std_ddof=1, eps=1e-4, clamp=None)
+    assert combine_rewards({"iou": iou, "acc": acc}, groups, weights=w, **kw).abs().sum() == 0
+    got = combine_rewards({"iou": iou, "acc": acc}, groups, weights=w, mode="nansum_then_normalize", **kw)
+    summed = [0.9, 0.1, 2.0, 0.0, 0.5, 0.2, 0.0, 2.0]  # TRL's nansum, written out
+    want = []
+    for g in range(2):
+        part = summed[4 * g:4 * g + 4]
+        mean, std = statistics.mean(part), statistics.stdev(part)
+        want += [(r - mean) / (std + 1e-4) for r in part]
+    assert got.tolist() == pytest.approx(want, rel=1e-6)
+    none = combine_rewards({"iou": torch.tensor([float("nan"), 1.0, 0.0]), "acc": torch.tensor([float("nan")] * 3)},
+                           [0, 0, 0], mode="nansum_then_normalize", **kw)
+    assert none[0].item() == 0.0 and none[1:].tolist() == pytest.approx([1 / (2 ** 0.5 / 2 + 1e-4) / 2,
+                                                                         -1 / (2 ** 0.5 / 2 + 1e-4) / 2], rel=1e-6)

@@ -38,7 +38,7 @@ class LengthControl(Variant):
 
     def check(self, config) -> None:
         self.require_reward(config, "reward")
-        if config.algorithm.reward_combination != "sum_then_normalize":
+        if config.algorithm.reward_combination == "normalize_then_sum":
             raise VariantError("variant 'length_control' adds its bonus to the summed reward before the one "
                                "normalisation, as Video-R1 does: use algorithm.reward_combination=sum_then_normalize")
 

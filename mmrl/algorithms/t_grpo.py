@@ -37,7 +37,7 @@ class TGRPO(Variant):
 
     def check(self, config) -> None:
         self.require_reward(config, "reward")
-        if config.algorithm.reward_combination != "sum_then_normalize":
+        if config.algorithm.reward_combination == "normalize_then_sum":
             raise VariantError("variant 't_grpo' adds its bonus (alpha) to the summed reward before the one "
                                "normalisation, as Video-R1 does; under normalize_then_sum the bonus would be scaled to "
                                "unit spread on its own and lose alpha: use algorithm.reward_combination="

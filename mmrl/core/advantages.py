@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 SCALES = ("group", "batch", "none")
-COMBINE_MODES = ("sum_then_normalize", "normalize_then_sum")
+COMBINE_MODES = ("sum_then_normalize", "normalize_then_sum", "nansum_then_normalize")
 
 
 def group_index(group_ids: Tensor | Sequence[Any]) -> tuple[Tensor, int]:
@@ -179,6 +179,10 @@ def combine_rewards(
     weighted component makes the sample's total NaN (advantage 0). mmrl's rule, where TRL differs: TRL
     sums with ``nansum`` (a ``None`` reward means "does not apply"), so there a sample with one NaN component is
     scored by the others; in mmrl NaN means "could not judge", and a sample is not ranked on a partial score.
+    ``nansum_then_normalize`` (TRL's ``torch.nansum``): as ``sum_then_normalize``, but a NaN component is left out
+    of that sample's sum (TRL's reward returning ``None``: "does not apply to this sample", the multi-task pattern), so
+    the sample is scored by the others; a sample with every component NaN stays NaN (advantage 0; TRL sums it to 0
+    and warns).
     ``normalize_then_sum`` (DanceGRPO video, MixGRPO, GDPO): ``A = sum_k w_k norm(R_k)``; a NaN
     component contributes 0 for that sample.
     ``batch_normalize`` (``normalize_then_sum`` only): GDPO's final step (Liu et al. 2026, "GDPO: Group
@@ -210,6 +214,12 @@ def combine_rewards(
     out_dtype = torch.float64 if all(v.dtype == torch.float64 for v in components.values()) else torch.float32
     if mode == "sum_then_normalize":
         total = sum(weights.get(k, 1.0) * v.double() for k, v in components.items())
+        return norm(total, group_ids, **estimator_kwargs).to(out_dtype)
+    if mode == "nansum_then_normalize":
+        values = [weights.get(k, 1.0) * v.double() for k, v in components.items()]
+        judged = torch.stack([torch.isfinite(v) for v in values]).any(0)
+        total = sum(torch.nan_to_num(v, nan=0.0) for v in values)
+        total = torch.where(judged, total, torch.full_like(total, float("nan")))
         return norm(total, group_ids, **estimator_kwargs).to(out_dtype)
     component_kwargs = {**estimator_kwargs, "clamp": None} if clamp_sum else estimator_kwargs
     total = sum(weights.get(k, 1.0) * norm(v.double(), group_ids, **component_kwargs) for k, v in components.items())
