@@ -73,6 +73,9 @@ def num_sampled_frames(total_frames: int, video_fps: float, *, fps: float | None
         raise ValueError(f"total_frames must be an int, got {total_frames!r}")
     if total_frames <= 0:
         raise ValueError(f"the video has no frames (total_frames={total_frames})")
+    if total_frames < FRAME_FACTOR:  # Qwen-VL's temporal patch pairs frames
+        raise ValueError(f"the video has {total_frames} frame; Qwen-VL video input needs at least {FRAME_FACTOR} "
+                         f"(its temporal patch takes frames in pairs)")
     if not _is_number(video_fps) or video_fps <= 0:
         raise ValueError(f"video_fps must be a positive number, got {video_fps!r}")
     if nframes is not None:
@@ -103,6 +106,9 @@ def frame_range(total_frames: int, video_fps: float, start: float | None = None,
     """First and last (inclusive) frame of the ``[start, end]`` seconds range, as qwen-vl-utils computes it."""
     if total_frames <= 0:
         raise ValueError(f"the video has no frames (total_frames={total_frames})")
+    if total_frames < FRAME_FACTOR:  # Qwen-VL's temporal patch pairs frames
+        raise ValueError(f"the video has {total_frames} frame; Qwen-VL video input needs at least {FRAME_FACTOR} "
+                         f"(its temporal patch takes frames in pairs)")
     if start is None and end is None:
         return 0, total_frames - 1
     duration = total_frames / video_fps
