@@ -19,7 +19,8 @@ before a long job on a new model, sampler or reward: every check is something th
 * ``first_ratio_is_one``: a gradient-carrying (train-mode) forward gives the same log-probs as the no-grad one, so
   the first ratio of an update is exactly 1 on-policy (it is not with ``model.lora_dropout`` > 0: reported).
 * ``reference_is_base``: before any update the KL to the reference is 0 (the reference, adapters disabled or a frozen
-  copy, is the base model), and after the trainable weights are perturbed it is not (the check can fail).
+  copy, is the base model), and after the trainable weights are perturbed it is not (the check can fail); and, with
+  them perturbed, the reference's log-probs equal those of the base model loaded afresh from ``model.pretrained``.
 * ``sde_zero_noise_is_ode`` (flows): on every step, the SDE step's mean with the noise level going to 0 equals the
   Euler (ODE) step of the same velocity.
 * ``export_reloads``: the trainable part, perturbed, exported with ``policy.export`` and loaded back by its
@@ -122,6 +123,21 @@ def _reloaded_flow(config, policy, directory: Path):
             diffusers_logging.set_verbosity(level)
         return fresh.pipe.transformer.eval()  # its LoRA dropout off, as the policy's no-grad passes
     return type(policy.transformer).from_pretrained(str(directory / "transformer")).to(policy.device).eval()
+
+
+def _fresh_base(config, policy):
+    """The base model loaded afresh from ``model.pretrained`` (no adapters, untrained), in eval mode on the policy's
+    device: what the reference must equal."""
+    if config.model.family != "qwen_vl":
+        from mmrl.pipelines.flow.policy import build_family
+
+        fresh = build_family(config.model.family, policy_pretrained(config), dtype=config.model.dtype,
+                             revision=config.model.revision, max_sequence_length=config.sampling.max_sequence_length)
+        return fresh.pipe.transformer.to(policy.device).eval()
+    from mmrl.pipelines.flow.loading import transformers_load_kwargs
+
+    kwargs = {"dtype": policy.base_model.dtype, **transformers_load_kwargs()}
+    return type(policy.base_model).from_pretrained(policy_pretrained(config), **kwargs).to(policy.device).eval()
 
 
 def _reloaded_vlm(config, policy, directory: Path):
@@ -274,8 +290,20 @@ def _checks(config) -> list[Check]:
             with _perturbed(policy), autocast():
                 kl1 = float(policy.logprobs(rollout, index, with_kl=True).kl.abs().max())
             rollout.extras.pop("ref_logps", None)
-        checks.append(Check("reference_is_base", kl0 <= tol and kl1 > kl0,
-                            f"max |KL| before any update {kl0:.3g}; after perturbing the trainable weights {kl1:.3g}"))
+        # the reference's own log-probs, trainable weights perturbed, against the base model loaded afresh (a KL of
+        # 1e-5 is a log-prob error of about 3e-3, and a reference that leaves one adapter on keeps a KL > 0)
+        with _perturbed(policy):
+            with policy.reference() as reference:
+                with _swapped_model(policy, reference):
+                    ref = _replay(policy, rollout, len(mask), 0, autocast=autocast)
+        base = _fresh_base(config, policy)
+        with _swapped_model(policy, base):
+            fresh = _replay(policy, rollout, len(mask), 0, autocast=autocast)
+        del base
+        gap = _masked_max(ref, fresh, mask)
+        checks.append(Check("reference_is_base", kl0 <= tol and kl1 > kl0 and gap <= tol,
+                            f"max |KL| before any update {kl0:.3g}; after perturbing the trainable weights {kl1:.3g}; "
+                            f"max |log p reference - log p base loaded afresh| = {gap:.3g} (perturbed weights)"))
 
     def sde_zero_noise_is_ode():
         from mmrl.pipelines.flow.sde import sde_step

@@ -125,7 +125,7 @@ def test_doctor_runs_the_trainers_mixed_precision_and_keeps_checking_after_a_cra
     finally:
         AcceleratorState._reset_state()
     assert all(c.ok for c in checks), [c for c in checks if not c.ok]
-    assert float(by_name(checks)["reference_is_base"].figure.rsplit(" ", 1)[1]) > 0
+    assert float(by_name(checks)["reference_is_base"].figure.split("trainable weights ")[1].split(";")[0]) > 0
 
     def broken_export(self, directory, state_dict=None):
         raise RuntimeError("no LoRA module named to_q")
@@ -162,3 +162,31 @@ def test_doctor_catches_a_sampler_whose_velocity_is_off_by_5e_4(tmp_path, monkey
     monkeypatch.setattr(FlowPolicy, "rollout", flagged)
     check = by_name(run_doctor(load_config(TINY_RECIPE, [f"output_dir={tmp_path}"])))["replay_matches_rollout"]
     assert not check.ok and "(tolerance 2e-06)" in check.figure
+
+
+def test_doctor_catches_a_reference_that_leaves_one_adapter_on(tmp_path, monkeypatch):
+    """A reference pass that disables every LoRA layer but one: its KL is 0 before any update (the LoRA starts at 0)
+    and not 0 after the perturbation, so the KL figures pass; the reference's log-probs against the base model
+    loaded afresh do not."""
+    import contextlib
+
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from mmrl.pipelines.flow.policy import FlowPolicy
+
+    reference = FlowPolicy.reference
+
+    @contextlib.contextmanager
+    def leaky(self):
+        with reference(self) as model:
+            layer = next(m for m in model.modules() if isinstance(m, BaseTunerLayer))
+            layer.enable_adapters(True)
+            try:
+                yield model
+            finally:
+                layer.enable_adapters(False)
+
+    monkeypatch.setattr(FlowPolicy, "reference", leaky)
+    check = by_name(run_doctor(load_config(TINY_RECIPE, [f"output_dir={tmp_path}"])))["reference_is_base"]
+    assert not check.ok and "max |KL| before any update 0;" in check.figure
+    assert float(check.figure.split("base loaded afresh| = ")[1].split(" ")[0]) > 2e-6
