@@ -36,7 +36,7 @@ from mmrl.checkpoint import (COMPLETE_MARKER, latest_checkpoint, load_checkpoint
 from mmrl.config import Config, ConfigError, config_to_dict, dump_config
 from mmrl.algorithms import (AdvantageContext, Intermediate, RewardContext, Rewards, SelectContext, SurrogateContext,
                              TransformContext, build_variants)
-from mmrl.core.advantages import PerPromptStatTracker, combine_rewards
+from mmrl.core.advantages import PerPromptStatTracker, combine_rewards, group_index
 from mmrl.core.losses import high_entropy_mask, policy_loss, sampler_importance_weights
 from mmrl.distributed import (broadcast_from_main, check_engine, configure_deepspeed, deepspeed_engine,
                               deepspeed_stage, full_model_state, full_optimizer_state, full_tensor, is_dtensor,
@@ -157,6 +157,26 @@ def informative_rows(advantages: torch.Tensor, num_minibatches: int, generator: 
     if missing and len(zero) >= missing:
         keep[zero[torch.randperm(len(zero), generator=generator)[:missing]]] = True
     return keep
+
+
+def reward_spread_stats(components: dict[str, torch.Tensor], weights: dict[str, float], labels) -> dict[str, float]:
+    """TRL's ``reward_std`` and ``frac_reward_zero_std`` for the weighted total reward of an update's batch (every
+    process): ``reward/std`` the unbiased std over the judged samples, ``reward/frac_zero_std`` the share of judged
+    samples whose group (``labels``) has no spread (all its judged totals equal: no advantage, no signal). Per-sample
+    rewards only (dense ``[N, T]`` ones have their own statistics): ``{}`` otherwise."""
+    if any(v.dim() != 1 for v in components.values()):
+        return {}
+    total = sum(weights.get(k, 1.0) * v.double() for k, v in components.items() if k in weights)
+    judged = torch.isfinite(total)
+    if not bool(judged.any()):
+        return {"reward/std": float("nan"), "reward/frac_zero_std": float("nan")}
+    index, count = group_index(labels)
+    flat = total[judged]
+    groups = index[judged]
+    high = torch.full((count,), float("-inf"), dtype=torch.float64).scatter_reduce(0, groups, flat, "amax")
+    low = torch.full((count,), float("inf"), dtype=torch.float64).scatter_reduce(0, groups, flat, "amin")
+    return {"reward/std": float(flat.std()) if flat.numel() > 1 else 0.0,
+            "reward/frac_zero_std": float((high[groups] == low[groups]).double().mean())}
 
 
 class RewardBatches:
@@ -498,6 +518,7 @@ class Trainer:
             "samples/nan_reward": float(nan_rows.sum()),
             "samples/zero_advantage": float((adv.reshape(len(adv), -1).abs().sum(-1) == 0).sum()),
             "advantages/abs_mean": float(adv.abs().mean()),
+            **reward_spread_stats(gathered, weights, labels),
         }
         return adv[start:start + n_local], stats
 

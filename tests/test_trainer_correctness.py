@@ -371,3 +371,26 @@ def test_drop_zero_advantage_trains_the_informative_samples_only(tmp_path, tiny_
     assert grads_every[0].norm() > 0
     torch.testing.assert_close(grads_dropped[0], 2.0 * grads_every[0], rtol=1e-4,
                                atol=1e-6 * float(grads_every[0].norm()))
+
+
+def test_reward_spread_stats_are_trls_reward_std_and_frac_reward_zero_std():
+    """TRL logs reward_std (the unbiased std of the summed reward over the batch) and frac_reward_zero_std (the share
+    of samples whose group's reward std is 0); mmrl's reward/std and reward/frac_zero_std, on 3 groups of 4 (one
+    all-equal) and a NaN sample left out; dense [N, T] rewards give none."""
+    import statistics
+
+    from mmrl.trainer import reward_spread_stats
+
+    a = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.5, 0.5, 0.5, 0.5, 0.2, float("nan"), 0.9, 0.4])
+    b = torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    labels = ["p"] * 4 + ["q"] * 4 + ["r"] * 4
+    stats = reward_spread_stats({"a": a, "b": b}, {"a": 1.0, "b": 2.0}, labels)
+    total = [1.0, 2.0, 1.0, 0.0, 2.5, 2.5, 2.5, 2.5, 0.2, 0.9, 0.4]  # the NaN sample left out
+    assert stats["reward/std"] == pytest.approx(statistics.stdev(total), rel=1e-6)  # the inputs are fp32
+    assert stats["reward/frac_zero_std"] == pytest.approx(4 / 11)  # the 4 samples of group q
+    assert reward_spread_stats({"a": torch.zeros(4, 3)}, {"a": 1.0}, [0, 0, 1, 1]) == {}
+
+
+def test_a_run_logs_the_reward_spread(tmp_path, tiny_sd3):
+    metrics, _, _ = one_update(flow_config(tmp_path, tiny_sd3))
+    assert metrics["reward/std"] > 0 and 0.0 <= metrics["reward/frac_zero_std"] <= 1.0
