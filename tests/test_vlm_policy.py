@@ -290,3 +290,15 @@ def test_min_p_and_repetition_penalty_shape_sampling():
         ids = fresh.completion_ids[row][fresh.mask[row] > 0].tolist()
         prompt = set(fresh.prompt_ids[fresh.prompt_index[row]].tolist())
         assert len(set(ids)) == len(ids) and not set(ids) & prompt
+
+
+def test_the_checkpoints_own_eos_ids_also_end_a_completion(model_path):
+    """Generation stops at <|im_end|> / <|endoftext|> and at whatever generation_config.eos_token_id names (TRL stops
+    at the tokenizer's EOS and generation_config's), so a checkpoint with an end token of its own is cut there too."""
+    model, processor = load_vlm(model_path, dtype="float32")
+    extra = processor.tokenizer.convert_tokens_to_ids(".")
+    model.generation_config.eos_token_id = [extra]
+    policy = QwenVLPolicy(model, processor, lora=dict(LORA), max_new_tokens=10, media=media)
+    named = [processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    assert policy.eos_ids == [*named, extra] and policy.pad_id == processor.tokenizer.pad_token_id
+    assert _completion_mask(torch.tensor([[5, extra, 7, 8]]), policy.eos_ids).tolist() == [[1, 1, 0, 0]]

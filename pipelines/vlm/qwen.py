@@ -455,9 +455,14 @@ class QwenVLPolicy:
                 model.enable_input_require_grads()
         self._reference_model = None
         self._per_forward: bool | None = None  # see _encodes_per_forward
-        eos = [self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-        self.eos_ids = [i for i in eos if i is not None and i >= 0]
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[-1]
+        # the chat turn's end and the text's end, plus whatever the checkpoint's generation_config names (TRL stops at
+        # the tokenizer's EOS and generation_config.eos_token_id)
+        named = [self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+        named = [i for i in named if isinstance(i, int) and i >= 0]
+        configured = getattr(getattr(self.base_model, "generation_config", None), "eos_token_id", None)
+        configured = list(configured) if isinstance(configured, (list, tuple)) else [configured]
+        self.eos_ids = list(dict.fromkeys(named + [i for i in configured if isinstance(i, int) and i >= 0]))
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else named[-1]
         # vision placeholders are never sampled: a generated <|image_pad|> would be read as an image slot when the
         # completion is replayed. They are suppressed in generation and masked identically in the training softmax,
         # so the sampling and training distributions stay the same.
