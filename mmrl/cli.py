@@ -336,6 +336,7 @@ def _cmd_sample(args) -> int:
     policy = build_policy(config, device="cuda" if torch.cuda.is_available() else "cpu")
     _load_weights(policy, ckpt, args.no_ema)
     if vlm:
+        policy.skip_bad_samples = False  # a question the model cannot take is an error here, never a silent skip
         answers = policy.sample_eval(items)
         out = _claim(out, fresh=args.out is None)
         with open(out / "answers.jsonl", "w", encoding="utf-8") as handle:

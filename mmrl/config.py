@@ -252,10 +252,11 @@ class AlgorithmConfig:
     std_ddof: int = opt(0, "0: biased std (Flow-GRPO tracker), 1: unbiased (TRL).", choices=(0, 1))
     eps: float = opt(1e-4, "Added to the std before dividing.")
     advantage_clamp: float | None = opt(5.0, "Clamp advantages to +-this (Flow-GRPO: 5); null disables.")
-    reward_combination: str = opt("sum_then_normalize", "Several rewards: sum_then_normalize (Flow-GRPO, TRL; a NaN in "
-                                  "any weighted component leaves the sample out), nansum_then_normalize (TRL's "
-                                  "nansum: a NaN component, a reward that does not apply to the sample, is left out "
-                                  "of its sum) or normalize_then_sum (DanceGRPO, MixGRPO, GDPO).",
+    reward_combination: str = opt("sum_then_normalize", "Several rewards: sum_then_normalize (Flow-GRPO; TRL's default "
+                                  "too, except that a NaN in any weighted component here leaves the sample out), "
+                                  "nansum_then_normalize (TRL's nansum exactly: a NaN component, a reward that does "
+                                  "not apply to the sample, is left out of its sum) or normalize_then_sum "
+                                  "(DanceGRPO, MixGRPO, GDPO).",
                                   choices=("sum_then_normalize", "normalize_then_sum", "nansum_then_normalize"))
     clamp_summed_advantage: bool = opt(False, "normalize_then_sum only: advantage_clamp applies to the weighted "
                                        "sum (MixGRPO's train_grpo_flux.py) instead of to each reward's advantage "
@@ -665,7 +666,7 @@ VLM_ALGORITHM_DEFAULTS: dict[str, Any] = {"scale": "group", "std_ddof": 1, "adva
 
 def _with_family_defaults(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` with :data:`VLM_ALGORITHM_DEFAULTS` under the keys a ``qwen_vl`` config leaves out of ``algorithm``."""
-    model, algorithm = data.get("model"), data.get("algorithm", {})
+    model, algorithm = data.get("model"), data.get("algorithm") or {}
     if isinstance(model, dict) and model.get("family") == "qwen_vl" and isinstance(algorithm, dict):
         data["algorithm"] = {**VLM_ALGORITHM_DEFAULTS, **algorithm}
     return data

@@ -134,21 +134,31 @@ def _fresh_base(config, policy):
         fresh = build_family(config.model.family, policy_pretrained(config), dtype=config.model.dtype,
                              revision=config.model.revision, max_sequence_length=config.sampling.max_sequence_length)
         return fresh.pipe.transformer.to(policy.device).eval()
-    from mmrl.pipelines.flow.loading import transformers_load_kwargs
+    return type(policy.base_model).from_pretrained(policy_pretrained(config), **_vlm_load_kwargs(config)) \
+        .to(policy.device).eval()
 
-    kwargs = {"dtype": policy.base_model.dtype, **transformers_load_kwargs()}
-    return type(policy.base_model).from_pretrained(policy_pretrained(config), **kwargs).to(policy.device).eval()
+
+def _vlm_load_kwargs(config) -> dict:
+    """``from_pretrained`` arguments as :func:`mmrl.pipelines.vlm.qwen.load_vlm` loaded the policy's base: the load
+    dtype, the revision and the attention kernel."""
+    from mmrl.pipelines.flow.loading import transformers_load_kwargs
+    from mmrl.pipelines.vlm.qwen import DTYPES
+
+    kwargs = {"dtype": DTYPES[config.model.dtype], "revision": config.model.revision, **transformers_load_kwargs()}
+    if config.model.attn_implementation:
+        kwargs["attn_implementation"] = config.model.attn_implementation
+    return kwargs
 
 
 def _reloaded_vlm(config, policy, directory: Path):
     from mmrl.pipelines.flow.loading import transformers_load_kwargs
 
     base_cls = type(policy.base_model)
-    kwargs = {"dtype": policy.base_model.dtype, **transformers_load_kwargs()}  # as the policy was loaded
+    kwargs = {"dtype": policy.base_model.dtype, **transformers_load_kwargs()}  # the exported full model's own dtype
     if policy.use_lora:
         from peft import PeftModel
 
-        base = base_cls.from_pretrained(policy_pretrained(config), **kwargs)
+        base = base_cls.from_pretrained(policy_pretrained(config), **_vlm_load_kwargs(config))
         return PeftModel.from_pretrained(base, str(directory)).to(policy.device).eval()
     return base_cls.from_pretrained(str(directory), **kwargs).to(policy.device).eval()
 
@@ -184,12 +194,16 @@ def run_doctor(config) -> list[Check]:
         return _checks(_small(config, output_dir))
 
 
+def _mixed_dtype(config) -> str | None:
+    """The dtype ``train.mixed_precision`` computes in under autocast (None for ``no``)."""
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(config.train.mixed_precision)
+
+
 def _tolerance(config) -> float:
     """The replay tolerance of the config's precision: the looser of ``model.dtype``'s and ``train.mixed_precision``'s
     (an autocast forward computes in that dtype); in fp32 a flow's log-prob, a mean over the latent's elements,
     moves by a fraction of a velocity error, so its tolerance is tighter (:data:`FLOW_FP32_TOLERANCE`)."""
-    mixed = {"bf16": "bfloat16", "fp16": "float16"}.get(config.train.mixed_precision)
-    tol = max(TOLERANCE.get(config.model.dtype, 1e-5), TOLERANCE.get(mixed, 0.0))
+    tol = max(TOLERANCE.get(config.model.dtype, 1e-5), TOLERANCE.get(_mixed_dtype(config), 0.0))
     if tol == TOLERANCE["float32"] and config.model.family != "qwen_vl":
         return FLOW_FP32_TOLERANCE
     return tol
@@ -261,12 +275,17 @@ def _checks(config) -> list[Check]:
             why = "model.share_prompt_prefix: false" if not policy.share_prompt_prefix else \
                 "model.gradient_checkpointing, tool responses or no repeated prompt"
             checks.append(Check("prompt_sharing_matches_full_rows", True, f"not used ({why}): full rows"))
-        if rollout.sampler_logps is not None:
-            engine_tol = ENGINE_TOLERANCE.get(config.model.dtype, 2e-2)
-            gap = _masked_max(whole, rollout.sampler_logps.float(), mask)
-            checks.append(Check("rollout_engine_matches_trainer", gap <= engine_tol,
-                                f"max |log p {config.generation.engine} - log p trained model| = {gap:.3g} "
-                                f"(tolerance {engine_tol:g})"))
+
+    def rollout_engine_matches_trainer():
+        whole = state.get("whole")
+        if whole is None:
+            whole = _replay(policy, rollout, len(mask), 0, autocast=autocast)
+        engine_tol = max(ENGINE_TOLERANCE.get(config.model.dtype, 2e-2),
+                         ENGINE_TOLERANCE.get(_mixed_dtype(config), 0.0))
+        gap = _masked_max(whole, rollout.sampler_logps.float(), mask)
+        checks.append(Check("rollout_engine_matches_trainer", gap <= engine_tol,
+                            f"max |log p {config.generation.engine} - log p trained model| = {gap:.3g} "
+                            f"(tolerance {engine_tol:g})"))
 
     def first_ratio_is_one():
         replay = state.get("replay")
@@ -313,9 +332,9 @@ def _checks(config) -> list[Check]:
         cond = {k: v[rollout.prompt_index].to(policy.device) for k, v in rollout.cond.items()}
         for s in range(len(rollout.sigmas) - 1):  # every step, sigma = 1 (the substitute) and the last included
             x = rollout.latents[:, s].to(policy.device)
-            with torch.no_grad():
+            with torch.no_grad(), autocast():
                 v = policy._velocity(policy.transformer, x, torch.full((len(x),), s),
-                                     rollout.timesteps.to(policy.device), cond)
+                                     rollout.timesteps.to(policy.device), cond).float()
             sigma, nxt = rollout.sigmas[s].item(), rollout.sigmas[s + 1].item()
             ode = sde_step(x, v, sigma, nxt, kind="ode").mean
             sde = sde_step(x, v, sigma, nxt, kind=policy.sde, noise_level=level, noise=torch.zeros_like(x),
@@ -344,6 +363,8 @@ def _checks(config) -> list[Check]:
     guarded("replay_matches_rollout", replay_matches_rollout)
     if not flow:
         guarded("prompt_sharing_matches_full_rows", prompt_sharing_matches_full_rows)
+        if rollout.sampler_logps is not None:
+            guarded("rollout_engine_matches_trainer", rollout_engine_matches_trainer)
     guarded("first_ratio_is_one", first_ratio_is_one)
     guarded("reference_is_base", reference_is_base)
     if flow:

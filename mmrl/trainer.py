@@ -143,30 +143,43 @@ def minibatch_order(group_ids: torch.Tensor, order: str, generator: torch.Genera
     return torch.sort(rank[inverse] * n + torch.arange(n)).indices  # a group's samples in stored order
 
 
-def informative_rows(advantages: torch.Tensor, num_minibatches: int, generator: torch.Generator) -> torch.Tensor:
+def informative_rows(advantages: torch.Tensor, num_minibatches: int, generator: torch.Generator,
+                     trainable: torch.Tensor | None = None) -> torch.Tensor:
     """``algorithm.drop_zero_advantage``: the rows (a bool mask over this process's samples) one update trains under
     Flow-GRPO's filter (``scripts/train_sd3.py``): every sample whose advantage is non-zero at some step, plus randomly
     chosen zero-advantage ones (``torch.randperm`` over them, as there) until the kept count is a multiple of
     ``num_minibatches``, when enough of them are left. Where no sample moves, one per minibatch is kept instead of
     none, as TurningPoint-GRPO's fork of the script pads (``true_count == 0``; Flow-GRPO's own reshape of an empty
-    batch fails)."""
-    keep = advantages.reshape(len(advantages), -1).abs().sum(-1) != 0
+    batch fails). ``trainable`` (bool ``[N]``): rows with an action in the loss (mmrl's: a row a variant or
+    ``mask_truncated_completions`` left out counts as not informative and pads only after every trainable one)."""
+    trainable = torch.ones(len(advantages), dtype=torch.bool) if trainable is None else trainable.bool()
+    keep = (advantages.reshape(len(advantages), -1).abs().sum(-1) != 0) & trainable
     count = int(keep.sum())
     missing = num_minibatches if count == 0 else -count % num_minibatches
-    zero = torch.nonzero(~keep).flatten()
-    if missing and len(zero) >= missing:
-        keep[zero[torch.randperm(len(zero), generator=generator)[:missing]]] = True
+    spare = torch.nonzero(~keep & trainable).flatten()
+    spare = spare[torch.randperm(len(spare), generator=generator)]
+    spare = torch.cat([spare, torch.nonzero(~keep & ~trainable).flatten()])
+    if missing and len(spare) >= missing:
+        keep[spare[:missing]] = True
     return keep
 
 
-def reward_spread_stats(components: dict[str, torch.Tensor], weights: dict[str, float], labels) -> dict[str, float]:
-    """TRL's ``reward_std`` and ``frac_reward_zero_std`` for the weighted total reward of an update's batch (every
-    process): ``reward/std`` the unbiased std over the judged samples, ``reward/frac_zero_std`` the share of judged
-    samples whose group (``labels``) has no spread (all its judged totals equal: no advantage, no signal). Per-sample
-    rewards only (dense ``[N, T]`` ones have their own statistics): ``{}`` otherwise."""
+def reward_spread_stats(components: dict[str, torch.Tensor], weights: dict[str, float], labels, *,
+                        nansum: bool = False) -> dict[str, float]:
+    """TRL 1.16's ``reward_std`` and ``frac_reward_zero_std`` (under its default ``scale_rewards="group"``) for the
+    weighted total reward of an update's batch (every process): ``reward/std`` the unbiased std of the total over the
+    judged samples (``nanstd(rewards)``), ``reward/frac_zero_std`` the share of judged samples whose group
+    (``labels``) has no spread (all its judged totals equal: no advantage, no signal). The total is summed as the
+    advantages sum it: NaN-propagating, or with ``nansum`` (``reward_combination: nansum_then_normalize``) over the
+    components that judged the sample. Per-sample rewards only (dense ``[N, T]`` ones have their own statistics):
+    ``{}`` otherwise."""
     if any(v.dim() != 1 for v in components.values()):
         return {}
-    total = sum(weights.get(k, 1.0) * v.double() for k, v in components.items() if k in weights)
+    values = [weights.get(k, 1.0) * v.double() for k, v in components.items() if k in weights]
+    total = sum(values)
+    if nansum:
+        judged = torch.stack([torch.isfinite(v) for v in values]).any(0)
+        total = torch.where(judged, sum(torch.nan_to_num(v, nan=0.0) for v in values), total)
     judged = torch.isfinite(total)
     if not bool(judged.any()):
         return {"reward/std": float("nan"), "reward/frac_zero_std": float("nan")}
@@ -518,7 +531,7 @@ class Trainer:
             "samples/nan_reward": float(nan_rows.sum()),
             "samples/zero_advantage": float((adv.reshape(len(adv), -1).abs().sum(-1) == 0).sum()),
             "advantages/abs_mean": float(adv.abs().mean()),
-            **reward_spread_stats(gathered, weights, labels),
+            **reward_spread_stats(gathered, weights, labels, nansum=a.reward_combination == "nansum_then_normalize"),
         }
         return adv[start:start + n_local], stats
 
@@ -725,7 +738,8 @@ class Trainer:
         num_minibatches = -(-n // t.batch_size)
         self.kept_rows = None  # algorithm.drop_zero_advantage: the rows trained this update
         if a.drop_zero_advantage:
-            self.kept_rows = informative_rows(advantages.cpu(), num_minibatches, generator)
+            self.kept_rows = informative_rows(advantages.cpu(), num_minibatches, generator,
+                                              trainable=rollout.mask.sum(-1) > 0)
             perms = [perm[self.kept_rows[perm]] for perm in perms]
         surrogates = self._users("surrogate")
         max_length = self._max_actions(rollout)
@@ -1091,22 +1105,28 @@ class Trainer:
             except ImportError:  # not on POSIX: no lock
                 fcntl = None
             if fcntl is not None:
-                self.output_dir.mkdir(parents=True, exist_ok=True)
-                handle = open(self.output_dir / ".mmrl-train.lock", "a+")
                 try:
+                    self.output_dir.mkdir(parents=True, exist_ok=True)
+                    handle = open(self.output_dir / ".mmrl-train.lock", "a+")
                     fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     handle.seek(0)
                     handle.truncate()
                     handle.write(f"{os.getpid()}\n")
                     handle.flush()
-                except OSError:
+                except BlockingIOError:  # another process holds it
                     handle.seek(0)
                     holder = handle.read().strip() or "?"
                     handle.close()
                     handle = None
+                except OSError as exc:  # a filesystem without flock (Lustre without -o flock), a read-only lock file
+                    if handle is not None:
+                        handle.close()
+                        handle = None
+                    self._warn(f"could not lock {self.output_dir} ({type(exc).__name__}: {exc}); training without "
+                               f"the lock that stops a second mmrl train on this folder")
         busy = torch.tensor(float(bool(holder)), device=acc.device)
-        if acc.num_processes > 1:  # every process stops together
-            busy = acc.reduce(busy, reduction="max")
+        if acc.num_processes > 1:  # every process stops together (a sum of 0/1 flags)
+            busy = acc.reduce(busy, reduction="sum")
         if float(busy) > 0:
             raise ConfigError(f"{self.output_dir} is being trained by another mmrl train (process {holder or '?'}): "
                               f"wait for it to end, or choose another output_dir (nothing was touched)")
@@ -1213,7 +1233,8 @@ class Trainer:
         if not folder.exists():
             self.prompts.load_state_dict(data_state)
             self.save()
-        hint = "" if c.data.skip_bad_samples else " or set data.skip_bad_samples: true (skipped samples are counted)"
+        hint = "" if c.data.skip_bad_samples or c.model.family != "qwen_vl" else \
+            " or set data.skip_bad_samples: true (skipped samples are counted)"
         print(f"mmrl: update {self.update + 1} of {c.train.steps} stopped on bad data ({' '.join(str(exc).split())}); "
               f"checkpoint {folder} holds update {self.update}. Fix the data (`mmrl config validate "
               f"{self.output_dir / 'config.yaml'}` decodes every image and video){hint}, then `mmrl train "

@@ -335,6 +335,7 @@ def test_vlm_configs_take_trls_advantage_and_loss_defaults():
     a = config_from_dict({**vlm, "algorithm": {"clip_low": 0.3}}, ["algorithm.aggregation=grpo"],
                          check_files=False).algorithm
     assert (a.clip_low, a.aggregation, a.scale) == (0.3, "grpo", "group")
+    assert config_from_dict({**vlm, "algorithm": None}, check_files=False).algorithm.clip_low == 0.2  # `algorithm:`
     flow = config_from_dict({"rewards": {"brightness": 1.0}, "data": {"prompt_list": ["a cat"]}},
                             check_files=False).algorithm
     assert (flow.scale, flow.std_ddof, flow.advantage_clamp, flow.clip_low, flow.aggregation) == \

@@ -282,3 +282,21 @@ def test_final_image_prediction_decodes_the_last_clean_prediction(tiny_sd3):
     assert (a.images - b.images).abs().max() > 1e-3  # the last step's own noise is not in the scored image
     with pytest.raises(ValueError, match="final_image"):
         make_policy(tiny_sd3, final_image="x0")
+
+
+@pytest.mark.parametrize("detach", [True, False])
+def test_the_policys_training_forward_passes_cfg_detach_uncond(tiny_sd3, monkeypatch, detach):
+    """The policy's log-prob forward hands sampling.cfg_detach_uncond to the family's guided velocity (whose
+    gradients under each setting are checked above against the branches' own)."""
+    policy = make_policy(tiny_sd3, cfg_detach_uncond=detach)
+    rollout = policy.rollout(["a cat"], 2, generator=torch.Generator().manual_seed(0))
+    seen = []
+    velocity = type(policy.family).velocity
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("detach_uncond"))
+        return velocity(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(policy.family), "velocity", spy)
+    policy.logprobs(rollout, torch.arange(2))
+    assert seen and set(seen) == {detach}

@@ -356,3 +356,22 @@ def test_a_second_train_on_a_busy_output_dir_stops_with_one_line(tmp_path, tiny_
         assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
     assert main(args) == 0  # the holder is gone
     assert [m["step"] for m in metrics_rows(run)] == [1]
+
+
+def test_a_filesystem_without_flock_trains_without_the_lock(tmp_path, tiny_path, capsys, monkeypatch):
+    """Only BlockingIOError (another holder) means busy: a filesystem that refuses flock (ENOLCK, Lustre without
+    -o flock) is warned about and the run trains."""
+    import errno
+    import fcntl
+
+    def no_locks(handle, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    run = tmp_path / "run"
+    assert main(["train", str(TINY_RECIPE), f"output_dir={run}", f"model.pretrained={tiny_path}", *TINY,
+                 "train.steps=1", "logging.progress_bar=false", "logging.tensorboard=false",
+                 "logging.eval_every=0"]) == 0
+    captured = capsys.readouterr()
+    assert "mmrl: warning: could not lock" in captured.out + captured.err
+    assert [m["step"] for m in metrics_rows(run)] == [1]

@@ -4,6 +4,7 @@ the dr_grpo constant, overlapped scoring batches, per-sampling-batch TP-GRPO bal
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 
 import pytest
@@ -394,3 +395,27 @@ def test_reward_spread_stats_are_trls_reward_std_and_frac_reward_zero_std():
 def test_a_run_logs_the_reward_spread(tmp_path, tiny_sd3):
     metrics, _, _ = one_update(flow_config(tmp_path, tiny_sd3))
     assert metrics["reward/std"] > 0 and 0.0 <= metrics["reward/frac_zero_std"] <= 1.0
+
+
+def test_informative_rows_leave_rows_outside_the_loss_last():
+    """A row with no action in the loss (mask_truncated_completions, a variant's drop) is not informative whatever
+    its advantage, and pads a minibatch only once every trainable zero row is in."""
+    from mmrl.trainer import informative_rows
+
+    advantages = torch.tensor([1.0, -1.0, 0.5, 0.0, 0.0])
+    trainable = torch.tensor([True, True, False, True, False])
+    keep = informative_rows(advantages, 2, torch.Generator().manual_seed(0), trainable=trainable)
+    assert keep.tolist() == [True, True, False, False, False]
+    keep = informative_rows(advantages, 4, torch.Generator().manual_seed(0), trainable=trainable)
+    assert keep[:2].all() and keep[3] and int(keep.sum()) == 4  # the trainable zero row first, then one more
+
+
+def test_reward_spread_under_nansum_sums_the_rewards_that_apply():
+    from mmrl.trainer import reward_spread_stats
+
+    iou = torch.tensor([0.9, 0.1, float("nan"), float("nan")])
+    acc = torch.tensor([float("nan"), float("nan"), 1.0, 1.0])
+    plain = reward_spread_stats({"iou": iou, "acc": acc}, {"iou": 1.0, "acc": 1.0}, [0, 0, 1, 1])
+    assert math.isnan(plain["reward/std"])  # every sample has a NaN component: none is judged
+    both = reward_spread_stats({"iou": iou, "acc": acc}, {"iou": 1.0, "acc": 1.0}, [0, 0, 1, 1], nansum=True)
+    assert both["reward/frac_zero_std"] == 0.5 and both["reward/std"] > 0  # group 1 (1.0, 1.0) has no spread

@@ -40,7 +40,8 @@ class LengthControl(Variant):
         self.require_reward(config, "reward")
         if config.algorithm.reward_combination == "normalize_then_sum":
             raise VariantError("variant 'length_control' adds its bonus to the summed reward before the one "
-                               "normalisation, as Video-R1 does: use algorithm.reward_combination=sum_then_normalize")
+                               "normalisation, as Video-R1 does: use algorithm.reward_combination=sum_then_normalize "
+                               "(or nansum_then_normalize)")
 
     def rewards(self, ctx: RewardContext) -> Rewards:
         rollout = ctx.rollout

@@ -41,7 +41,7 @@ class TGRPO(Variant):
             raise VariantError("variant 't_grpo' adds its bonus (alpha) to the summed reward before the one "
                                "normalisation, as Video-R1 does; under normalize_then_sum the bonus would be scaled to "
                                "unit spread on its own and lose alpha: use algorithm.reward_combination="
-                               "sum_then_normalize")
+                               "sum_then_normalize (or nansum_then_normalize)")
 
     def rewards(self, ctx: RewardContext) -> Rewards:
         videos = [item for item in ctx.items if getattr(item, "video_path", None)]
