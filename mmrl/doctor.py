@@ -236,6 +236,12 @@ def _checks(config) -> list[Check]:
     mask = rollout.mask
     state: dict = {}
 
+    def replayed(key: str, batch_size: int, steps_per_forward: int) -> torch.Tensor:
+        """The no-grad replay in one layout, computed once for the checks that read it."""
+        if key not in state:
+            state[key] = _replay(policy, rollout, batch_size, steps_per_forward, autocast=autocast)
+        return state[key]
+
     def rewards_finite():
         total = scores["total"].float()
         finite = int(torch.isfinite(total).sum())
@@ -245,22 +251,19 @@ def _checks(config) -> list[Check]:
                             if finite else f"0 of {len(total)} samples finite"))
 
     def replay_matches_rollout():
-        state["replay"] = replay = _replay(policy, rollout, batch, chunk, autocast=autocast)
+        replay = replayed("replay", batch, chunk)
         if flow:
             gap = _masked_max(replay, rollout.old_logps.float(), mask)
             checks.append(Check("replay_matches_rollout", gap <= tol,
                                 f"max |log p replayed - log p sampled| = {gap:.3g} (tolerance {tol:g})"))
             return
-        state["whole"] = whole = _replay(policy, rollout, len(mask), 0, autocast=autocast)
-        gap = _masked_max(replay, whole, mask)
+        gap = _masked_max(replay, replayed("whole", len(mask), 0), mask)
         checks.append(Check("replay_matches_rollout", gap <= tol,
                             f"max |log p per minibatch of {batch} - log p of the whole batch| = {gap:.3g} "
                             f"(tolerance {tol:g})"))
 
     def prompt_sharing_matches_full_rows():
-        whole = state.get("whole")
-        if whole is None:
-            whole = _replay(policy, rollout, len(mask), 0, autocast=autocast)
+        whole = replayed("whole", len(mask), 0)
         if policy.share_prompt_prefix and policy._shares_prompts(rollout.prompt_index, rollout,
                                                                  policy._rope_positions(rollout)):
             try:
@@ -277,9 +280,7 @@ def _checks(config) -> list[Check]:
             checks.append(Check("prompt_sharing_matches_full_rows", True, f"not used ({why}): full rows"))
 
     def rollout_engine_matches_trainer():
-        whole = state.get("whole")
-        if whole is None:
-            whole = _replay(policy, rollout, len(mask), 0, autocast=autocast)
+        whole = replayed("whole", len(mask), 0)
         engine_tol = max(ENGINE_TOLERANCE.get(config.model.dtype, 2e-2),
                          ENGINE_TOLERANCE.get(_mixed_dtype(config), 0.0))
         gap = _masked_max(whole, rollout.sampler_logps.float(), mask)
@@ -288,9 +289,7 @@ def _checks(config) -> list[Check]:
                             f"(tolerance {engine_tol:g})"))
 
     def first_ratio_is_one():
-        replay = state.get("replay")
-        if replay is None:
-            replay = _replay(policy, rollout, batch, chunk, autocast=autocast)
+        replay = replayed("replay", batch, chunk)
         trained = _replay(policy, rollout, batch, chunk, grad=True, autocast=autocast)
         ratio = _masked_max(torch.exp(trained - replay), torch.ones_like(replay), mask)
         dropout = config.model.lora_dropout if config.model.use_lora else 0.0

@@ -36,7 +36,7 @@ from mmrl.checkpoint import (COMPLETE_MARKER, latest_checkpoint, load_checkpoint
 from mmrl.config import Config, ConfigError, config_to_dict, dump_config
 from mmrl.algorithms import (AdvantageContext, Intermediate, RewardContext, Rewards, SelectContext, SurrogateContext,
                              TransformContext, build_variants)
-from mmrl.core.advantages import PerPromptStatTracker, combine_rewards, group_index
+from mmrl.core.advantages import PerPromptStatTracker, combine_rewards, group_index, weighted_total
 from mmrl.core.losses import high_entropy_mask, policy_loss, sampler_importance_weights
 from mmrl.distributed import (broadcast_from_main, check_engine, configure_deepspeed, deepspeed_engine,
                               deepspeed_stage, full_model_state, full_optimizer_state, full_tensor, is_dtensor,
@@ -175,11 +175,7 @@ def reward_spread_stats(components: dict[str, torch.Tensor], weights: dict[str, 
     ``{}`` otherwise."""
     if any(v.dim() != 1 for v in components.values()):
         return {}
-    values = [weights.get(k, 1.0) * v.double() for k, v in components.items() if k in weights]
-    total = sum(values)
-    if nansum:
-        judged = torch.stack([torch.isfinite(v) for v in values]).any(0)
-        total = torch.where(judged, sum(torch.nan_to_num(v, nan=0.0) for v in values), total)
+    total = weighted_total({k: v for k, v in components.items() if k in weights}, weights, nansum=nansum)
     judged = torch.isfinite(total)
     if not bool(judged.any()):
         return {"reward/std": float("nan"), "reward/frac_zero_std": float("nan")}

@@ -162,6 +162,19 @@ ADVANTAGE_ESTIMATORS = {
 }
 
 
+def weighted_total(components: Mapping[str, Tensor], weights: Mapping[str, float] | None = None, *,
+                   nansum: bool = False) -> Tensor:
+    """``sum_k w_k R_k`` in float64 (a missing weight is 1). A NaN component makes the sample's total NaN, or with
+    ``nansum`` (TRL's ``torch.nansum``) is left out of it; a sample every component leaves NaN stays NaN."""
+    weights = weights or {}
+    values = [weights.get(k, 1.0) * v.double() for k, v in components.items()]
+    if not nansum:
+        return sum(values)
+    judged = torch.stack([torch.isfinite(v) for v in values]).any(0)
+    total = sum(torch.nan_to_num(v, nan=0.0) for v in values)
+    return torch.where(judged, total, torch.full_like(total, float("nan")))
+
+
 def combine_rewards(
     components: Mapping[str, Tensor],
     group_ids: Tensor | Sequence[Any],
@@ -212,14 +225,8 @@ def combine_rewards(
     # sums and statistics in float64 (as the flow anchors' numpy trackers), the result float32 unless every
     # component is float64
     out_dtype = torch.float64 if all(v.dtype == torch.float64 for v in components.values()) else torch.float32
-    if mode == "sum_then_normalize":
-        total = sum(weights.get(k, 1.0) * v.double() for k, v in components.items())
-        return norm(total, group_ids, **estimator_kwargs).to(out_dtype)
-    if mode == "nansum_then_normalize":
-        values = [weights.get(k, 1.0) * v.double() for k, v in components.items()]
-        judged = torch.stack([torch.isfinite(v) for v in values]).any(0)
-        total = sum(torch.nan_to_num(v, nan=0.0) for v in values)
-        total = torch.where(judged, total, torch.full_like(total, float("nan")))
+    if mode in ("sum_then_normalize", "nansum_then_normalize"):
+        total = weighted_total(components, weights, nansum=mode == "nansum_then_normalize")
         return norm(total, group_ids, **estimator_kwargs).to(out_dtype)
     component_kwargs = {**estimator_kwargs, "clamp": None} if clamp_sum else estimator_kwargs
     total = sum(weights.get(k, 1.0) * norm(v.double(), group_ids, **component_kwargs) for k, v in components.items())
