@@ -55,6 +55,10 @@ def test_clip_dependence_on_a_tiny_model(tmp_path, monkeypatch):
     assert report["lines"] == 4 and report["other_clip_left_out"] == 0
     assert set(loss) == set(clip_dependence.VARIANTS) and all(torch.isfinite(torch.tensor(v)) for v in loss.values())
     assert abs(loss["zero"] - loss["clip"]) > 1e-4
+    one_by_one = clip_dependence.clip_dependence(str(tmp_path / "config.yaml"), str(path), limit=4, batch_size=1)
+    for variant in ("clip", "reversed", "first_slot", "zero"):  # the batch layout changes no line's loss
+        assert one_by_one["loss"][variant] == pytest.approx(loss[variant], rel=1e-4), variant
+    assert one_by_one["other_clip_left_out"] == 4  # alone in its batch, no line has another clip to show
     alone = clip_dependence.clip_dependence(str(tmp_path / "config.yaml"), str(path), limit=1, batch_size=1)["loss"]
     assert alone["reversed"] == pytest.approx(alone["clip"], abs=1e-6)  # a still clip reversed is the same clip
     assert alone["other_clip"] is None  # one line: no other clip to show it
