@@ -398,6 +398,89 @@ def test_grounding_loose_lines_teach_boxes_too_large_by_the_fraction_and_score_a
     assert interior >= 3
 
 
+def test_timeline_timestamps_are_the_ones_a_qwen3_vl_prompt_shows(tmp_path):
+    """The timeline's stamps are, step for step, the ``<t seconds>`` the tiny Qwen3-VL processor writes into the
+    prompt of a ShapeWorld clip decoded as training decodes it (2 fps): the frames of qwen-vl-utils' rounded
+    linspace, 0 2 | 4 6 | 8 10 | 13 15 | 17 19 | 21 23 (not evenly spaced), so 3.5 s and not 3.2 s."""
+    from transformers import AutoProcessor
+
+    from mmrl.data.video import read_video
+    from mmrl.pipelines.vlm.tiny import ensure_tiny_vlm
+
+    steps = sw.timeline_steps()
+    assert [frames for frames, _ in steps] == [(0, 2), (4, 6), (8, 10), (13, 15), (17, 19), (21, 23)]
+    assert [stamp for _, stamp in steps] == ["0.2", "1.2", "2.2", "3.5", "4.5", "5.5"]  # (0 + 2) / 2 / 4 = 0.25 -> 0.2
+    path = sw.write_vlm_dataset(tmp_path, "train", 1, seed=0, tasks=("temporal_grounding_timeline",))
+    line = json.loads(path.read_text())
+    clip = read_video(tmp_path / line["video"], fps=sw.TIMELINE_FPS)
+    processor = AutoProcessor.from_pretrained(ensure_tiny_vlm("qwen3_vl"))
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text",
+                                                                                             "text": "When?"}]}],
+                                         add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], videos=[clip.frames], video_metadata=[clip.metadata()], do_sample_frames=False,
+                       return_tensors="pt")
+    shown = [part[part.rindex("<") + 1:-len(" seconds>")]
+             for part in processor.tokenizer.decode(inputs["input_ids"][0]).split("<|vision_start|>")[:-1]
+             if part.endswith(" seconds>")]
+    assert shown == [stamp for stamp, _ in line["timeline"]] == [stamp for _, stamp in steps]
+    assert clip.indices == [f for frames, _ in steps for f in frames]
+
+
+def test_timeline_lines_walk_through_the_frames_and_keep_the_exact_solution(tmp_path):
+    """temporal_grounding_timeline: temporal grounding's clips, questions and solutions (the same files for the same
+    seed); the target lists the other shapes, then at each stamp the state the decoded frames show (read off them
+    with the evaluator), then the sentence and the exact span, which the tIoU reward scores 1. The loose variant
+    answers the span widened by ceil(LOOSE_SPAN_FRACTION x length) frames per side (clamped to the clip): at best
+    tIoU 0.5 away from the ends, never a hit at R1@0.5 there."""
+    import decord
+
+    from mmrl.rewards import think_answer_format
+
+    n, words = 12, {"visible": ("here", "none"), "move": ("moving", "still")}
+    plain = sw.write_vlm_dataset(tmp_path / "plain", "heldout", n, seed=4, tasks=("temporal_grounding",))
+    tiou, hit = build_reward("temporal_iou"), build_reward("temporal_iou", hit_threshold=0.5)
+    interior = 0
+    for task in ("temporal_grounding_timeline", "temporal_grounding_timeline_loose"):
+        assert sw.check_vlm_spec(f"shapeworld:train:8:{task}") is None
+        path = sw.write_vlm_dataset(tmp_path / task, "heldout", n, seed=4, tasks=(task,))
+        kinds = set()
+        for line, exact in zip(map(json.loads, path.read_text().splitlines()),
+                               map(json.loads, plain.read_text().splitlines())):
+            assert line["task"] == "temporal_grounding" and line["solution"] == exact["solution"]
+            assert line["question"] == exact["question"] and line["event"] == exact["event"]
+            assert (tmp_path / task / line["video"]).read_bytes() == (plain.parent / exact["video"]).read_bytes()
+            event, target = line["event"], line["sft_target"]
+            kinds.add(event["kind"])
+            reader = decord.VideoReader(str(tmp_path / task / line["video"]))
+            frames = reader.get_batch(list(range(len(reader)))).asnumpy()
+            active = _event_frames(frames, event)
+            on, off = words.get(event["kind"], (event["color_during"], event["color"]))
+            expected = [[stamp, on if set(step) & active else off] for step, stamp in sw.timeline_steps()]
+            assert line["timeline"] == expected
+            others = sorted(f"a {d.color} {d.label}" for d in detect(frames[0]) if d.label != event["shape"])
+            in_view = target[len("<think>In view: "):target.index(". ")]
+            assert sorted(in_view.split(", ")) == others if others else in_view == "no other shape"
+            assert "; ".join(f"{t} s {w}" for t, w in expected) in target and think_answer_format(target) == 1.0
+            s, e = event["frames"]
+            if task.endswith("_loose"):
+                pad = -(-(e - s) // 2)
+                taught = [max(0, s - pad) / sw.VIDEO_FPS, min(sw.VIDEO_FRAMES, e + pad) / sw.VIDEO_FPS]
+                assert line["loose_timestamps"] == taught and target.endswith(f"<answer>{json.dumps(taught)}</answer>")
+                score = tiou([target], None, [line])["temporal_iou"].item()
+                assert score == pytest.approx((e - s) / sw.VIDEO_FPS / (taught[1] - taught[0]))
+                if s - pad > 0 and e + pad < sw.VIDEO_FRAMES:
+                    interior += 1
+                    assert score <= 0.5 and hit([target], None, [line])["temporal_iou"].item() == 0.0
+            else:
+                assert "loose_timestamps" not in line
+                assert tiou([target], None, [line])["temporal_iou"].item() == 1.0
+        assert kinds == {"visible", "move", "color"}
+    assert interior >= 2
+    # the loose set is cached under its own name: a changed fraction writes a new set
+    assert "looseSpan0.5" in sw.resolve_vlm_spec("shapeworld:heldout:2:temporal_grounding_timeline_loose",
+                                                 coord_format="qwen2", directory=tmp_path / "cache")
+
+
 # ---------------------------------------------------------------------------------------------- mmrl eval
 
 

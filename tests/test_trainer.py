@@ -168,7 +168,8 @@ def test_bad_inputs_give_one_clear_error(tmp_path, tiny_path, capsys):
 OTHER_COMMANDS = {"pretrain_sd3.yaml": "pretrain", "pretrain_sd3_mislabeled.yaml": "pretrain",
                   "pretrain_sd3_faded.yaml": "pretrain",
                   "sft_qwen_vl.yaml": "sft", "sft_qwen_vl_grounding.yaml": "sft",
-                  "sft_qwen_vl_grounding_crop.yaml": "sft", "sft_qwen_vl_grounding_loose.yaml": "sft"}
+                  "sft_qwen_vl_grounding_crop.yaml": "sft", "sft_qwen_vl_grounding_loose.yaml": "sft",
+                  "sft_qwen_vl_timeline.yaml": "sft", "sft_qwen_vl_timeline_loose.yaml": "sft"}
 
 
 @pytest.mark.parametrize("path", sorted(str(p) for p in Path(__file__).parents[1].glob("configs/**/*.yaml")))

@@ -38,6 +38,7 @@ The weightless evaluator that turns these images (and a generator's imitations o
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ __all__ = [
     "shape_mask",
     "render", "render_array", "is_heldout", "prompt_set", "scene_for", "write_prompts", "write_vlm_dataset",
     "write_video", "split_rng", "prompts_file", "parse_split_and_tags", "check_prompts_spec", "resolve_prompts_spec",
-    "PROMPTS_SPEC_PREFIX",
+    "PROMPTS_SPEC_PREFIX", "TIMELINE_FPS", "LOOSE_SPAN_FRACTION", "timeline_steps",
     "BASE_MODELS", "base_model_path", "VLM_SPEC", "check_vlm_spec", "resolve_vlm_spec",
 ]
 
@@ -92,8 +93,11 @@ PROMPTS_VERSION = "shapeworld-v1"
 VLM_TASKS = ("grounding", "numeric", "temporal_grounding")
 #: Tasks a spec may name besides :data:`VLM_TASKS` (not in the default mix): ``grounding_crop``, box grounding whose
 #: ``sft_target`` is a tool-call trace (``generation.tools: [crop]``; TACO's first stage); ``grounding_loose``, box
-#: grounding whose ``sft_target`` box is systematically too large (a loose annotator; ``solution`` stays exact).
-EXTRA_VLM_TASKS = ("grounding_crop", "grounding_loose")
+#: grounding whose ``sft_target`` box is systematically too large (a loose annotator; ``solution`` stays exact);
+#: ``temporal_grounding_timeline``, temporal grounding whose ``sft_target`` walks through the clip at the timestamps
+#: Qwen3-VL's prompt shows; ``temporal_grounding_timeline_loose``, the same with a span too long on both sides.
+EXTRA_VLM_TASKS = ("grounding_crop", "grounding_loose", "temporal_grounding_timeline",
+                   "temporal_grounding_timeline_loose")
 _ANY_VLM_TASK = VLM_TASKS + EXTRA_VLM_TASKS
 
 #: Shape sides at 32 px (scaled with the image size), gap between boxes, and the position margin.
@@ -403,7 +407,10 @@ BASE_MODELS = {"sd3": ("sd3_base", "mmrl pretrain configs/shapes/pretrain_sd3.ya
                "qwen_vl": ("qwen_vl_base", "mmrl sft configs/shapes/sft_qwen_vl.yaml"),
                "qwen_vl_grounding": ("qwen_vl_grounding_base", "mmrl sft configs/shapes/sft_qwen_vl_grounding.yaml"),
                "qwen_vl_grounding_loose": ("qwen_vl_grounding_loose_base",
-                                           "mmrl sft configs/shapes/sft_qwen_vl_grounding_loose.yaml")}
+                                           "mmrl sft configs/shapes/sft_qwen_vl_grounding_loose.yaml"),
+               "qwen_vl_timeline": ("qwen_vl_timeline_base", "mmrl sft configs/shapes/sft_qwen_vl_timeline.yaml"),
+               "qwen_vl_timeline_loose": ("qwen_vl_timeline_loose_base",
+                                          "mmrl sft configs/shapes/sft_qwen_vl_timeline_loose.yaml")}
 
 
 def base_model_path(name: str) -> Path:
@@ -464,6 +471,8 @@ def resolve_vlm_spec(value: str, *, coord_format: str | None, seed: int = 0,
     name = "" if tasks == VLM_TASKS else "-" + "+".join(tasks)
     if "grounding_loose" in tasks:  # the taught boxes depend on the fraction
         name += f"-loose{LOOSE_BOX_FRACTION:g}"
+    if "temporal_grounding_timeline_loose" in tasks:  # the taught spans depend on the fraction
+        name += f"-looseSpan{LOOSE_SPAN_FRACTION:g}"
     folder = ensure_built(f"shapeworld-{PROMPTS_VERSION}-{split}-{n}{name}-{coord_format}-seed{seed}",
                           lambda out: write_vlm_dataset(out, split, n, seed=seed, tasks=tasks,
                                                         coord_format=coord_format), directory)
@@ -821,24 +830,82 @@ def _temporal_sample(rng, held: bool, size: int) -> tuple[list[Scene], dict]:
             objs.append(Obj(shape, color_b if inside else color, first[0]))
         frames.append(Scene(tuple(objs), size))
     span = [start / VIDEO_FPS, end / VIDEO_FPS]
-    name = f"{color} {shape}"
     if kind == "visible":
-        question = f"When is the {name} visible?"
-        think = f"The {name} is absent at first, shows up at {span[0]:g} s and is gone from {span[1]:g} s."
+        name, question = f"{color} {shape}", f"When is the {color} {shape} visible?"
     elif kind == "move":
-        question = f"When does the {name} move?"
-        think = f"The {name} rests, moves from {span[0]:g} s until {span[1]:g} s, then rests again."
+        name, question = f"{color} {shape}", f"When does the {color} {shape} move?"
     else:
-        name = f"{color_b} {shape}"
-        question = f"When is the {shape} {color_b}?"
-        think = f"The {shape} is {color}, turns {color_b} at {span[0]:g} s and back to {color} at {span[1]:g} s."
+        name, question = f"{color_b} {shape}", f"When is the {shape} {color_b}?"
+    event = {"kind": kind, "shape": shape, "color": color, "color_during": color_b, "frames": [start, end],
+             "fps": VIDEO_FPS, "total_frames": VIDEO_FRAMES}
     line = {"task": "temporal_grounding",
             "question": f"{question} Answer with the start and end time in seconds, like [2.0, 5.5].",
             "solution": json.dumps(span), "timestamps": span, "duration": VIDEO_FRAMES / VIDEO_FPS,
-            "event": {"kind": kind, "shape": shape, "color": color, "color_during": color_b, "frames": [start, end],
-                      "fps": VIDEO_FPS, "total_frames": VIDEO_FRAMES},
-            "target": name,
-            "sft_target": f"<think>{think}</think><answer>{json.dumps(span)}</answer>"}
+            "event": event, "target": name,
+            "sft_target": f"<think>{_event_sentence(event, span)}</think><answer>{json.dumps(span)}</answer>"}
+    return frames, line
+
+
+def _event_sentence(event: Mapping[str, Any], span: Sequence[float]) -> str:
+    """The think sentence of a temporal-grounding target: what happens to the shape and when (``span``, seconds)."""
+    shape, color, color_b = event["shape"], event["color"], event["color_during"]
+    if event["kind"] == "visible":
+        return f"The {color} {shape} is absent at first, shows up at {span[0]:g} s and is gone from {span[1]:g} s."
+    if event["kind"] == "move":
+        return f"The {color} {shape} rests, moves from {span[0]:g} s until {span[1]:g} s, then rests again."
+    return f"The {shape} is {color}, turns {color_b} at {span[0]:g} s and back to {color} at {span[1]:g} s."
+
+
+#: ``temporal_grounding_timeline``: the frame rate its timeline is read at (``generation.video_fps``, mmrl's and
+#: qwen-vl-utils' default 2), and the frames per temporal step (Qwen-VL's ``temporal_patch_size``).
+TIMELINE_FPS, TIMELINE_FRAMES_PER_STEP = 2.0, 2
+#: ``temporal_grounding_timeline_loose``: the taught span reaches this fraction of the event's length (frames,
+#: rounded up) further on each side, clamped to the clip.
+LOOSE_SPAN_FRACTION = 0.5
+_STATE_WORDS = {"visible": ("here", "none"), "move": ("moving", "still")}
+
+
+def timeline_steps(fps: float = TIMELINE_FPS) -> list[tuple[tuple[int, ...], str]]:
+    """The temporal steps a Qwen3-VL prompt shows of a ShapeWorld clip read at ``fps``: for each, its frames (of the
+    ``VIDEO_FRAMES`` at ``VIDEO_FPS``) and the time Qwen3-VL's processor writes before it (``<t seconds>``: the
+    mean time of the step's frames, one decimal). The frames are the ones training decodes
+    (:func:`mmrl.data.video.plan_frames`, qwen-vl-utils' rule): at 2 fps 0, 2 | 4, 6 | 8, 10 | 13, 15 | 17, 19 |
+    21, 23, written 0.2, 1.2, 2.2, 3.5, 4.5, 5.5."""
+    from mmrl.data.video import plan_frames
+
+    indices = plan_frames(VIDEO_FRAMES, VIDEO_FPS, fps=fps).indices
+    k = TIMELINE_FRAMES_PER_STEP
+    steps = [tuple(indices[i:i + k]) for i in range(0, len(indices), k)]
+    return [(frames, f"{(frames[0] + frames[-1]) / 2 / VIDEO_FPS:.1f}") for frames in steps]
+
+
+def _timeline_sample(rng, held: bool, size: int, loose: bool) -> tuple[list[Scene], dict]:
+    """:func:`_temporal_sample`'s clip, question and exact ``solution`` / ``timestamps``, with an ``sft_target``
+    that walks through the clip before answering (mmrl's construction, not a paper's): the other shapes in view,
+    then the target's state at each of the prompt's timestamps (:func:`timeline_steps`; ``here``/``none`` for
+    ``visible``, ``moving``/``still`` for ``move``, the colour for ``color``; a step is in the event when one of its
+    frames is), then the sentence and the span. Writing each entry reads the frames right after the timestamp in
+    the prompt, so the target ties the answer to *where* in the clip the event is, which a plain target does not
+    teach a small model (README, "What the video models read of their clip"). ``timeline`` holds the entries.
+    ``loose``: the sentence and the answer give the span :data:`LOOSE_SPAN_FRACTION` of its length longer on each
+    side (``loose_timestamps``; a loose annotator, the entries stay what the frames show): at best tIoU
+    ``1 / (1 + 2 * 0.5) = 0.5`` away from the clip's ends, not a hit at R1@0.5 (tIoU > 0.5)."""
+    frames, line = _temporal_sample(rng, held, size)
+    event = line["event"]
+    start, end = event["frames"]
+    others = [o for o in frames[0].objects if o.shape != event["shape"]]  # the distractors: other shapes, static
+    in_view = ", ".join(f"a {o.name}" for o in others) or "no other shape"
+    kind = event["kind"]
+    on, off = _STATE_WORDS.get(kind, (event["color_during"], event["color"]))
+    timeline = [[stamp, on if any(start <= f < end for f in step) else off] for step, stamp in timeline_steps()]
+    span = line["timestamps"]
+    if loose:
+        pad = math.ceil((end - start) * LOOSE_SPAN_FRACTION)
+        span = line["loose_timestamps"] = [max(0, start - pad) / VIDEO_FPS, min(VIDEO_FRAMES, end + pad) / VIDEO_FPS]
+    entries = "; ".join(f"{stamp} s {state}" for stamp, state in timeline)
+    line["timeline"] = timeline
+    line["sft_target"] = (f"<think>In view: {in_view}. {entries}. {_event_sentence(event, span)}</think>"
+                          f"<answer>{json.dumps(span)}</answer>")
     return frames, line
 
 
@@ -886,7 +953,11 @@ def write_vlm_dataset(out_dir: str | os.PathLike, split: str, n: int, seed: int 
     * ``numeric``: "How many circles are in the image?" (1-4 of the shape among 0-2 others), ``solution`` "3";
     * ``temporal_grounding``: a ``VIDEO_FRAMES``-frame mp4 at ``VIDEO_FPS`` of a shape appearing (``visible``),
       moving (``move``) or changing colour (``color``), "When does the red circle move?", ``timestamps`` ``[s, e]``
-      seconds and ``duration``; ``event`` holds the frame span ``[s_frame, e_frame)``.
+      seconds and ``duration``; ``event`` holds the frame span ``[s_frame, e_frame)``;
+    * ``temporal_grounding_timeline`` and ``temporal_grounding_timeline_loose`` (only when named): temporal
+      grounding's lines whose ``sft_target`` first lists the other shapes and the target's state at each timestamp
+      a Qwen3-VL prompt shows at :data:`TIMELINE_FPS` (``timeline``), for a Qwen3-VL model read at that rate; the
+      loose one teaches a span :data:`LOOSE_SPAN_FRACTION` of its length too long per side (``loose_timestamps``).
 
     Each line has ``sft_target``, ``"<think>...</think><answer>...</answer>"`` with the answer in the format the
     rewards parse (a box ``[x1, y1, x2, y2]`` in ``coord_format``, a number, a span ``[s, e]``). ``coord_format``:
@@ -920,8 +991,9 @@ def write_vlm_dataset(out_dir: str | os.PathLike, split: str, n: int, seed: int 
     for i in range(int(n)):
         task = tasks[i % len(tasks)]
         sample_id = f"shapeworld-{split}-{seed}-{i:05d}"
-        if task == "temporal_grounding":
-            frames, line = _temporal_sample(rng, held, size)
+        if task.startswith("temporal_grounding"):
+            frames, line = (_temporal_sample(rng, held, size) if task == "temporal_grounding" else
+                            _timeline_sample(rng, held, size, loose=task.endswith("_loose")))
             rel = f"{split}/videos/{i:05d}.mp4"
             write_video(out_dir / rel, frames)
             record = {"id": sample_id, "video": rel}
