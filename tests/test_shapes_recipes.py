@@ -220,10 +220,66 @@ def test_the_shipped_loose_box_base_records_its_recipe_and_answers_boxes_larger_
     assert len(ratios) >= 20 and statistics.median(ratios) > 1.5, ratios
 
 
+@pytest.mark.parametrize("name", ["qwen_vl_timeline", "qwen_vl_timeline_loose"])
+def test_the_shipped_timeline_bases_record_their_recipe_and_read_when_in_the_clip(name, tmp_path):
+    """shapeworld:qwen_vl_timeline(_loose) is its recipe's model: greedy on held-out clips it walks through the
+    prompt's timestamps and answers many different spans (the time-blind bases answer 1-5), its target's loss rises
+    by a fifth or more when the clip's frames are reversed (the time-blind bases: at most 2 %), and the loose one
+    answers spans about twice the event's length, the bias its GRPO recipe's exact-span rewards correct."""
+    import dataclasses
+    import importlib.util
+    import statistics
+
+    from mmrl.sft import load_sft_config
+
+    folder = base_model_path(name)
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    assert size < 12 * 2 ** 20, f"the shipped base is {size / 2 ** 20:.1f} MiB"
+    recipe = load_sft_config(SHAPES / f"sft_{name}.yaml")
+    assert dataclasses.asdict(load_sft_config(folder / "mmrl_sft.yaml")) == dataclasses.asdict(recipe)
+    grpo = SHAPES / f"vlm_video_{name[len('qwen_vl_'):]}_grpo.yaml"
+    assert load_config(grpo).model.pretrained == f"shapeworld:{name}"
+    out = tmp_path / "base"
+    assert main(["eval", str(grpo), "checkpoint=base", "benchmarks=[temporal_grounding]",
+                 "data=shapeworld:heldout:24:temporal_grounding", "progress=false", f"output_dir={out}"]) == 0
+    metrics = json.loads((out / "summary.json").read_text())["benchmarks"]["temporal_grounding"]["metrics"]
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert metrics["miou"] >= 0.3 and metrics["num_unparseable"] <= 2, metrics
+    assert sum("0.2 s " in r["answer"] and "5.5 s " in r["answer"] for r in rows) >= 20
+    spans = [(tuple(r["verdict"]["pred"]), r["target"]) for r in rows if r["verdict"]["pred"]]
+    assert len({pred for pred, _ in spans}) >= 8
+    widths = statistics.median((p[1] - p[0]) / (t[1] - t[0]) for p, t in spans)
+    assert (widths > 1.5) if name.endswith("_loose") else (0.7 < widths < 1.4), widths
+    spec = importlib.util.spec_from_file_location("clip_dependence", REPO / "benchmarks" / "clip_dependence.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    data = f"shapeworld:heldout:16:{recipe.data.train.split(':')[-1]}"  # the clips with the base's own targets
+    loss = probe.clip_dependence(str(grpo), data, limit=16)["loss"]
+    assert loss["reversed"] > 1.2 * loss["clip"] and loss["other_clip"] > 1.5 * loss["clip"], loss
+
+
+def test_the_loose_timeline_sft_recipe_is_the_timeline_recipe_on_loose_spans():
+    from mmrl.sft import load_sft_config
+
+    recipe, plain = (load_sft_config(SHAPES / f"sft_qwen_vl_timeline{v}.yaml") for v in ("_loose", ""))
+    assert recipe.data.train == plain.data.train + "_loose" and recipe.data.eval == plain.data.eval + "_loose"
+    assert (recipe.model, recipe.train, recipe.generation) == (plain.model, plain.train, plain.generation)
+    assert plain.model.base == "shapeworld:qwen_vl_grounding" and plain.generation.video_fps == 2.0
+    for grpo in ("vlm_video_timeline_grpo.yaml", "vlm_video_timeline_loose_grpo.yaml"):
+        config = load_config(SHAPES / grpo)
+        assert config.data.dataset.endswith(":temporal_grounding")  # exact spans: the rewards see the truth
+        assert config.eval.options["data"].endswith(":temporal_grounding")
+        assert {"temporal_iou", "hit"} <= set(config.rewards)
+        assert config.generation.max_new_tokens == plain.generation.max_new_tokens
+
+
 @pytest.mark.parametrize("recipe, base, dataset", [
     ("vlm_grounding_grpo.yaml", "shapeworld:qwen_vl_grounding", "shapeworld:train:4:grounding"),
     ("vlm_grounding_loose_grpo.yaml", "shapeworld:qwen_vl_grounding_loose", "shapeworld:train:4:grounding"),
     ("vlm_video_tg_grpo.yaml", "shapeworld:qwen_vl", "shapeworld:train:4:temporal_grounding"),
+    ("vlm_video_timeline_grpo.yaml", "shapeworld:qwen_vl_timeline", "shapeworld:train:4:temporal_grounding"),
+    ("vlm_video_timeline_loose_grpo.yaml", "shapeworld:qwen_vl_timeline_loose",
+     "shapeworld:train:4:temporal_grounding"),
 ])
 def test_one_update_of_each_vlm_shapes_recipe_on_the_shipped_base(recipe, base, dataset, tmp_path):
     config = load_config(SHAPES / recipe)
