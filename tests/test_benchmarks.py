@@ -241,3 +241,46 @@ def test_grounding_grid_draws_each_evaluations_box_and_the_exact_one(tmp_path):
     assert picture.getpixel((150 + 4, tile + 40)) == (30, 30, 30)
     with pytest.raises(SystemExit, match="same lines"):
         grounding_grid.grid([base, folder("other", None, ident="b")], ["base", "other"], count=1)
+
+
+def test_grounding_grid_charts_temporal_spans_under_the_clips_frames(tmp_path):
+    """benchmarks/grounding_grid.py on temporal_grounding folders: the frames at the first frame of each temporal step
+    (6 of a 24-frame 4 fps clip read at 2 fps), the exact span in cyan and each evaluation's span in its colour, on a
+    time axis as wide as the strip; the command picks the chart from the folders' benchmark."""
+    from mmrl.data.shapeworld import Obj, Scene, write_video
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import grounding_grid
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    data = tmp_path / "data"
+    scenes = [Scene((Obj("square", "red" if f < 12 else "blue", (10, 10, 30, 30)),), 56) for f in range(24)]
+    write_video(data / "videos" / "0.mp4", scenes)
+
+    def folder(name, pred):
+        out = tmp_path / name
+        out.mkdir()
+        result = {"metrics": {"r1@0.5": 0.5}, "protocol": {"data_file": str(data / "x.jsonl")}}
+        (out / "summary.json").write_text(json.dumps({"mmrl_eval": 1, "checkpoint": {"path": "base"},
+                                                      "benchmarks": {"temporal_grounding": result}}))
+        row = {"benchmark": "temporal_grounding", "id": "clip-00000", "video": "videos/0.mp4", "target": [3.0, 6.0],
+               "scores": {"r1@0.5": 0.0}, "verdict": {"pred": pred}}
+        (out / "samples.jsonl").write_text(json.dumps(row) + "\n")
+        return out
+
+    base, trained = folder("base", [0.0, 3.0]), folder("trained", None)
+    assert grounding_grid.benchmark_of(base) == "temporal_grounding"
+    picture = grounding_grid.span_grid([base, trained], ["base", "trained"], count=1, tile=20, bar=8)
+    assert picture.size == (150 + 6 * 20, 2 * 18 + 20 + 3 * 10 + 6)
+    top = 2 * 18
+    red, blue = picture.getpixel((150 + 10, top + 10)), picture.getpixel((150 + 5 * 20 + 10, top + 10))
+    assert red[0] > 150 > red[2] and blue[2] > 150 > blue[0]  # frame 0 red, frame 21 blue
+    truth, base_bar, none_bar = (top + 20 + 2 + b * 10 + 4 for b in range(3))
+    assert picture.getpixel((150 + 30, truth)) == (40, 40, 40) and picture.getpixel((150 + 90, truth)) == (0, 255, 255)
+    assert picture.getpixel((150 + 30, base_bar)) == (255, 64, 64)
+    assert picture.getpixel((150 + 90, base_bar)) == (40, 40, 40)
+    assert picture.getpixel((150 + 30, none_bar)) == (40, 40, 40)  # no parseable span: no bar
+    out = tmp_path / "chart.png"
+    assert grounding_grid.main([str(base), str(trained), "--count", "1", "--out", str(out)]) == 0
+    assert out.is_file()
