@@ -220,7 +220,9 @@ class DataConfig:
     dataset: str | None = opt(None, "VLM: a JSONL dataset (see mmrl.data.vlm for the format), 'tiny:grounding' / "
                                     "'tiny:temporal_grounding' for the synthetic sets made on the spot, or "
                                     "'shapeworld:<train|heldout|test>:<n>[:<task>+<task>]' for n ShapeWorld lines "
-                                    "(tasks grounding, numeric, temporal_grounding) in the policy's box format.")
+                                    "(tasks grounding, numeric, temporal_grounding; named only: grounding_crop, "
+                                    "grounding_loose, temporal_grounding_timeline, "
+                                    "temporal_grounding_timeline_loose) in the policy's box format.")
     skip_bad_samples: bool = opt(False, "VLM: skip (and count) samples with missing or corrupt media or prompts over "
                                  "generation.max_prompt_length instead of stopping with an error.")
     prompts: str | None = opt(None, "Prompt file: .txt (one per line) or .jsonl (a 'prompt' field, other fields "
