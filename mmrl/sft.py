@@ -79,7 +79,7 @@ import yaml
 from mmrl.config import (ConfigError, GenerationConfig, _build, _set_dotted, config_from_dict, config_to_dict,
                          dump_config, opt, parse_overrides, read_config_file, yaml_key_lines)
 from mmrl.data.prompts import DataError
-from mmrl.data.shapeworld import check_vlm_spec
+from mmrl.data.shapeworld import TIMELINE_FPS, check_vlm_spec
 from mmrl.distributed import deepspeed_stage, is_dtensor
 
 logger = logging.getLogger(__name__)
@@ -288,6 +288,14 @@ def validate_sft(config: SFTConfig, *, check_files: bool = True) -> None:
          f"model.vision_position_std: only a from-scratch tiny:qwen3_vl base has learned absolute position "
          f"embeddings in its vision tower (model.base is {m.base!r}); remove it"),
     ]
+    g = config.generation
+    timeline = [key for key, spec in (("data.train", d.train), ("data.eval", d.eval))
+                if isinstance(spec, str) and spec.startswith("shapeworld:") and "temporal_grounding_timeline" in spec]
+    checks.append((not timeline or (g.video_nframes is None and g.video_fps == TIMELINE_FPS),
+                   f"{timeline[0] if timeline else 'data.train'}: the temporal_grounding_timeline targets name the "
+                   f"timestamps a prompt shows at {TIMELINE_FPS:g} frames per second (mmrl.data.shapeworld."
+                   f"TIMELINE_FPS); set generation.video_fps: {TIMELINE_FPS:g} and leave generation.video_nframes "
+                   f"null (got video_fps {g.video_fps}, video_nframes {g.video_nframes})"))
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)

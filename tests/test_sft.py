@@ -329,6 +329,22 @@ def test_vision_position_std_puts_absolute_position_into_the_image_tokens_of_a_t
                         check_files=False)
 
 
+def test_timeline_targets_need_the_frame_rate_their_timestamps_were_written_for(tmp_path):
+    """The temporal_grounding_timeline targets spell out the <t seconds> a Qwen3-VL prompt shows at 2 fps: another
+    generation.video_fps (or a fixed frame count) would teach timestamps the prompt never shows, so it is refused."""
+    from mmrl.data.shapeworld import TIMELINE_FPS
+
+    spec = "shapeworld:train:8:temporal_grounding_timeline"
+    ok = load_sft_config(_config(tmp_path / "a.yaml", spec, generation={"video_fps": TIMELINE_FPS}))
+    assert ok.generation.video_fps == 2.0
+    for k, generation in enumerate(({"video_fps": 4.0}, {"video_fps": None, "video_nframes": 8})):
+        with pytest.raises(ConfigError, match="data.train: the temporal_grounding_timeline targets name the"):
+            load_sft_config(_config(tmp_path / f"b{k}.yaml", spec, generation=generation))
+    # other ShapeWorld tasks read at any rate
+    assert load_sft_config(_config(tmp_path / "c.yaml", "shapeworld:train:8:temporal_grounding",
+                                   generation={"video_fps": 4.0})).generation.video_fps == 4.0
+
+
 def test_config_validate_checks_the_sft_data_lines(tmp_path, capsys, data):
     """`mmrl config validate` on an `mmrl sft` config reads every line of its data as `mmrl train` validation does
     (media decoded unless --quick) and each line's target field; `--quick` on a pretrain config, which has no data
