@@ -258,7 +258,9 @@ def test_the_shipped_timeline_bases_record_their_recipe_and_read_when_in_the_cli
     assert loss["reversed"] > 1.2 * loss["clip"] and loss["other_clip"] > 1.5 * loss["clip"], loss
 
 
-def test_the_loose_timeline_sft_recipe_is_the_timeline_recipe_on_loose_spans():
+def test_the_loose_timeline_sft_recipe_is_the_timeline_recipe_on_loose_spans(tmp_path):
+    """The two timeline SFT recipes differ only in their data; a few steps of the loose one from the shipped grounding
+    base make a model that its GRPO recipe (exact spans, KL to the base) trains for an update."""
     from mmrl.sft import load_sft_config
 
     recipe, plain = (load_sft_config(SHAPES / f"sft_qwen_vl_timeline{v}.yaml") for v in ("_loose", ""))
@@ -271,6 +273,19 @@ def test_the_loose_timeline_sft_recipe_is_the_timeline_recipe_on_loose_spans():
         assert config.eval.options["data"].endswith(":temporal_grounding")
         assert {"temporal_iou", "hit"} <= set(config.rewards)
         assert config.generation.max_new_tokens == plain.generation.max_new_tokens
+    sft = tmp_path / "sft"
+    assert main(["sft", str(SHAPES / "sft_qwen_vl_timeline_loose.yaml"), f"output_dir={sft}", "train.steps=2",
+                 "train.batch_size=2", "data.train=shapeworld:train:4:temporal_grounding_timeline_loose",
+                 "data.eval=shapeworld:heldout:2:temporal_grounding_timeline_loose", "eval.every=0",
+                 "logging.save_every=2"]) == 0
+    run = tmp_path / "run"
+    assert main(["train", str(SHAPES / "vlm_video_timeline_loose_grpo.yaml"), f"output_dir={run}",
+                 f"model.pretrained={sft / 'model'}", "data.dataset=shapeworld:train:4:temporal_grounding",
+                 "train.steps=1", "data.prompts_per_step=1", "data.group_size=2", "train.batch_size=2",
+                 "logging.eval_every=0", "logging.progress_bar=false", "logging.tensorboard=false", "eval.every=0",
+                 "generation.max_new_tokens=24"]) == 0
+    row = metrics_rows(run)[-1]
+    assert row["step"] == 1 and row["samples/nan_reward"] == 0.0 and "reward/hit" in row and "kl" in row
 
 
 @pytest.mark.parametrize("recipe, base, dataset", [
