@@ -749,6 +749,13 @@ class SFTRun:
         d = c.data
         self.model_type, coord_format = _model_coord_format(policy_config(c, c.model.base, "x.jsonl",
                                                                           check_files=False))
+        timeline = [spec for spec in (d.train, d.eval) if isinstance(spec, str) and spec.startswith("shapeworld:")
+                    and "temporal_grounding_timeline" in spec]
+        if timeline and self.model_type is not None and self.model_type != "qwen3_vl":
+            raise ConfigError(f"data: {timeline[0]}: the temporal_grounding_timeline targets copy the <t seconds> "
+                              f"timestamps a Qwen3-VL prompt shows; model.base {c.model.base!r} is a "
+                              f"{self.model_type}, whose prompt has none (use a Qwen3-VL base, e.g. "
+                              f"shapeworld:qwen_vl_grounding or tiny:qwen3_vl)")
         data_dir = self.output_dir / "data"
         self.train_path = resolve_sft_data(d.train, data_dir, coord_format=coord_format, seed=c.seed)
         self.train_samples = read_sft_data(self.train_path, d.target_field, skip_bad=d.skip_bad_samples)

@@ -329,7 +329,7 @@ def test_vision_position_std_puts_absolute_position_into_the_image_tokens_of_a_t
                         check_files=False)
 
 
-def test_timeline_targets_need_the_frame_rate_their_timestamps_were_written_for(tmp_path):
+def test_timeline_targets_need_the_frame_rate_their_timestamps_were_written_for(tmp_path, capsys):
     """The temporal_grounding_timeline targets spell out the <t seconds> a Qwen3-VL prompt shows at 2 fps: another
     generation.video_fps (or a fixed frame count) would teach timestamps the prompt never shows, so it is refused."""
     from mmrl.data.shapeworld import TIMELINE_FPS
@@ -343,6 +343,11 @@ def test_timeline_targets_need_the_frame_rate_their_timestamps_were_written_for(
     # other ShapeWorld tasks read at any rate
     assert load_sft_config(_config(tmp_path / "c.yaml", "shapeworld:train:8:temporal_grounding",
                                    generation={"video_fps": 4.0})).generation.video_fps == 4.0
+    # and they copy Qwen3-VL's timestamps: a base whose prompt has none is refused before any data is written
+    cfg = _config(tmp_path / "d.yaml", spec, output_dir=str(tmp_path / "run"))  # the helper's tiny:qwen2_5_vl
+    assert main([str(cfg)]) == 2
+    assert "a qwen2_5_vl, whose prompt has none" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "data").exists()
 
 
 def test_config_validate_checks_the_sft_data_lines(tmp_path, capsys, data):
