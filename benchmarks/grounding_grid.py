@@ -60,12 +60,12 @@ def span_grid(folders: list[Path], labels: list[str], count: int, *, fps: float 
               bar: int = 8) -> Image.Image:
     """One row per clip: its frames at the first frame of each temporal step, then the time axis (the strip's width
     is the clip's duration) with the exact span in cyan and one bar per evaluation in its colour."""
-    from mmrl.data.video import read_video
+    from mmrl.data.video import FRAME_FACTOR, read_video
 
     runs = _runs(folders, count, "temporal_grounding")
+    clips = [read_video(runs[0][1] / row["video"], fps=fps) for row in runs[0][0][:count]]
     label_width, gap = 150, 6
-    first = runs[0][0][0]
-    steps = len(read_video(runs[0][1] / first["video"], fps=fps).indices) // 2
+    steps = len(clips[0].indices) // FRAME_FACTOR  # the temporal steps (frame pairs) the model is shown
     width = steps * tile
     row_height = tile + (1 + len(runs)) * (bar + 2) + gap
     canvas = Image.new("RGB", (label_width + width, 18 * len(runs) + count * row_height), "black")
@@ -73,11 +73,11 @@ def span_grid(folders: list[Path], labels: list[str], count: int, *, fps: float 
     for k, ((_, _, headline), label) in enumerate(zip(runs, labels)):
         draw.text((6, 4 + 18 * k), f"{label}: R1@0.5 {headline:.3f}", fill=COLOURS[k % len(COLOURS)])
     top = 18 * len(runs)
-    for j, row in enumerate(runs[0][0][:count]):
+    for j, (row, clip) in enumerate(zip(runs[0][0][:count], clips)):
         y = top + j * row_height
-        clip = read_video(runs[0][1] / row["video"], fps=fps)
         for t in range(steps):
-            frame = Image.fromarray(clip.frames[2 * t].permute(1, 2, 0).numpy()).resize((tile, tile), Image.NEAREST)
+            frame = Image.fromarray(clip.frames[FRAME_FACTOR * t].permute(1, 2, 0).numpy())
+            frame = frame.resize((tile, tile), Image.NEAREST)
             canvas.paste(frame, (label_width + t * tile, y))
         draw.text((6, y + tile // 2 - 6), str(row["id"]).rsplit("-", 1)[-1], fill="white")
         spans = [("cyan", row["target"])] + [(COLOURS[k % len(COLOURS)], rows[j]["verdict"].get("pred"))
@@ -118,13 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folders", nargs="+", type=Path)
     parser.add_argument("--labels", nargs="+")
     parser.add_argument("--count", type=int, default=8)
+    parser.add_argument("--fps", type=float, default=2.0, help="temporal_grounding: the rate the clips are read at "
+                                                                "(the evaluation's generation.video_fps)")
     parser.add_argument("--out", type=Path, default=Path("grounding_grid.png"))
     args = parser.parse_args(argv)
     labels = args.labels or [f.name for f in args.folders]
     if len(labels) != len(args.folders):
         parser.error("one label per folder")
     if benchmark_of(args.folders[0]) == "temporal_grounding":
-        span_grid(args.folders, labels, args.count).save(args.out)
+        span_grid(args.folders, labels, args.count, fps=args.fps).save(args.out)
     else:
         grid(args.folders, labels, args.count).save(args.out)
     print(json.dumps({"grid": str(args.out), "rows": labels, "lines": args.count}))

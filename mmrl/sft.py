@@ -243,6 +243,13 @@ def _tiny_kind(base: str) -> str | None:
     return base.split(":", 1)[1] if base.startswith("tiny:") else None
 
 
+def _timeline_specs(d: SFTDataConfig) -> list[tuple[str, str]]:
+    """``(key, spec)`` of the ShapeWorld specs in ``data.train`` / ``data.eval`` that name a timeline task, whose
+    targets copy the timestamps of a Qwen3-VL prompt at :data:`~mmrl.data.shapeworld.TIMELINE_FPS`."""
+    return [(key, spec) for key, spec in (("data.train", d.train), ("data.eval", d.eval))
+            if isinstance(spec, str) and spec.startswith("shapeworld:") and "temporal_grounding_timeline" in spec]
+
+
 def validate_sft(config: SFTConfig, *, check_files: bool = True) -> None:
     """Ranges and consistency (messages start with the dotted key), then what ``generation`` and ``eval.rewards``
     must satisfy, checked by :func:`mmrl.config.validate` on the policy config they become."""
@@ -289,10 +296,9 @@ def validate_sft(config: SFTConfig, *, check_files: bool = True) -> None:
          f"embeddings in its vision tower (model.base is {m.base!r}); remove it"),
     ]
     g = config.generation
-    timeline = [key for key, spec in (("data.train", d.train), ("data.eval", d.eval))
-                if isinstance(spec, str) and spec.startswith("shapeworld:") and "temporal_grounding_timeline" in spec]
+    timeline = _timeline_specs(d)
     checks.append((not timeline or (g.video_nframes is None and g.video_fps == TIMELINE_FPS),
-                   f"{timeline[0] if timeline else 'data.train'}: the temporal_grounding_timeline targets name the "
+                   f"{timeline[0][0] if timeline else 'data.train'}: the temporal_grounding_timeline targets name the "
                    f"timestamps a prompt shows at {TIMELINE_FPS:g} frames per second (mmrl.data.shapeworld."
                    f"TIMELINE_FPS); set generation.video_fps: {TIMELINE_FPS:g} and leave generation.video_nframes "
                    f"null (got video_fps {g.video_fps}, video_nframes {g.video_nframes})"))
@@ -749,10 +755,9 @@ class SFTRun:
         d = c.data
         self.model_type, coord_format = _model_coord_format(policy_config(c, c.model.base, "x.jsonl",
                                                                           check_files=False))
-        timeline = [spec for spec in (d.train, d.eval) if isinstance(spec, str) and spec.startswith("shapeworld:")
-                    and "temporal_grounding_timeline" in spec]
+        timeline = _timeline_specs(d)
         if timeline and self.model_type is not None and self.model_type != "qwen3_vl":
-            raise ConfigError(f"data: {timeline[0]}: the temporal_grounding_timeline targets copy the <t seconds> "
+            raise ConfigError(f"{timeline[0][0]}: the temporal_grounding_timeline targets copy the <t seconds> "
                               f"timestamps a Qwen3-VL prompt shows; model.base {c.model.base!r} is a "
                               f"{self.model_type}, whose prompt has none (use a Qwen3-VL base, e.g. "
                               f"shapeworld:qwen_vl_grounding or tiny:qwen3_vl)")
