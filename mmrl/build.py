@@ -84,9 +84,11 @@ def build_source(config: Config):
 
 def vlm_media(config: Config, processor):
     """``sample -> (images, video clip)`` with the processor's pixel budgets (or generation.*) and its resize
-    factor (``patch_size * merge_size``: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL), so each image reaches the
-    processor already at its final size and the size the rewards rescale boxes against (metadata
-    ``input_size``) is exactly the model's input (``image_grid_thw`` x patch size)."""
+    factor (``patch_size * merge_size``: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL): each image resized as
+    qwen-vl-utils' ``fetch_image`` does, then given to the processor at that size (``images_at_final_size``: the
+    policy passes ``do_resize=False``, as Qwen3-VL's README does after qwen-vl-utils), so the size the rewards
+    rescale boxes against (metadata ``input_size``) is exactly the model's input (``image_grid_thw`` x patch
+    size)."""
     from mmrl.data.validate import video_frame_kwargs
     from mmrl.data.vlm import load_images, load_video
 
@@ -110,6 +112,7 @@ def vlm_media(config: Config, processor):
                                temporal_patch_size=video_processor.temporal_patch_size)
         return images, video
 
+    media.images_at_final_size = True
     return media
 
 
@@ -123,7 +126,9 @@ def video_pixel_budget(config: Config, processor) -> dict:
     128 x 28 x 28; a checkpoint without a video processor config gets its image processor's instead); per-frame cap
     the processor's ``longest_edge`` (default ``VIDEO_MAX_PIXELS``, 768 x 28 x 28); total
     ``generation.video_total_pixels`` or 0.9 x ``max_video_tokens`` x 28 x 28 (``VIDEO_TOTAL_PIXELS``); then at most
-    ``generation.video_max_pixels``.
+    ``generation.video_max_pixels``. A ``video_max_pixels`` below the default minimum (with ``video_min_pixels``
+    unset) lowers the minimum to it: mmrl's rule (qwen-vl-utils 0.0.13+ asserts ``max >= min`` there; 0.0.11 upscales
+    the frames past the maximum).
 
     Qwen3-VL's video processor budgets the whole clip (its ``size``) and resizes the frames itself: by default only
     ``video_max_pixels`` applies to them beforehand. With ``video_min_pixels`` or ``video_total_pixels`` set, the

@@ -6,7 +6,7 @@ from fixtures import frame_colour, nearest_frame, truncate_file, write_garbage, 
 
 from mmrl.data.prompts import DataError
 from mmrl.data.video import (_reason, budget_size, num_sampled_frames, plan_frames, probe_video, read_video,
-                             sample_frame_indices)
+                             sample_frame_indices, smart_resize)
 
 # ------------------------------------------------------------------------------------------- the rule
 
@@ -157,12 +157,32 @@ def test_budget_size_hand_cases():
     assert budget_size(48, 64) == (48, 64)  # no budget: unchanged
     assert budget_size(48, 64, max_pixels=3136) == (56, 56)  # rounded to 28, within budget
     assert budget_size(50, 100, max_pixels=4000) == (28, 84)  # beta = sqrt(5000/4000): floor(1.6), floor(3.2)
-    # smart_resize alone would upscale 30 x 40 towards min 3136 to 56 x 84 = 4704 > max; the max wins
-    assert budget_size(30, 40, max_pixels=3136) == (28, 56)
+    # 30 x 40 rounds to 28 x 28 = 784 < min 3136 (the default minimum, capped at the maximum): upscaled by
+    # sqrt(3136 / 1200) = 1.617 and ceiled, 56 x 84 = 4704, past the maximum, as qwen-vl-utils and transformers do
+    assert budget_size(30, 40, max_pixels=3136) == (56, 84)
     # an explicit minimum upscales: 48 x 64 to at least 112 x 112 pixels, sides ceiled to 28
     assert budget_size(48, 64, min_pixels=112 * 112) == (112, 140)
     with pytest.raises(ValueError, match="above max_pixels"):
         budget_size(48, 64, min_pixels=5000, max_pixels=4000)
+
+
+def test_smart_resize_is_qwen_vl_utils_rule_worked_by_hand():
+    """qwen-vl-utils' smart_resize (0.0.8-0.0.14): sides rounded to the factor but at least one factor; above the
+    maximum scaled by sqrt(HW / max) and floored; below the minimum scaled by sqrt(min / HW) and ceiled."""
+    # 2 x 387: 2 rounds to 0, kept at 28; 387 rounds to 392; 28 x 392 = 10976 is within [3136, 12845056]
+    # (transformers' smart_resize rounds the 2 to 0 and upscales: 28 x 784)
+    assert smart_resize(2, 387, factor=28, min_pixels=3136, max_pixels=12845056) == (28, 392)
+    # 640 x 480 at min = max = 200704: 644 x 476 > max, beta = sqrt(307200 / 200704) = 1.2372,
+    # floor(517.3 / 28) = 18 -> 504, floor(388.0 / 28) = 13 -> 364; below the minimum, left so (one branch)
+    assert smart_resize(640, 480, factor=28, min_pixels=200704, max_pixels=200704) == (504, 364)
+    # 1225 x 17 at [39645, 40382]: 1232 x 28 = 34496 < min, beta = sqrt(39645 / 20825) = 1.3798,
+    # ceil(1690.2 / 28) = 61 -> 1708, ceil(23.46 / 28) = 1 -> 28
+    assert smart_resize(1225, 17, factor=28, min_pixels=39645, max_pixels=40382) == (1708, 28)
+    # 20 x 3000 at max 10240, factor 32: 32 x 3008 > max, beta = sqrt(60000 / 10240) = 2.4206, floor(0.26) = 0
+    # kept at one factor (qwen-vl-utils would resize to a side of 0 and fail), floor(38.73) = 38 -> 1216
+    assert smart_resize(20, 3000, factor=32, min_pixels=1024, max_pixels=32 * 32 * 10) == (32, 1216)
+    with pytest.raises(ValueError, match="aspect ratio"):
+        smart_resize(10, 2010, factor=28, min_pixels=3136, max_pixels=12845056)
 
 
 def test_pixel_budget_on_a_larger_video(tmp_path):

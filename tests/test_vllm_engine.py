@@ -308,6 +308,32 @@ def test_vllm_video_rollout_matches_the_trained_model(vllm_model, tmp_path):
 
 
 @needs_vllm
+def test_vllm_takes_an_image_at_a_tight_budget_at_the_training_size(vllm_model, tmp_path):
+    """min_pixels = max_pixels, and an image whose qwen-vl-utils size lies under the minimum (smart_resize's
+    downscaling branch): the training processor takes it as resized (do_resize=False) and so must vLLM's, else its
+    expanded prompt (more image tokens) differs from training's and the rollout stops."""
+    from PIL import Image
+
+    from mmrl.build import build_vlm_policy
+    from mmrl.data.vlm import VLMSample
+
+    budget = 6 * 28 * 28
+    c = load_config(VLM_CONFIG, [
+        f"output_dir={tmp_path}", f"model.pretrained={vllm_model}", "generation.engine=vllm",
+        "generation.vllm={enforce_eager: true, max_num_batched_tokens: 1024}", "generation.max_new_tokens=8",
+        f"generation.min_pixels={budget}", f"generation.max_pixels={budget}"])
+    policy = build_vlm_policy(c)
+    # 100 x 90 (H x W): 112 x 84 > 4704, beta = sqrt(9000 / 4704) = 1.383, floor to 56 x 56 = 3136 < 4704; resized
+    # again by transformers' rule it would become 84 x 84
+    sample = VLMSample("s", "where is it?", "[1, 2, 3, 4]", images=[Image.new("RGB", (90, 100), (9, 90, 200))])
+    rollout = policy.rollout([sample], 2, generator=torch.Generator().manual_seed(0))  # prompts checked token for token
+    assert rollout.metadata[0]["input_size"] == [56, 56]
+    assert rollout.vision[0].image_grid_thw.tolist() == [[1, 4, 4]]
+    gap = (replayed(policy, rollout) - rollout.sampler_logps).abs()[rollout.mask.bool()]
+    assert float(gap.max()) < 5e-3, float(gap.max())
+
+
+@needs_vllm
 def test_doctor_checks_the_rollout_engine(vllm_model, tmp_path):
     from mmrl.doctor import run_doctor
 

@@ -254,6 +254,36 @@ def test_recorded_input_size_is_the_processor_input(model_path):
     assert rollout.metadata[0]["image_sizes"] == [[157, 61], [47, 203]]
 
 
+def test_an_image_at_a_tight_budget_reaches_the_model_at_qwen_vl_utils_size(model_path):
+    """min_pixels near max_pixels: qwen-vl-utils' size can lie below the minimum (smart_resize's downscaling branch
+    does not check it), and transformers' smart_resize applied a second time would then upscale it. The processor,
+    built with the run's budget as mmrl.build does, must take the image as resized (do_resize=False), so the model's
+    grid is qwen-vl-utils' size and input_size (the boxes' frame) is the model's input."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as transformers_resize
+
+    from mmrl.data.video import budget_size
+
+    probe = load_vlm(model_path, dtype="float32")[1].image_processor
+    factor, patch = probe.patch_size * probe.merge_size, probe.patch_size
+    budget = 6 * factor * factor
+    size = next((h, w) for h in range(2 * factor, 6 * factor) for w in range(2 * factor, 6 * factor)
+                if transformers_resize(*budget_size(h, w, min_pixels=budget, max_pixels=budget, factor=factor),
+                                       factor=factor, min_pixels=budget, max_pixels=budget)
+                != budget_size(h, w, min_pixels=budget, max_pixels=budget, factor=factor))
+    want_h, want_w = budget_size(*size, min_pixels=budget, max_pixels=budget, factor=factor)
+    model, processor = load_vlm(model_path, dtype="float32", min_pixels=budget, max_pixels=budget)
+    policy = QwenVLPolicy(model, processor, max_new_tokens=4)
+    cfg = Config()
+    cfg.generation.min_pixels = cfg.generation.max_pixels = budget
+    policy.media = vlm_media(cfg, processor)
+    sample = VLMSample("s", "where is it?", "[1, 2, 3, 4]",
+                       images=[Image.new("RGB", (size[1], size[0]), (9, 90, 200))])
+    _, vision, kept = policy.encode_prompts([sample])
+    assert kept == [0]
+    _, grid_h, grid_w = vision[0].image_grid_thw[0].tolist()
+    assert [grid_w * patch, grid_h * patch] == [want_w, want_h] == sample.metadata["input_size"]
+
+
 # ----------------------------------------------------------------------- 6. full fine-tune reference dtype
 
 

@@ -400,7 +400,10 @@ def test_samples_from_rows(media):
     assert first.question == "What colour?" and first.solution == "olive" and first.task == "vqa"
     assert first.source == "toy:0" and first.metadata["source_ds"] == "toy" and first.num_images == 1
     (image,) = load_images(first, max_pixels=28 * 28 * 4)
-    assert image.size == (56, 28) and first.metadata["image_size"] == [40, 30]
+    # qwen-vl-utils' smart_resize: 30 x 40 rounds to 28 x 28, under the minimum (3136, capped at the maximum), so
+    # upscaled by sqrt(3136 / 1200) and ceiled: 56 x 84, past the maximum by a row of patches as there
+    assert image.size == (84, 56) and first.metadata["image_size"] == [40, 30]
+    assert first.metadata["input_size"] == [84, 56]
     two = load_images(samples[1])
     assert [im.mode for im in two] == ["RGB", "RGB"] and two[0].getpixel((0, 0)) == (255, 255, 255)
     assert samples[2].image_paths == [str(media / "imgs" / "a.png")] and samples[2].metadata["boxes"]

@@ -15,12 +15,12 @@ was trained with:
   ``second_per_grid_ts = temporal_patch_size / sample_fps`` (Qwen2.5-VL: temporal patch 2), the seconds one
   temporal grid step spans, passed to the model for its time-aligned position ids.
 
-Frames are resized per video to a pixel budget with Qwen's ``smart_resize`` (transformers' own): each side
-a multiple of ``factor`` (28 for Qwen2/2.5-VL, 32 for Qwen3-VL), aspect kept. With a total budget
+Frames are resized per video to a pixel budget with qwen-vl-utils' ``smart_resize`` (:func:`smart_resize`): each
+side a multiple of ``factor`` (28 for Qwen2/2.5-VL, 32 for Qwen3-VL), aspect kept. With a total budget
 (``total_pixels``) the per-frame bounds are qwen-vl-utils' ``fetch_video``'s (:func:`frame_pixel_budget`):
 the maximum is an even share of the total per temporal patch, at most ``frame_max_pixels`` and at least
 ``1.05 * min_pixels``, then at most the given ``max_pixels``; ``smart_resize`` takes those bounds as they are.
-Without one, ``H * W <= max_pixels`` always holds (:func:`budget_size`).
+Without one, the bounds are ``min_pixels`` / ``max_pixels`` themselves (:func:`budget_size`).
 
 :func:`probe_video` is the cheap check run on every video when a data set is read for training: open with
 decord, read the metadata (frame count, frame rate, size) and decode the first frame only. It costs about one
@@ -152,32 +152,61 @@ def sample_frame_indices(total_frames: int, video_fps: float, *, fps: float | No
                        max_frames=max_frames).indices
 
 
+MAX_ASPECT_RATIO = 200
+
+
+def smart_resize(height: int, width: int, *, factor: int = IMAGE_FACTOR, min_pixels: float, max_pixels: float
+                 ) -> tuple[int, int]:
+    """``(height, width)`` by qwen-vl-utils' ``smart_resize`` (the same rule in 0.0.8 to 0.0.14), which its
+    ``fetch_image`` and ``fetch_video`` resize to: each side rounded to a multiple of ``factor``, at least one
+    ``factor``; above ``max_pixels`` both sides scaled by ``sqrt(H * W / max_pixels)`` and floored to the factor;
+    below ``min_pixels`` scaled up by ``sqrt(min_pixels / (H * W))`` and ceiled (which can overshoot
+    ``max_pixels`` by up to a row of patches, as there and as transformers' own ``smart_resize``). mmrl's one
+    difference: the floored sides stay at least one ``factor`` (qwen-vl-utils floors a side of an extreme aspect
+    ratio to 0 and then fails to resize; transformers keeps ``factor``, as here). An aspect ratio above 200 is a
+    ``ValueError``, as in both.
+
+    transformers' ``smart_resize`` differs on a side of at most ``factor / 2`` pixels: it rounds that side to 0 and
+    so takes the upscaling branch (a 2 x 387 image at the defaults: 28 x 784 there, 28 x 392 here and in
+    qwen-vl-utils); on other sizes the two agree.
+    """
+    if min(height, width) <= 0:
+        raise ValueError(f"image of {height}x{width} pixels has no area")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, got "
+                         f"{max(height, width) / min(height, width)}")
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 def budget_size(height: int, width: int, *, min_pixels: int | None = None, max_pixels: int | None = None,
                 factor: int = IMAGE_FACTOR) -> tuple[int, int]:
-    """``(height, width)`` after Qwen's ``smart_resize`` to the budget; unchanged when no budget is given.
+    """``(height, width)`` after :func:`smart_resize` (qwen-vl-utils') to the budget; unchanged when no budget is
+    given.
 
     Defaults for the missing bound: ``max_pixels = 16384 * factor**2``, ``min_pixels = 4 * factor**2``
-    (qwen-vl-utils' image defaults; the default minimum never exceeds the given maximum). One difference from
-    ``smart_resize``: ``H * W <= max_pixels`` always holds (its upscaling branch can overshoot).
+    (qwen-vl-utils' image defaults), except that the default minimum never exceeds a given maximum (mmrl's rule;
+    qwen-vl-utils' 0.0.13+ assert fails there). A maximum below one patch, or a minimum above the maximum, is a
+    ``ValueError``.
     """
     if min_pixels is None and max_pixels is None:
         return height, width
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
-
     max_pixels = 16384 * factor * factor if max_pixels is None else int(max_pixels)
     min_pixels = min(4 * factor * factor, max_pixels) if min_pixels is None else int(min_pixels)
     if max_pixels < factor * factor:
         raise ValueError(f"max_pixels={max_pixels} is below one {factor}x{factor} patch ({factor * factor} pixels)")
     if min_pixels > max_pixels:
         raise ValueError(f"min_pixels={min_pixels} is above max_pixels={max_pixels}")
-    new_h, new_w = smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
-    if new_h * new_w > max_pixels:
-        # smart_resize's upscaling to min_pixels rounds each side up and can overshoot max_pixels (when the two
-        # are close); the maximum is the hard bound (memory), so scale to it and round down instead.
-        beta = math.sqrt(height * width / max_pixels)
-        new_h = max(factor, math.floor(height / beta / factor) * factor)
-        new_w = max(factor, math.floor(width / beta / factor) * factor)
-    return new_h, new_w
+    return smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
 
 
 def frame_pixel_budget(num_frames: int, *, min_pixels: int, frame_max_pixels: int, total_pixels: float,
@@ -315,8 +344,6 @@ def read_video(path: str | Path, *, fps: float | None = None, nframes: float | N
     if total_pixels is None:
         new_h, new_w = budget_size(height, width, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor)
     else:
-        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
-
         low, high = frame_pixel_budget(len(plan.indices), min_pixels=min_pixels, frame_max_pixels=frame_max_pixels,
                                        total_pixels=total_pixels, max_pixels=max_pixels,
                                        temporal_patch_size=temporal_patch_size)

@@ -57,7 +57,7 @@ from typing import Any
 from PIL import Image
 
 from mmrl.data.prompts import DataError, OrderedSource, json_error
-from mmrl.data.video import IMAGE_FACTOR, VideoClip, budget_size, probe_video, read_video
+from mmrl.data.video import IMAGE_FACTOR, MAX_ASPECT_RATIO, VideoClip, budget_size, probe_video, read_video
 
 logger = logging.getLogger(__name__)
 
@@ -170,10 +170,6 @@ def _resolve(value: str, base: Path, key: str) -> Path:
     if not path.is_file():
         raise _Bad(f"{key} file not found: {path}" + ("" if str(path) == value else f" (from {value!r})"))
     return path
-
-
-#: The largest aspect ratio Qwen-VL's ``smart_resize`` accepts.
-MAX_ASPECT_RATIO = 200
 
 
 def _image_problem(path: str, *, decode: bool) -> str | None:
@@ -488,11 +484,13 @@ def load_images(sample: VLMSample, *, min_pixels: int | None = None, max_pixels:
                 factor: int = IMAGE_FACTOR) -> list[Image.Image]:
     """The sample's images as RGB PIL images, resized to the pixel budget when one is given.
 
-    With ``min_pixels``/``max_pixels`` each image is resized (bicubic) to Qwen's ``smart_resize`` size:
-    sides multiples of ``factor`` (28 for Qwen2/2.5-VL, 32 for Qwen3-VL), pixels within the budget, aspect
-    kept. ``factor`` must be the processor's ``patch_size * merge_size`` (as :func:`mmrl.build.vlm_media` passes
-    it): with another factor the processor resizes the image again and ``input_size`` is not the model's input
-    (``image_grid_thw[1:] * patch_size``). Records ``image_size``/``image_sizes`` (stored ``[W, H]``) and
+    With ``min_pixels``/``max_pixels`` each image is resized (PIL bicubic) to qwen-vl-utils' ``smart_resize``
+    size, as its ``fetch_image`` does (:func:`mmrl.data.video.budget_size`): sides multiples of ``factor`` (28 for
+    Qwen2/2.5-VL, 32 for Qwen3-VL), pixels within the budget, aspect kept. ``factor`` must be the processor's
+    ``patch_size * merge_size`` (as :func:`mmrl.build.vlm_media` passes it), and the processor must take the image
+    as it is (``do_resize=False``, as the policy passes images from ``vlm_media``): resized again, to the
+    processor's own bounds by transformers' rule, a size near the budget's edges can change, and ``input_size`` would
+    not be the model's input (``image_grid_thw[1:] * patch_size``). Records ``image_size``/``image_sizes`` (stored ``[W, H]``) and
     ``input_size``/``input_sizes`` (after resizing) in ``sample.metadata``. An unreadable image is a
     :class:`DataError` naming the image and the sample's line.
     """

@@ -442,6 +442,7 @@ def grey_media(media: Callable) -> Callable:
             video = dataclasses.replace(video, frames=torch.full_like(video.frames, GREY[0]))
         return images, video
 
+    blind.images_at_final_size = getattr(media, "images_at_final_size", False)
     return blind
 
 

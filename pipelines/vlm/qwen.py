@@ -587,6 +587,8 @@ class QwenVLPolicy:
         flat_images = [im for ims in images for im in ims]
         if flat_images:
             kwargs["images"] = flat_images
+            if self._images_at_final_size:  # resized by qwen-vl-utils' rule already (mmrl.build.vlm_media)
+                kwargs["images_kwargs"] = {"do_resize": False}
         clips = [v for v in videos if v is not None]
         if clips:
             kwargs["videos"] = [clip.frames for clip in clips]
@@ -621,6 +623,12 @@ class QwenVLPolicy:
                 v.engine_prompt = self._engine_prompt(text, item_images, video)
         return inputs, vision, kept
 
+    @property
+    def _images_at_final_size(self) -> bool:
+        """Whether ``media`` gives images already at the model's input size (:func:`mmrl.build.vlm_media`), so the
+        processor must not resize them again."""
+        return bool(getattr(self.media, "images_at_final_size", False))
+
     def _engine_prompt(self, text: str, images: list, video) -> dict:
         """One prompt as a vLLM request: the chat text's token ids (one placeholder per image / video; vLLM expands
         them with the same processor) and the media as the training processor received them."""
@@ -635,8 +643,13 @@ class QwenVLPolicy:
                                        "video_backend": "mmrl", "do_sample_frames": False})
         if media:
             request["multi_modal_data"] = media
+        processor_kwargs = {}
+        if images and self._images_at_final_size:  # the images are at the model's size, as in training
+            processor_kwargs["images_kwargs"] = {"do_resize": False}
         if video is not None and video.final_size:  # the frames are at the model's size, as in training
-            request["mm_processor_kwargs"] = {"videos_kwargs": {"do_resize": False}}
+            processor_kwargs["videos_kwargs"] = {"do_resize": False}
+        if processor_kwargs:
+            request["mm_processor_kwargs"] = processor_kwargs
         return request
 
     def _skip(self, reason: str, message: str) -> None:
