@@ -241,6 +241,10 @@ def _build_policy(config: Config, device: torch.device | str = "cpu"):
     m, s = config.model, config.sampling
     family = build_family(m.family, m.pretrained, dtype=m.dtype, revision=m.revision,
                           max_sequence_length=s.max_sequence_length)
+    try:
+        family.latent_shape(m.resolution)  # a side this model cannot generate: one line naming the key
+    except ValueError as exc:
+        raise ConfigError(f"model.resolution={m.resolution}: {exc}") from None
     lora = None
     if m.use_lora:
         lora = {"rank": m.lora_rank, "alpha": m.lora_alpha, "dropout": m.lora_dropout,

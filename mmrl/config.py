@@ -499,7 +499,13 @@ def _coerce(value: Any, annotation: Any, path: str) -> Any:
         return float(value)
     if "int" in names and isinstance(value, int):
         return value
-    for name, kind in (("str", str), ("list", list), ("dict", dict)):
+    if "dict" in names and isinstance(value, dict):
+        for key in value:
+            if not isinstance(key, str):
+                raise ConfigError(f"{path}: key {key!r} ({type(key).__name__}) is not a name (YAML reads an unquoted "
+                                  f"on / off / yes / no as a boolean and a number as a number: quote it)")
+        return value
+    for name, kind in (("str", str), ("list", list)):
         if name in names and isinstance(value, kind):
             return value
     expected = " or ".join(sorted(names - {"NoneType"}))
@@ -538,6 +544,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}{key}"
+        if not isinstance(key, str):  # YAML reads on / off / yes / no as booleans, 1 as a number, null as None
+            raise ConfigError(f"config key {path!r} ({type(key).__name__}) is not a name (YAML reads an unquoted "
+                              f"on / off / yes / no as a boolean and a number as a number: quote it)")
         if key not in fields:
             if path in MOVED_KEYS:
                 raise ConfigError(f"config key {path!r} is now an algorithm variant: write {MOVED_KEYS[path]} "
@@ -1005,6 +1014,13 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         for ok, message in generation_checks:
             if not ok:
                 raise ConfigError(message)
+        # a pixel floor that alone needs more vision tokens than a prompt may hold (counted at Qwen3-VL's 32 x 32
+        # pixels a token, the most of any family): refused before an image or video is decoded at that size
+        for key, floor, what in (("min_pixels", g.min_pixels, "every image"),
+                                 ("video_min_pixels", g.video_min_pixels, "every pair of video frames")):
+            if floor is not None and floor // (32 * 32) > g.max_prompt_length:
+                raise ConfigError(f"generation.{key}={floor}: {what} would take at least {floor // (32 * 32)} vision "
+                                  f"tokens, more than generation.max_prompt_length={g.max_prompt_length}")
         try:
             g.question_template.format(question="")
         except (KeyError, IndexError, ValueError) as exc:

@@ -1128,6 +1128,18 @@ class Trainer:
                               f"wait for it to end, or choose another output_dir (nothing was touched)")
         return handle
 
+    def _check_output_folders(self) -> None:
+        """The folders a run writes into (checkpoints, sample grids, evaluations) must be folders it can write, checked
+        before the first update so that no finished update is lost to a save that cannot happen."""
+        for name in ("checkpoints", "samples", "eval"):
+            path = self.output_dir / name
+            if path.exists() and not path.is_dir():
+                raise ConfigError(f"{path} is not a folder, but the run writes its {name} there: move it away or "
+                                  f"choose another output_dir (nothing was written)")
+            if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
+                raise ConfigError(f"{path} is not writable, but the run writes its {name} there (nothing was "
+                                  f"written)")
+
     def train(self) -> list[dict[str, float]]:
         lock = self._lock_output_dir()
         try:
@@ -1141,6 +1153,7 @@ class Trainer:
         if not c.resume and latest_checkpoint(self.output_dir / "checkpoints") is not None:
             raise ConfigError(f"{self.output_dir} already holds a run with checkpoints: set resume=auto to continue it "
                               f"or choose another output_dir (nothing was overwritten)")
+        self._check_output_folders()
         resumed = self.resume(c.resume) if c.resume else None
         self.logger = None
         if acc.is_main_process:

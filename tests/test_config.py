@@ -79,6 +79,19 @@ def test_unknown_key_names_the_full_dotted_key():
         load_config(TINY_RECIPE, ["generation.max_new_token=3"])
 
 
+
+def test_a_key_yaml_reads_as_a_boolean_or_number_is_a_config_error():
+    """YAML 1.1 reads an unquoted on / yes / no as a boolean and 1 as an int: a section or a mapping field with such
+    a key is a ConfigError naming it, not a TypeError from the nearest-key search."""
+    with pytest.raises(ConfigError, match=r"config key 'logging\.True' \(bool\) is not a name"):
+        load_config(TINY_RECIPE, ["logging={on: 1}"])
+    with pytest.raises(ConfigError, match=r"rewards: key 1 \(int\) is not a name"):
+        load_config(TINY_RECIPE, ["rewards={1: 1.0}"])
+    from mmrl.pretrain import pretrain_config_from_dict
+
+    with pytest.raises(ConfigError, match=r"config key 'vae\.1' \(int\) is not a name"):
+        pretrain_config_from_dict({"vae": {1: 2}})
+
 RANGE_ERRORS = [
     (["optim.lr=0"], "optim.lr must be > 0"),
     (["optim.lr=-1e-4"], "optim.lr must be > 0"),
@@ -314,6 +327,21 @@ def test_a_config_that_is_not_a_mapping_or_repeats_a_section_is_refused(tmp_path
         with pytest.raises(ConfigError, match=message):
             load_config(path)
 
+
+def test_a_pixel_floor_beyond_the_prompt_length_is_refused_before_any_media_is_decoded():
+    """generation.min_pixels / video_min_pixels that alone need more vision tokens than max_prompt_length (at 32 x 32
+    pixels a token, the fewest tokens of any Qwen-VL) are a ConfigError, not a run that decodes every frame at 100 MP
+    and dies of memory."""
+    from mmrl.config import config_from_dict
+
+    vlm = {"model": {"family": "qwen_vl", "pretrained": "tiny:qwen2_5_vl"}, "rewards": {"iou": 1.0},
+           "data": {"dataset": "tiny:grounding"}, "generation": {"max_prompt_length": 1024}}
+    for key, what in (("video_min_pixels", "every pair of video frames"), ("min_pixels", "every image")):
+        with pytest.raises(ConfigError, match=rf"generation.{key}=100000000: {what} would take at least 97656 "
+                                              rf"vision tokens, more than generation.max_prompt_length=1024"):
+            config_from_dict({**vlm, "generation": {"max_prompt_length": 1024, key: 100_000_000}}, check_files=False)
+        # at the limit it is the data check's business (a prompt's text adds tokens too)
+        config_from_dict({**vlm, "generation": {"max_prompt_length": 1024, key: 1024 * 1024}}, check_files=False)
 
 def test_output_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "afile").write_text("")

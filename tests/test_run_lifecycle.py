@@ -289,3 +289,38 @@ def test_checkpoint_files_take_the_umask_not_safetensors_0600(tmp_path, umask):
                      "export/run.sh": 0o777 & ~umask}
     assert cached.stat().st_mode & 0o777 == 0o777 & ~umask  # the model cache: a mkdtemp folder renamed into place
     assert (cached / "w.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+# ------------------------------------------------------------------ setup mistakes: one line, before any update
+
+
+def test_setup_mistakes_stop_before_the_first_update_with_one_line(tmp_path, tiny_path, capsys):
+    """Each is a one-line error (exit 2) before training, and nothing is trained and then lost: a `checkpoints` entry
+    that is a file (the first save would fail after the update), a resolution beyond the model's positional
+    embedding, an unknown tiny model, and a pipeline folder whose model_index.json names a component that is
+    missing (diffusers would build a default tokenizer in place of tokenizer_3 and train on the wrong ids)."""
+    import shutil
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("not a folder")
+    assert _train(run, tiny_path, "train.steps=1") == 2
+    err = capsys.readouterr().err
+    assert "checkpoints is not a folder, but the run writes its checkpoints there" in err
+    assert "Traceback" not in err and not (run / "metrics.jsonl").exists()
+
+    assert _train(tmp_path / "big", tiny_path, "train.steps=1", "model.resolution=1024") == 2
+    err = capsys.readouterr().err
+    assert "model.resolution=1024: resolution 1024 is larger than this SD3 model can generate" in err
+    assert "Traceback" not in err
+
+    assert _train(tmp_path / "tiny", "tiny:sd2", "train.steps=1") == 2
+    err = capsys.readouterr().err
+    assert "model.pretrained='tiny:sd2': ensure_tiny: unknown kind 'sd2'" in err and "Traceback" not in err
+
+    partial = tmp_path / "partial"
+    shutil.copytree(tiny_path, partial)
+    shutil.rmtree(partial / "tokenizer_3")
+    assert _train(tmp_path / "p", str(partial), "train.steps=1") == 2
+    err = capsys.readouterr().err
+    assert "names components whose folders are missing: tokenizer_3" in err and "Traceback" not in err

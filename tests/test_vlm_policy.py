@@ -302,3 +302,29 @@ def test_the_checkpoints_own_eos_ids_also_end_a_completion(model_path):
     named = [processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     assert policy.eos_ids == [*named, extra] and policy.pad_id == processor.tokenizer.pad_token_id
     assert _completion_mask(torch.tensor([[5, extra, 7, 8]]), policy.eos_ids).tolist() == [[1, 1, 0, 0]]
+
+
+def test_lora_targets_that_match_no_language_module_are_a_config_error(model_path):
+    from mmrl.config import ConfigError
+
+    model, processor = load_vlm(model_path, dtype="float32")
+    with pytest.raises(ConfigError, match=r"no language-model module matches model.lora_target_modules=\['nomatch'\]"):
+        QwenVLPolicy(model, processor, lora={"rank": 2, "alpha": 4, "target_modules": ["nomatch"]}, media=media)
+
+
+def test_a_model_folder_missing_its_chat_template_or_tokenizer_is_one_error_at_load(model_path, tmp_path):
+    """Without chat_template.jinja a rollout fails in apply_chat_template; without tokenizer.json /
+    tokenizer_config.json transformers falls back to a tokenizer that splits the vision placeholders and the first
+    image fails deep in the processor. load_vlm names either at load time."""
+    import shutil
+
+    from mmrl.pipelines.flow.loading import ModelLoadError
+
+    for missing, words in ((["chat_template.jinja"], "has no chat template"),
+                           (["tokenizer.json", "tokenizer_config.json"], "its tokenizer does not read the model's")):
+        folder = tmp_path / missing[0]
+        shutil.copytree(model_path, folder)
+        for name in missing:
+            (folder / name).unlink()
+        with pytest.raises(ModelLoadError, match=words):
+            load_vlm(str(folder), dtype="float32")

@@ -25,7 +25,10 @@ def resolve_pretrained(pretrained: str) -> str:
     if pretrained.startswith("tiny:"):
         from mmrl.pipelines.flow.tiny import ensure_tiny
 
-        return str(ensure_tiny(pretrained.split(":", 1)[1]))
+        try:
+            return str(ensure_tiny(pretrained.split(":", 1)[1]))
+        except ValueError as exc:  # an unknown kind
+            raise ModelLoadError(f"model.pretrained={pretrained!r}: {exc}") from None
     return pretrained
 
 
@@ -39,6 +42,13 @@ def load_pipeline(pipeline_cls, pretrained: str, *, dtype: torch.dtype, revision
             f"model.pretrained={pretrained!r}: {local} is not a diffusers pipeline directory "
             f"(no model_index.json there). Use a folder written by save_pretrained, or a hub id."
         )
+    if looks_local:
+        missing = _missing_components(local)
+        if missing:
+            raise ModelLoadError(
+                f"model.pretrained={pretrained!r}: {local}/model_index.json names components whose folders are "
+                f"missing: {', '.join(missing)} (a partly copied pipeline; diffusers would build a default tokenizer "
+                f"in place of a missing one and train on the wrong token ids)")
     try:
         pipe = pipeline_cls.from_pretrained(source, revision=revision, dtype=dtype)  # dtype= since diffusers 0.40
         pipe.set_progress_bar_config(disable=True)
@@ -60,6 +70,21 @@ def transformers_load_kwargs() -> dict:
     if os.environ.get("HF_HUB_OFFLINE") == "1" and "USE_HUB_KERNELS" not in os.environ:
         return {"use_kernels": False}
     return {}
+
+
+def _missing_components(folder: Path) -> list[str]:
+    """The components ``model_index.json`` names (``[library, class]``, not null) that have no folder of their own."""
+    import json
+
+    try:
+        index = json.loads((folder / "model_index.json").read_text())
+    except (OSError, ValueError):  # unreadable: diffusers' own error names it
+        return []
+    if not isinstance(index, dict):
+        return []
+    return sorted(name for name, entry in index.items()
+                  if not name.startswith("_") and isinstance(entry, list) and len(entry) == 2
+                  and all(isinstance(part, str) for part in entry) and not (folder / name).is_dir())
 
 
 def _is_hub_id(source: str) -> bool:

@@ -258,9 +258,13 @@ def resolve_vlm_pretrained(pretrained: str) -> str:
         except (ValueError, FileNotFoundError) as exc:
             raise ModelLoadError(f"model.pretrained={pretrained!r}: {exc}") from None
     if pretrained.startswith("tiny:"):
+        from mmrl.pipelines.flow.loading import ModelLoadError
         from mmrl.pipelines.vlm.tiny import ensure_tiny_vlm
 
-        return str(ensure_tiny_vlm(pretrained.split(":", 1)[1]))
+        try:
+            return str(ensure_tiny_vlm(pretrained.split(":", 1)[1]))
+        except ValueError as exc:  # an unknown kind
+            raise ModelLoadError(f"model.pretrained={pretrained!r}: {exc}") from None
     return pretrained
 
 
@@ -287,7 +291,30 @@ def load_vlm(pretrained: str, *, dtype: str = "bfloat16", revision: str | None =
         hint = (" HF_HUB_OFFLINE=1 is set: download the weights first or point model.pretrained at a local folder."
                 if os.environ.get("HF_HUB_OFFLINE") == "1" else "")
         raise ModelLoadError(f"could not load a Qwen-VL model and processor from {pretrained!r}: {exc}.{hint}") from exc
+    problem = _processor_problem(processor, model.config)
+    if problem:
+        raise ModelLoadError(f"model.pretrained={pretrained!r}: {problem} (a partly copied model folder? it needs "
+                             f"the files processor.save_pretrained writes)")
     return model, processor
+
+
+def _processor_problem(processor, config) -> str | None:
+    """What a loaded processor lacks that a rollout needs, found before the first prompt: a chat template, and a
+    tokenizer that reads the vision placeholders as the model's own token ids (a missing tokenizer file makes
+    transformers fall back to one that splits them, and the first image fails deep in the processor)."""
+    if not (getattr(processor, "chat_template", None) or getattr(processor.tokenizer, "chat_template", None)):
+        return "the processor has no chat template (chat_template.jinja / chat_template.json missing)"
+    tokenizer = processor.tokenizer
+    for name in ("image_token_id", "video_token_id", "vision_start_token_id"):
+        want = getattr(config, name, None)
+        if want is None:
+            continue
+        token = tokenizer.convert_ids_to_tokens(want)
+        if token is None or tokenizer.convert_tokens_to_ids(token) != want or \
+                tokenizer(token, add_special_tokens=False)["input_ids"] != [want]:
+            return (f"its tokenizer does not read the model's {name.removesuffix('_id')} (id {want}) as one token "
+                    f"(tokenizer.json / tokenizer_config.json missing or from another model)")
+    return None
 
 
 #: the families whose reference rope layout puts the text after a vision block at the block's largest position + 1
@@ -436,7 +463,10 @@ class QwenVLPolicy:
 
             targets = self.language_modules(model, lora["target_modules"])
             if not targets:
-                raise ValueError(f"no language-model module matches model.lora_target_modules={lora['target_modules']}")
+                from mmrl.config import ConfigError
+
+                raise ConfigError(f"no language-model module matches model.lora_target_modules="
+                                  f"{lora['target_modules']}")
             model = get_peft_model(model, LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"],
                                                      lora_dropout=lora.get("dropout", 0.0), target_modules=targets))
         else:
