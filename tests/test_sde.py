@@ -87,6 +87,22 @@ def test_matches_reference_formula(kind, a, sigma, sigma_next):
         np.testing.assert_allclose(_np(out.log_prob), logp, atol=TOL, rtol=TOL)
 
 
+def test_cps_noise_is_flow_grpos_fp32_step_with_a_float64_sine():
+    """Flow-GRPO's cps branch: ``std_dev_t = sigma_prev * math.sin(noise_level * math.pi / 2)`` (a python float, its
+    sine in float64) on fp32 sigmas, and ``prev_sample_mean = pred_original_sample * (1 - sigma_prev) + noise_pred *
+    sqrt(sigma_prev**2 - std_dev_t**2)`` in fp32. Written out here in those dtypes, bit for bit: the sine taken in
+    fp32 instead moved the mean by 1.4e-5 at noise level 1.023 (sqrt(sigma'^2 - s^2) amplifies it near 1)."""
+    x, v, eps = _inputs()
+    for a, sigma, sigma_next in ((0.8, 0.8, 0.6), (1.0230413675308228, 0.7111, 0.5646), (0.5, 0.4, 0.1)):
+        out = sde_step(x, v, sigma, sigma_next, kind="cps", noise_level=a, noise=eps)
+        s, s_next = torch.tensor(sigma, dtype=torch.float32), torch.tensor(sigma_next, dtype=torch.float32)
+        std = s_next * math.sin(a * math.pi / 2)
+        x0, x1 = x - s * v, x + (1 - s) * v
+        mean = x0 * (1 - s_next) + x1 * torch.sqrt(s_next**2 - std**2)
+        assert torch.equal(out.std.ravel(), std.expand(SHAPE[0]))
+        torch.testing.assert_close(out.mean, mean, atol=1e-7, rtol=0)
+
+
 def test_default_noise_levels_follow_anchors():
     x, v, eps = _inputs()
     for kind, a in (("flow_grpo", 0.7), ("dance", 0.3), ("cps", 0.8)):

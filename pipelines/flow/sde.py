@@ -103,9 +103,10 @@ class SDEStepOutput:
     log_prob: Optional[Tensor]
 
 
-def _per_sample(value: Scalar, name: str, batch: int, ndim: int, device: torch.device) -> Tensor:
-    """A python scalar, 0-dim, ``[1]`` or ``[B]`` tensor -> float32 ``[B or 1, 1, ..., 1]``."""
-    t = torch.as_tensor(value, dtype=torch.float32, device=device)
+def _per_sample(value: Scalar, name: str, batch: int, ndim: int, device: torch.device,
+                dtype: torch.dtype = torch.float32) -> Tensor:
+    """A python scalar, 0-dim, ``[1]`` or ``[B]`` tensor -> ``dtype`` (float32) ``[B or 1, 1, ..., 1]``."""
+    t = torch.as_tensor(value, dtype=dtype, device=device)
     if t.ndim == 0:
         t = t.reshape(1)
     elif t.ndim != 1 or t.shape[0] not in (1, batch):
@@ -245,8 +246,10 @@ def sde_step(
         mean = x + dt * (v + a**2 * (x + (1 - s) * v) / (2 * s))
         std = a * torch.sqrt(s - s_next)
         noise_scale = a
-    else:  # cps
-        s_cps = s_next * torch.sin(a * (math.pi / 2))
+    else:  # cps: Flow-GRPO takes the sine of its python-float noise level in float64 (math.sin), then scales in fp32
+        wide = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+        level = DEFAULT_NOISE_LEVELS[kind] if noise_level is None else noise_level
+        s_cps = s_next * torch.sin(_per_sample(level, "noise_level", batch, ndim, device, wide) * (math.pi / 2)).float()
         x0_hat = x - s * v
         x1_hat = x + (1 - s) * v
         mean = x0_hat * (1 - s_next) + x1_hat * torch.sqrt(s_next**2 - s_cps**2)
