@@ -57,9 +57,11 @@ def tctx(advantages, group_ids, scores=None):
                             total_updates=1)
 
 
-def config(rewards=("accuracy",), ratio_level="token"):
+def config(rewards=("accuracy",), ratio_level="token", top_entropy_quantile=1.0, sampler_correction=None):
     return SimpleNamespace(rewards={r: 1.0 for r in rewards},
-                           algorithm=SimpleNamespace(ratio_level=ratio_level, variants=[]))
+                           algorithm=SimpleNamespace(ratio_level=ratio_level, variants=[],
+                                                     top_entropy_quantile=top_entropy_quantile,
+                                                     sampler_correction=sampler_correction))
 
 
 # --------------------------------------------------------------------------------------------------------- DVAO
@@ -312,6 +314,13 @@ def test_gvpo_on_policy_is_beta_times_grpo_and_options():
         GVPOOptions(beta=0.0).validate()
     with pytest.raises(VariantError, match="ratio_level=token"):
         GVPO().check(config(ratio_level="sequence"))
+    # per-token weights of the policy term would scale each chunk's share of the per-sample loss by its own kept
+    # fraction (the update then depended on train.timestep_chunk: 25 % in the gradient at quantile 0.5)
+    with pytest.raises(VariantError, match="top_entropy_quantile"):
+        GVPO().check(config(top_entropy_quantile=0.2))
+    with pytest.raises(VariantError, match="token_truncate weights each token"):
+        GVPO().check(config(sampler_correction="token_truncate"))
+    GVPO().check(config(sampler_correction="sequence_mask"))
     with pytest.raises(ValueError, match=r"one advantage per sample \[N\]"):
         GVPO().transform(tctx([[1.0, 0.0], [0.0, 1.0]], [0, 0]))
     with pytest.raises(RuntimeError, match="transform"):

@@ -47,8 +47,10 @@ class GVPO(Variant):
     Differences from the paper: ``pi_theta'`` is the sampling policy (``SurrogateContext`` carries no reference
     log-probs), ``u`` is length-normalised (a mean over actions, not the sequence sum), the group mean is the table's
     as above, and constants (the paper's ``1 / (k - 1)``) are left to the aggregation. With
-    ``train.timestep_chunk``, ``u`` is the chunk's mean log-ratio. Per-sample advantages ``[N]`` only, and
-    ``ratio_level=token``."""
+    ``train.timestep_chunk``, ``u`` is the chunk's mean log-ratio. Per-sample advantages ``[N]`` only,
+    ``ratio_level=token``, and no per-token weight of the policy term (``algorithm.top_entropy_quantile`` < 1, a
+    ``token_*`` sampler correction), which would scale each chunk's share of the per-sample loss by its own kept
+    fraction: refused."""
 
     name = "gvpo"
     summary = "regress the centred implicit reward beta*(u - mean u) onto the centred actual reward, no ratio, no clip"
@@ -69,6 +71,16 @@ class GVPO(Variant):
         dense = configured(config, DenseCredit)
         if dense:
             raise VariantError(f"variant 'gvpo' regresses one reward per sample; {dense[0]!r} gives per-step rewards")
+        # per-token weights of the policy term scale the one per-sample loss by each chunk's weighted share of the
+        # sample's actions, so the update would depend on train.timestep_chunk, and u counts tokens they leave out
+        a = config.algorithm
+        if a.top_entropy_quantile < 1.0:
+            raise VariantError("variant 'gvpo' regresses one value per sample over all its tokens; "
+                               "algorithm.top_entropy_quantile keeps only some tokens in the policy term, which its "
+                               "per-sample loss cannot honour (set it to 1)")
+        if (a.sampler_correction or "").startswith("token"):
+            raise VariantError(f"variant 'gvpo' regresses one value per sample; algorithm.sampler_correction="
+                               f"{a.sampler_correction} weights each token: use a sequence_* correction")
 
     def transform(self, ctx: TransformContext) -> Tensor:
         if ctx.advantages.dim() != 1:
