@@ -259,6 +259,12 @@ def _flow_inputs(args, family: str) -> tuple[list[str], list[int]]:
         raise UsageError("give the prompts to draw: --prompt TEXT (repeatable) or --prompts FILE (.txt, one per "
                          "line, or .jsonl with a 'prompt' field)")
     seeds = args.seeds if args.seeds is not None else [0]
+    bad = [s for s in seeds if not 0 <= s < 2**63]
+    if bad:
+        raise UsageError(f"--seeds: {bad[0]} is not a seed torch takes here (0 <= seed < 2**63)")
+    if len(set(seeds)) < len(seeds):
+        raise UsageError(f"--seeds lists a seed twice ({' '.join(map(str, seeds))}): each seed is one column and one "
+                         f"p<i>_s<seed>.png")
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps must be >= 1, got {args.steps}")
     return prompts, seeds

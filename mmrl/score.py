@@ -150,6 +150,8 @@ def score_records(reward: Callable, records: list[ImageRecord], *, batch_size: i
     threads, the next batch while the current one is scored). Returns ``(rows, summary)``."""
     if batch_size < 1:
         raise ScoreError(f"--batch-size must be >= 1, got {batch_size}")
+    if workers < 1:
+        raise ScoreError(f"--workers must be >= 1, got {workers}")
     if getattr(reward, "needs_prompts", False) and any(r.prompt is None for r in records):
         raise ScoreError("these rewards need a prompt per image: pass --prompts FILE (.csv or .jsonl) with "
                          "image and prompt for every image")
@@ -158,15 +160,18 @@ def score_records(reward: Callable, records: list[ImageRecord], *, batch_size: i
     failed_load = failed_score = 0
     start = time.perf_counter()
     chunks = list(_batches(records, batch_size))
-    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="mmrl-score-load") as pool:
+    # the next batch is gathered by a thread of its own: gathered in the decoding pool, it would wait on its own
+    # decodes behind itself when the pool has one thread
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mmrl-score-load") as pool, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmrl-score-prefetch") as prefetch:
         def load(chunk):
             return list(pool.map(lambda r: _load_image(r.path), chunk))
 
-        upcoming = pool.submit(load, chunks[0]) if chunks else None
+        upcoming = prefetch.submit(load, chunks[0]) if chunks else None
         done = 0
         for index, chunk in enumerate(chunks):
             loaded = upcoming.result()
-            upcoming = pool.submit(load, chunks[index + 1]) if index + 1 < len(chunks) else None
+            upcoming = prefetch.submit(load, chunks[index + 1]) if index + 1 < len(chunks) else None
             good = [i for i, (img, _) in enumerate(loaded) if img is not None]
             scores: dict = {}
             reasons: dict[int, str] = {}

@@ -481,10 +481,26 @@ def load_pretrained(loader, source: str | os.PathLike, required, what: str, kwar
     check_available(source, required, what, kwarg)
     try:
         return loader.from_pretrained(source, **kwargs)
-    except OSError as exc:
+    except Exception as exc:  # missing files (OSError), or another model's folder (a config that does not fit)
         raise MissingWeightsError(
-            f"could not load the {what} {source!r}: {exc}. It needs {needs}; pass {kwarg}=<local dir>."
+            f"could not load the {what} {source!r}: {type(exc).__name__}: {exc}. It needs {needs}; pass "
+            f"{kwarg}=<local dir>."
         ) from exc
+
+
+def load_state_dict_file(path: str | os.PathLike, what: str, weights_only: bool = True) -> dict:
+    """A PyTorch checkpoint's state dict (``torch.load``, unwrapping ``{'state_dict': ...}`` and DataParallel's
+    ``module.`` prefixes); a file that is not one is a :class:`MissingWeightsError` naming it and ``what``."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=weights_only)
+    except Exception as exc:  # a text file, another pickle, a truncated download: torch's unpickler errors vary
+        raise MissingWeightsError(f"{path} is not a readable {what} checkpoint ({type(exc).__name__}: {exc})") from exc
+    if isinstance(state, dict) and "state_dict" in state:
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise MissingWeightsError(f"{path}: expected a {what} state dict (or {{'state_dict': ...}}), got "
+                                  f"{type(state).__name__}")
+    return {k.removeprefix("module."): v for k, v in state.items()}
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

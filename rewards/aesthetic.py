@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._base import ImageBatch, MissingWeightsError, Reward, register_reward
+from ._base import ImageBatch, MissingWeightsError, Reward, load_state_dict_file, register_reward
 from .clipscore import DEFAULT_CLIP, load_clip
 from .pickscore import _embedding
 
@@ -78,20 +78,15 @@ def load_aesthetic_head(path: str | os.PathLike, weights_only: bool = True) -> A
         path = os.path.join(path, AESTHETIC_HEAD_FILE)
     if not os.path.isfile(path):
         raise _missing_head(f"{path} does not exist")
-    state = torch.load(path, map_location="cpu", weights_only=weights_only)
-    if isinstance(state, dict) and "state_dict" in state:
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise ValueError(f"{path}: expected a state dict, got {type(state).__name__}")
-    state = {k.removeprefix("module."): v for k, v in state.items()}
+    state = load_state_dict_file(path, "LAION aesthetic head", weights_only=weights_only)
     weight = state.get("layers.0.weight")
     if weight is None:
-        raise ValueError(f"{path} is not an aesthetic head: no 'layers.0.weight' among {sorted(state)[:8]}")
+        raise MissingWeightsError(f"{path} is not an aesthetic head: no 'layers.0.weight' among {sorted(state)[:8]}")
     head = AestheticHead(input_dim=weight.shape[1])
     try:
         head.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise RuntimeError(f"{path} does not match the aesthetic MLP 768-1024-128-64-16-1: {exc}") from exc
+        raise MissingWeightsError(f"{path} does not match the aesthetic MLP 768-1024-128-64-16-1: {exc}") from exc
     return head
 
 

@@ -61,6 +61,7 @@ from ._base import (
     MissingWeightsError,
     Reward,
     hub_offline,
+    load_state_dict_file,
     register_reward,
     resolve_device,
     resolve_dtype,
@@ -195,17 +196,12 @@ def load_hps_model(checkpoint: str, arch: str = "ViT-H-14", weights_only: bool =
     """Build open_clip ``arch`` (no pretrained download) and load the HPS checkpoint strictly."""
     import open_clip
 
-    state = torch.load(checkpoint, map_location="cpu", weights_only=weights_only)
-    if isinstance(state, dict) and "state_dict" in state:
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise ValueError(f"{checkpoint}: expected a state dict (or {{'state_dict': ...}}), got {type(state).__name__}")
-    state = {k.removeprefix("module."): v for k, v in state.items()}
+    state = load_state_dict_file(checkpoint, "HPS", weights_only=weights_only)
     model = open_clip.create_model(arch, pretrained=None, precision="fp32", device="cpu")
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise RuntimeError(f"{checkpoint} does not match open_clip {arch!r}: {exc}") from exc
+        raise MissingWeightsError(f"{checkpoint} does not match open_clip {arch!r}: {exc}") from exc
     return model
 
 

@@ -260,6 +260,9 @@ def test_sample_refuses_a_used_out_folder_unless_overwrite(flow_run, tmp_path, c
     ([], ["give the prompts to draw"]),
     (["--prompts", "nope.txt"], ["prompt file not found: nope.txt"]),
     (["--prompt", "a", "--steps", "0"], ["--steps must be >= 1"]),
+    (["--prompt", "a", "--seeds", "99999999999999999999"], ["--seeds: 99999999999999999999 is not a seed"]),
+    (["--prompt", "a", "--seeds", "-1"], ["--seeds: -1 is not a seed"]),
+    (["--prompt", "a", "--seeds", "3", "3"], ["--seeds lists a seed twice (3 3)"]),
 ])
 def test_sample_flag_mistakes_on_an_image_run(flow_run, extra, words, capsys, no_model):
     assert main(["sample", str(flow_run), *extra]) == 2

@@ -496,3 +496,15 @@ def test_base_results_go_to_the_run_folder_named_not_the_configs_output_dir(tmp_
     base = _Checkpoint(None, None)
     assert default_output_dir(options, base, cfg, tmp_path / "copy") == tmp_path / "copy" / "eval" / "base"
     assert default_output_dir(options, base, cfg) == tmp_path / "original" / "eval" / "base"
+
+
+def test_a_seed_torch_cannot_take_is_one_eval_error():
+    """seed=2**64 reached torch.Generator.manual_seed ("Overflow when unpacking long long") after the model loaded;
+    a sample's seed is the base plus its index, so the base stays below 2**62, for flow and VLM evaluations."""
+    from mmrl.eval.runner import EvalError, parse_eval_args
+    from mmrl.eval.vlm import parse_vlm_eval_args
+
+    assert parse_eval_args(["seed=7"])[0].seed == 7
+    for parse in (parse_eval_args, parse_vlm_eval_args):
+        with pytest.raises(EvalError, match=r"seed=99999999999999999999: must be below 2\*\*62"):
+            parse(["seed=99999999999999999999"])

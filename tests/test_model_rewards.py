@@ -727,3 +727,34 @@ def test_ocr_real_engine_tensor_input_and_single_quotes(ocr_reward):
     assert out[0] >= 0.95 and out[1] <= 0.5, ocr_reward.last_info["recognized"]
     pil = ocr_reward(images, ["a shop sign reading 'open' in neon"] * 2)["ocr"]
     torch.testing.assert_close(out, pil)
+
+
+def test_a_weights_file_of_the_wrong_kind_is_one_missing_weights_error(tmp_path):
+    """A text file, another pickle or a head of the wrong shape as a reward's weights, and another model's folder as
+    a transformers reward backbone: each a MissingWeightsError naming the file (one line from mmrl score / eval /
+    train), never torch's unpickler KeyError or a config validation error from inside transformers."""
+    from transformers import CLIPModel
+
+    from mmrl.pipelines.vlm.tiny import build_tiny_qwen2_5_vl
+    from mmrl.rewards._base import load_pretrained
+    from mmrl.rewards.aesthetic import load_aesthetic_head
+    from mmrl.rewards.hps import load_hps_model
+
+    text = tmp_path / "notes.pth"
+    text.write_text("not a checkpoint")
+    with pytest.raises(MissingWeightsError, match=r"notes.pth is not a readable LAION aesthetic head checkpoint"):
+        load_aesthetic_head(text)
+    with pytest.raises(MissingWeightsError, match=r"notes.pth is not a readable HPS checkpoint"):
+        load_hps_model(str(text))
+    listed = tmp_path / "list.pth"
+    torch.save([1, 2], listed)
+    with pytest.raises(MissingWeightsError, match=r"expected a LAION aesthetic head state dict .* got list"):
+        load_aesthetic_head(listed)
+    narrow = tmp_path / AESTHETIC_HEAD_FILE
+    torch.save({k: v[..., :3] if k == "layers.2.weight" else v for k, v in AestheticHead().state_dict().items()},
+               narrow)
+    with pytest.raises(MissingWeightsError, match=r"does not match the aesthetic MLP"):
+        load_aesthetic_head(narrow)
+    qwen = build_tiny_qwen2_5_vl(tmp_path / "qwen")
+    with pytest.raises(MissingWeightsError, match=r"could not load the PickScore model .*qwen"):
+        load_pretrained(CLIPModel, qwen, [[["config.json"]]], "PickScore model", "model")

@@ -297,7 +297,8 @@ def test_checkpoint_files_take_the_umask_not_safetensors_0600(tmp_path, umask):
 def test_setup_mistakes_stop_before_the_first_update_with_one_line(tmp_path, tiny_path, capsys):
     """Each is a one-line error (exit 2) before training, and nothing is trained and then lost: a `checkpoints` entry
     that is a file (the first save would fail after the update), a resolution beyond the model's positional
-    embedding, an unknown tiny model, and a pipeline folder whose model_index.json names a component that is
+    embedding, an unknown tiny model, an SD3 folder loaded as model.family flux (diffusers only warns, then fails
+    inside FluxPipeline's text encoding), and a pipeline folder whose model_index.json names a component that is
     missing (diffusers would build a default tokenizer in place of tokenizer_3 and train on the wrong ids)."""
     import shutil
 
@@ -317,6 +318,11 @@ def test_setup_mistakes_stop_before_the_first_update_with_one_line(tmp_path, tin
     assert _train(tmp_path / "tiny", "tiny:sd2", "train.steps=1") == 2
     err = capsys.readouterr().err
     assert "model.pretrained='tiny:sd2': ensure_tiny: unknown kind 'sd2'" in err and "Traceback" not in err
+
+    assert _train(tmp_path / "fam", tiny_path, "train.steps=1", "model.family=flux") == 2
+    err = capsys.readouterr().err
+    assert "holds a SD3Transformer2DModel, not the FluxTransformer2DModel of FluxPipeline" in err
+    assert "Traceback" not in err
 
     partial = tmp_path / "partial"
     shutil.copytree(tiny_path, partial)

@@ -106,6 +106,12 @@ def test_score_without_prompts_from_config(folder, tmp_path):
     assert main(["score", "--config", str(config), "--images", str(folder), "--out", str(out2), "--recursive",
                  "--quiet"]) == 0
     assert "sub/grad.png" in [r["image"] for r in read_csv(out2)]
+    # one decoding thread: the same rows (the next batch is gathered by a thread of its own; gathered in the decoding
+    # pool it waited on its own decodes forever), in batches of 2 so that a next batch is prefetched
+    out3 = tmp_path / "one.jsonl"
+    assert main(["score", "--config", str(config), "--images", str(folder), "--out", str(out3), "--workers", "1",
+                 "--batch-size", "2", "--quiet"]) == 0
+    assert [json.loads(line) for line in out3.read_text().splitlines()] == rows
 
 
 def test_score_input_errors_are_clear(folder, tmp_path, capsys):
@@ -123,6 +129,8 @@ def test_score_input_errors_are_clear(folder, tmp_path, capsys):
     assert code == 2 and "pickscore" in err  # nearest name
     code, err = run("--rewards", REWARDS, "--images", str(folder), "--out", str(tmp_path / "o.txt"))
     assert code == 2 and ".csv, .json or .jsonl" in err
+    code, err = run("--rewards", REWARDS, "--images", str(folder), "--out", str(tmp_path / "o.csv"), "--workers", "0")
+    assert code == 2 and "--workers must be >= 1, got 0" in err
     code, err = run("--images", str(folder), "--out", str(tmp_path / "o.csv"))
     assert code == 2 and "exactly one of" in err
     code, err = run("--config", str(tmp_path / "absent.yaml"), "--images", str(folder), "--out", "o.csv")

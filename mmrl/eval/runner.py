@@ -244,6 +244,19 @@ def benchmark_list(value: Any, example: str, check: Callable[[str], str] = str.s
     return value
 
 
+#: the largest base seed: a sample's seed is the base plus its index, and torch's generators take 64-bit seeds
+MAX_SEED = 2**62
+
+
+def _seed(value: Any) -> int:
+    """``seed=``: an integer in ``[0, MAX_SEED)``."""
+    value = _int("seed", value, 0)
+    if value >= MAX_SEED:
+        raise EvalError(f"seed={value}: must be below 2**62 (a sample's seed is the base seed plus its index, and "
+                        f"torch's generators take 64-bit seeds)")
+    return value
+
+
 def parse_eval_args(items: Sequence[str]) -> tuple[EvalOptions, list[str]]:
     """Split ``key=value`` arguments into the eval keys (:data:`EVAL_KEYS`, values parsed as YAML) and the dotted
     config overrides, checking every eval value."""
@@ -261,7 +274,7 @@ def parse_eval_args(items: Sequence[str]) -> tuple[EvalOptions, list[str]]:
         if key in ("limit", "images_per_prompt", "num_steps"):
             value = _int(key, value, 1)
         elif key == "seed":
-            value = _int(key, value, 0)
+            value = _seed(value)
         elif key == "resolution":
             value = _int(key, value, 16)
             if value % 16:

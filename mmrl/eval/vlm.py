@@ -93,7 +93,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from mmrl.eval.runner import EVAL_KEYS as FLOW_EVAL_KEYS
-from mmrl.eval.runner import (EvalError, _config_path, _float, _int, _jsonable, _nearest, _packages,
+from mmrl.eval.runner import (EvalError, _config_path, _float, _int, _jsonable, _nearest, _packages, _seed,
                               _resolve_checkpoint, _Checkpoint, _version, _write_json, checkpoint_text,
                               default_output_dir, open_output_dir, rows_of_protocol,
                               write_eval_report, summary_record, build_policy_with,
@@ -290,7 +290,7 @@ def parse_vlm_eval_args(items: Sequence[str]) -> tuple[VLMEvalOptions, list[str]
         if key in ("limit", "batch_size", "max_new_tokens"):
             value = _int(key, value, 1)
         elif key == "seed":
-            value = _int(key, value, 0)
+            value = _seed(value)
         elif key in ("greedy", "blind", "require_tags", "ema", "progress"):
             if not isinstance(value, bool):
                 raise EvalError(f"{key}={value!r}: expected true or false")

@@ -52,12 +52,22 @@ def load_pipeline(pipeline_cls, pretrained: str, *, dtype: torch.dtype, revision
     try:
         pipe = pipeline_cls.from_pretrained(source, revision=revision, dtype=dtype)  # dtype= since diffusers 0.40
         pipe.set_progress_bar_config(disable=True)
-        return pipe
     except Exception as exc:  # diffusers / hub raise many types; one message that names the source
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         hint = (" HF_HUB_OFFLINE=1 is set: download the weights first or point model.pretrained at a local folder."
                 if offline else "")
         raise ModelLoadError(f"could not load {pipeline_cls.__name__} from {pretrained!r}: {exc}.{hint}") from exc
+    # diffusers only warns when a component is of another family's class (an SD3 folder loaded as FLUX), and the
+    # first prompt then fails deep inside the pipeline
+    expected = pipeline_cls._get_signature_types().get("transformer") if hasattr(
+        pipeline_cls, "_get_signature_types") else None
+    transformer = getattr(pipe, "transformer", None)
+    if expected and transformer is not None and not isinstance(transformer, expected):
+        raise ModelLoadError(
+            f"model.pretrained={pretrained!r} holds a {type(transformer).__name__}, not the "
+            f"{' / '.join(t.__name__ for t in expected)} of {pipeline_cls.__name__}: set model.family to the "
+            f"checkpoint's family")
+    return pipe
 
 
 def transformers_load_kwargs() -> dict:
