@@ -701,6 +701,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, *, 
     ``check_files=False`` skips the checks that depend on this machine: that input files exist and that
     optional packages the config asks for (wandb) are installed."""
     path = Path(path) if path is not None else DEFAULT_CONFIG
+    if path.is_dir() or path.name == "config.yaml":  # a pretrain or sft run's folder or config: not a train config
+        from mmrl.checkpoint import other_command_run
+
+        other = other_command_run(path if path.is_dir() else path.parent)
+        if other is not None:
+            raise ConfigError(other)
     _, data = read_config_file(path, folder_hint=f" (a run folder: its config is {path / 'config.yaml'})"
                                if (path / "config.yaml").is_file() else "")
     parse_overrides(overrides or [])  # a malformed override is its own error, whatever the file

@@ -975,6 +975,9 @@ class Pretrainer:
         if self.step >= self.total and (final / "model_index.json").is_file():
             print(f"nothing to do: {self.output_dir} is complete ({self.step} steps); the pipeline is {final}")
             return final
+        if path is not None:  # as mmrl train and mmrl sft say it
+            stage = "VAE" if self.step < self.vae_steps else "flow"
+            print(f"mmrl pretrain: resumed at step {self.step} of {self.total} ({stage} stage) from {path}", flush=True)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if path is None or not (self.output_dir / "config.yaml").exists():
             dump_config(c, self.output_dir / "config.yaml")

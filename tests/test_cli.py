@@ -545,3 +545,25 @@ def test_an_in_training_benchmark_whose_weights_are_missing_is_one_line(tmp_path
                  "eval.benchmarks=[t2i_compbench]", "eval.limit=1", "logging.progress_bar=false"])
     assert code == 2
     one_error(capsys, "t2i_compbench", "set blip_model=")
+
+
+def test_a_pretrain_or_sft_run_given_where_a_training_run_goes_says_what_it_is(tmp_path, capsys):
+    """`mmrl sample|eval|doctor` on an `mmrl pretrain` or `mmrl sft` run folder (or its config.yaml, or a checkpoint
+    in it) said "unknown config key 'image_size'"; they now say what the folder holds and how to use it."""
+    pre, sft = tmp_path / "pre", tmp_path / "sft"
+    for run in (pre, sft):
+        (run / "checkpoints" / "step_2").mkdir(parents=True)
+        (run / "config.yaml").write_text("seed: 0\n")
+    (pre / "pipeline").mkdir()
+    (pre / "pipeline" / "model_index.json").write_text("{}")
+    (sft / "model").mkdir()
+    (sft / "mmrl_train.yaml").write_text("model: {}\n")
+    for args, words in ((["sample", str(pre), "--prompt", "x"], f"{pre} is an mmrl pretrain run"),
+                        (["sample", str(pre / "checkpoints" / "step_2"), "--prompt", "x"],
+                         f"{pre} is an mmrl pretrain run"),
+                        (["eval", str(sft), "limit=1"], f"{sft} is an mmrl sft run: its result is the model"),
+                        (["doctor", str(pre / "config.yaml")], f"use it as model.pretrained"),
+                        (["config", "validate", str(sft / "config.yaml")], f"{sft / 'mmrl_train.yaml'} holds")):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err and "unknown config key" not in err

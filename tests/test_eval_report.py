@@ -724,6 +724,9 @@ def test_compare_cli_errors(tmp_path, monkeypatch, capsys):
     one_error(capsys, "limit=", "not a --compare key")
     assert main(["eval", "--compare", str(base), "labels=[a, b]"]) == 2
     one_error(capsys, "labels", "2 names for 1")
+    other = make_eval(tmp_path / "other")
+    assert main(["eval", "--compare", str(base), str(other), "labels=[x, x]"]) == 2
+    one_error(capsys, "labels: x, x names a column twice")
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "summary.json").write_text("{truncated")

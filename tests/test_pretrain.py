@@ -136,7 +136,7 @@ def test_overfit_a_fixed_batch_loss_falls(tmp_path):
     assert any(not torch.equal(v, initial[k]) for k, v in text_encoder.items() if k in initial)  # trained
 
 
-def test_killed_run_resumes_to_the_uninterrupted_result(run_a, tmp_path, monkeypatch):
+def test_killed_run_resumes_to_the_uninterrupted_result(run_a, tmp_path, monkeypatch, capsys):
     config = write_config(tmp_path / "b.yaml", tmp_path / "run")
     original = Pretrainer.flow_step
 
@@ -152,8 +152,10 @@ def test_killed_run_resumes_to_the_uninterrupted_result(run_a, tmp_path, monkeyp
     assert [r["step"] for r in metrics_rows(tmp_path / "run")] == [1, 2, 3, 4, 5]
     monkeypatch.setattr(Pretrainer, "flow_step", original)
 
+    capsys.readouterr()
     pipeline = run_pretrain(config)  # resume: auto (the default) continues from step_4
     assert (tmp_path / "run" / "config.resume_4.yaml").is_file()
+    assert f"mmrl pretrain: resumed at step 4 of {TOTAL}" in capsys.readouterr().out  # said, as train and sft say it
     rows_a, rows_b = metrics_rows(run_a), metrics_rows(tmp_path / "run")
     assert [r["step"] for r in rows_b] == list(range(1, TOTAL + 1))
     assert [r["loss"] for r in rows_b] == [r["loss"] for r in rows_a]

@@ -1339,6 +1339,8 @@ def run_compare(items: Sequence[str], *, echo: Callable[[str], None] = print) ->
         if len(labels) != len(resolved):
             raise ReportError(f"labels: {len(labels)} names for {len(resolved)} evaluation folders")
         labels = [str(v).strip() for v in labels]
+        if len(set(labels)) < len(labels):  # each names a column of the comparison
+            raise ReportError(f"labels: {', '.join(labels)} names a column twice; give each evaluation its own name")
     runs = [load_eval(p) for p in resolved]  # every summary.json checked before anything is written
     if "output_dir" in keys:
         if not keys["output_dir"].strip():
