@@ -486,11 +486,12 @@ def load_images(sample: VLMSample, *, min_pixels: int | None = None, max_pixels:
 
     With ``min_pixels``/``max_pixels`` each image is resized (PIL bicubic) to qwen-vl-utils' ``smart_resize``
     size, as its ``fetch_image`` does (:func:`mmrl.data.video.budget_size`): sides multiples of ``factor`` (28 for
-    Qwen2/2.5-VL, 32 for Qwen3-VL), pixels within the budget, aspect kept. ``factor`` must be the processor's
-    ``patch_size * merge_size`` (as :func:`mmrl.build.vlm_media` passes it), and the processor must take the image
-    as it is (``do_resize=False``, as the policy passes images from ``vlm_media``): resized again, to the
-    processor's own bounds by transformers' rule, a size near the budget's edges can change, and ``input_size`` would
-    not be the model's input (``image_grid_thw[1:] * patch_size``). Records ``image_size``/``image_sizes`` (stored ``[W, H]``) and
+    Qwen2/2.5-VL, 32 for Qwen3-VL), pixels within the budget (an upscaled size may pass the maximum by a row of
+    patches, as there), aspect kept. ``factor`` must be the processor's ``patch_size * merge_size`` (as
+    :func:`mmrl.build.vlm_media` passes it), and the processor must take the image as it is (``do_resize=False``, as
+    the policy passes images from ``vlm_media``): resized again, to the processor's own bounds by transformers' rule,
+    a size near the budget's edges can change, and ``input_size`` would not be the model's input
+    (``image_grid_thw[1:] * patch_size``). Records ``image_size``/``image_sizes`` (stored ``[W, H]``) and
     ``input_size``/``input_sizes`` (after resizing) in ``sample.metadata``. An unreadable image is a
     :class:`DataError` naming the image and the sample's line.
     """
