@@ -90,17 +90,17 @@ def apply_umask(root: str | Path) -> None:
             os.chmod(path, (0o777 if executable else 0o666) & ~mask)
 
 
-def other_command_run(folder: str | Path) -> str | None:
-    """What to do instead when ``folder`` (or the run holding it) was written by ``mmrl pretrain`` or ``mmrl sft``,
-    whose results are a model to start from, not a policy checkpoint of ``mmrl train``; None otherwise."""
-    folder = Path(folder)
-    for run in (folder, folder.parent.parent):  # a run folder, or one of its checkpoints/step_N
-        if (run / "pipeline" / "model_index.json").is_file():
-            return (f"{run} is an mmrl pretrain run: its result is the pipeline {run / 'pipeline'}; use it as "
-                    f"model.pretrained in a training config (mmrl train, or mmrl eval CONFIG checkpoint=base)")
-        if (run / "mmrl_train.yaml").is_file() and (run / "model").is_dir():
-            return (f"{run} is an mmrl sft run: its result is the model {run / 'model'}; {run / 'mmrl_train.yaml'} "
-                    f"holds the config sections that load it (mmrl train, or mmrl eval CONFIG checkpoint=base)")
+def other_command_run(run: str | Path) -> str | None:
+    """What to do instead when the run folder ``run`` was written by ``mmrl pretrain`` or ``mmrl sft``, whose results
+    are a model to start from, not a policy of ``mmrl train``; None otherwise. :func:`mmrl.config.load_config` asks
+    it of a run's folder or ``config.yaml``, which every command that takes a training run reads first."""
+    run = Path(run)
+    if (run / "pipeline" / "model_index.json").is_file():
+        return (f"{run} is an mmrl pretrain run: its result is the pipeline {run / 'pipeline'}; use it as "
+                f"model.pretrained in a training config (mmrl train, or mmrl eval CONFIG checkpoint=base)")
+    if (run / "mmrl_train.yaml").is_file() and (run / "model").is_dir():
+        return (f"{run} is an mmrl sft run: its result is the model {run / 'model'}; {run / 'mmrl_train.yaml'} "
+                f"holds the config sections that load it (mmrl train, or mmrl eval CONFIG checkpoint=base)")
     return None
 
 

@@ -194,13 +194,10 @@ def config_command_of(path) -> str:
 
 def _find_checkpoint(path: Path) -> tuple[Path, Path]:
     """``(run_dir, checkpoint_dir)`` from a run folder (latest checkpoint) or a checkpoint folder."""
-    from mmrl.checkpoint import latest_checkpoint, other_command_run
+    from mmrl.checkpoint import latest_checkpoint
 
     if not path.is_dir():
         raise UsageError(f"{path}: no such run or checkpoint folder")
-    other = other_command_run(path)
-    if other is not None:
-        raise UsageError(other)
     if (path / "trainable.safetensors").is_file():
         return path.parent.parent, path
     ckpt = latest_checkpoint(path / "checkpoints")

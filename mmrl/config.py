@@ -472,6 +472,12 @@ def _nearest(key: str, options: list[str], prefix: str = "") -> str:
     return f"; valid keys{' in ' + prefix.rstrip('.') if prefix else ''}: {', '.join(sorted(options))}"
 
 
+def _not_a_name(what: str, key: Any) -> ConfigError:
+    """A mapping key that is not a string: YAML reads an unquoted on / off / yes / no as a boolean, 1 as an int."""
+    return ConfigError(f"{what} ({type(key).__name__}) is not a name (YAML reads an unquoted on / off / yes / no as a "
+                       f"boolean and a number as a number: quote it)")
+
+
 def _type_names(annotation: Any) -> set[str]:
     args = typing.get_args(annotation) or (annotation,)
     return {getattr(a, "__name__", str(a)) for a in args}
@@ -502,8 +508,7 @@ def _coerce(value: Any, annotation: Any, path: str) -> Any:
     if "dict" in names and isinstance(value, dict):
         for key in value:
             if not isinstance(key, str):
-                raise ConfigError(f"{path}: key {key!r} ({type(key).__name__}) is not a name (YAML reads an unquoted "
-                                  f"on / off / yes / no as a boolean and a number as a number: quote it)")
+                raise _not_a_name(f"{path}: key {key!r}", key)
         return value
     for name, kind in (("str", str), ("list", list)):
         if name in names and isinstance(value, kind):
@@ -544,9 +549,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}{key}"
-        if not isinstance(key, str):  # YAML reads on / off / yes / no as booleans, 1 as a number, null as None
-            raise ConfigError(f"config key {path!r} ({type(key).__name__}) is not a name (YAML reads an unquoted "
-                              f"on / off / yes / no as a boolean and a number as a number: quote it)")
+        if not isinstance(key, str):
+            raise _not_a_name(f"config key {path!r}", key)
         if key not in fields:
             if path in MOVED_KEYS:
                 raise ConfigError(f"config key {path!r} is now an algorithm variant: write {MOVED_KEYS[path]} "

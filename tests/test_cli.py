@@ -550,9 +550,13 @@ def test_an_in_training_benchmark_whose_weights_are_missing_is_one_line(tmp_path
 def test_a_pretrain_or_sft_run_given_where_a_training_run_goes_says_what_it_is(tmp_path, capsys):
     """`mmrl sample|eval|doctor` on an `mmrl pretrain` or `mmrl sft` run folder (or its config.yaml, or a checkpoint
     in it) said "unknown config key 'image_size'"; they now say what the folder holds and how to use it."""
+    from mmrl.checkpoint import COMPLETE_MARKER
+
     pre, sft = tmp_path / "pre", tmp_path / "sft"
     for run in (pre, sft):
         (run / "checkpoints" / "step_2").mkdir(parents=True)
+        for name in ("trainable.safetensors", COMPLETE_MARKER):  # a complete checkpoint, as theirs are
+            (run / "checkpoints" / "step_2" / name).write_bytes(b"")
         (run / "config.yaml").write_text("seed: 0\n")
     (pre / "pipeline").mkdir()
     (pre / "pipeline" / "model_index.json").write_text("{}")

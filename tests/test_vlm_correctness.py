@@ -282,6 +282,12 @@ def test_an_image_at_a_tight_budget_reaches_the_model_at_qwen_vl_utils_size(mode
     assert kept == [0]
     _, grid_h, grid_w = vision[0].image_grid_thw[0].tolist()
     assert [grid_w * patch, grid_h * patch] == [want_w, want_h] == sample.metadata["input_size"]
+    # the blind control's grey canvases (mmrl eval blind=true) reach the model at the same size
+    from mmrl.eval.vlm import grey_media
+
+    policy.media = grey_media(policy.media)
+    _, blind, _ = policy.encode_prompts([sample])
+    assert torch.equal(blind[0].image_grid_thw, vision[0].image_grid_thw)
 
 
 # ----------------------------------------------------------------------- 6. full fine-tune reference dtype

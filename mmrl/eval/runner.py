@@ -853,11 +853,7 @@ def _configure_policy(policy, protocol: Protocol, negative_prompt: str) -> None:
 
 def _config_path(config: str | Path) -> tuple[Path, Path | None]:
     """``(config file, run folder or None)``: CONFIG may be a config file or a run folder holding config.yaml."""
-    from mmrl.checkpoint import other_command_run
-
     path = Path(config)
-    if path.is_dir() and other_command_run(path) is not None:
-        raise EvalError(other_command_run(path))
     if path.is_dir():
         if not (path / "config.yaml").is_file():
             raise EvalError(f"{path} is a folder without config.yaml: give a training config or a run folder")

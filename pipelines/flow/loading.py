@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -12,23 +13,22 @@ class ModelLoadError(RuntimeError):
     """A model that could not be loaded, with the path and what is missing."""
 
 
-def resolve_pretrained(pretrained: str) -> str:
-    """``tiny:sd3`` / ``tiny:flux`` -> the cached tiny build (made on first use); ``shapeworld:sd3`` -> the shipped
-    ShapeWorld base (:func:`mmrl.data.shapeworld.base_model_path`); anything else unchanged."""
-    if pretrained.startswith("shapeworld:"):
-        from mmrl.data.shapeworld import base_model_path
+def resolve_pretrained(pretrained: str, build_tiny: Callable[[str], Path] | None = None) -> str:
+    """``tiny:<kind>`` -> the cached tiny build, made on first use by ``build_tiny`` (default the flow pipelines'
+    :func:`mmrl.pipelines.flow.tiny.ensure_tiny`: ``sd3`` / ``flux``); ``shapeworld:<name>`` -> the shipped ShapeWorld
+    base (:func:`mmrl.data.shapeworld.base_model_path`); anything else unchanged. An unknown name is a
+    :class:`ModelLoadError`."""
+    try:
+        if pretrained.startswith("shapeworld:"):
+            from mmrl.data.shapeworld import base_model_path
 
-        try:
             return str(base_model_path(pretrained.split(":", 1)[1]))
-        except (ValueError, FileNotFoundError) as exc:
-            raise ModelLoadError(f"model.pretrained={pretrained!r}: {exc}") from None
-    if pretrained.startswith("tiny:"):
-        from mmrl.pipelines.flow.tiny import ensure_tiny
-
-        try:
-            return str(ensure_tiny(pretrained.split(":", 1)[1]))
-        except ValueError as exc:  # an unknown kind
-            raise ModelLoadError(f"model.pretrained={pretrained!r}: {exc}") from None
+        if pretrained.startswith("tiny:"):
+            if build_tiny is None:
+                from mmrl.pipelines.flow.tiny import ensure_tiny as build_tiny
+            return str(build_tiny(pretrained.split(":", 1)[1]))
+    except (ValueError, FileNotFoundError) as exc:  # an unknown kind or base, a base not shipped with this install
+        raise ModelLoadError(f"model.pretrained={pretrained!r}: {exc}") from None
     return pretrained
 
 

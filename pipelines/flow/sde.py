@@ -217,7 +217,10 @@ def sde_step(
         out = mean if prev_sample is None else prev_sample.float().to(device)
         return SDEStepOutput(prev_sample=out, mean=mean, std=zero, noise_scale=zero, log_prob=None)
 
-    a = _per_sample(DEFAULT_NOISE_LEVELS[kind] if noise_level is None else noise_level, "noise_level", batch, ndim, device)
+    # cps: Flow-GRPO takes the sine of its python-float noise level in float64 (math.sin), then scales in fp32
+    level_dtype = torch.float32 if kind != "cps" or device.type == "mps" else torch.float64  # MPS has no float64
+    a = _per_sample(DEFAULT_NOISE_LEVELS[kind] if noise_level is None else noise_level, "noise_level", batch, ndim,
+                    device, level_dtype)
     if kind == "cps":
         if not bool(torch.all(a >= 0)):
             raise ValueError(f"noise_level must be >= 0 for kind='cps'; got {noise_level!r}")
@@ -246,10 +249,8 @@ def sde_step(
         mean = x + dt * (v + a**2 * (x + (1 - s) * v) / (2 * s))
         std = a * torch.sqrt(s - s_next)
         noise_scale = a
-    else:  # cps: Flow-GRPO takes the sine of its python-float noise level in float64 (math.sin), then scales in fp32
-        wide = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
-        level = DEFAULT_NOISE_LEVELS[kind] if noise_level is None else noise_level
-        s_cps = s_next * torch.sin(_per_sample(level, "noise_level", batch, ndim, device, wide) * (math.pi / 2)).float()
+    else:  # cps (a in float64, above)
+        s_cps = s_next * torch.sin(a * (math.pi / 2)).float()
         x0_hat = x - s * v
         x1_hat = x + (1 - s) * v
         mean = x0_hat * (1 - s_next) + x1_hat * torch.sqrt(s_next**2 - s_cps**2)

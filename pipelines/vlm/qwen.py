@@ -247,25 +247,12 @@ class LogProbOutput:
 
 
 def resolve_vlm_pretrained(pretrained: str) -> str:
-    """``tiny:<model_type>`` -> the cached tiny build; ``shapeworld:qwen_vl`` -> the shipped ShapeWorld base
-    (:func:`mmrl.data.shapeworld.base_model_path`); anything else unchanged."""
-    if pretrained.startswith("shapeworld:"):
-        from mmrl.data.shapeworld import base_model_path
-        from mmrl.pipelines.flow.loading import ModelLoadError
+    """``tiny:<model_type>`` -> the cached tiny build; ``shapeworld:qwen_vl`` -> the shipped ShapeWorld base; anything
+    else unchanged (:func:`mmrl.pipelines.flow.loading.resolve_pretrained` with the tiny VLM builder)."""
+    from mmrl.pipelines.flow.loading import resolve_pretrained
+    from mmrl.pipelines.vlm.tiny import ensure_tiny_vlm
 
-        try:
-            return str(base_model_path(pretrained.split(":", 1)[1]))
-        except (ValueError, FileNotFoundError) as exc:
-            raise ModelLoadError(f"model.pretrained={pretrained!r}: {exc}") from None
-    if pretrained.startswith("tiny:"):
-        from mmrl.pipelines.flow.loading import ModelLoadError
-        from mmrl.pipelines.vlm.tiny import ensure_tiny_vlm
-
-        try:
-            return str(ensure_tiny_vlm(pretrained.split(":", 1)[1]))
-        except ValueError as exc:  # an unknown kind
-            raise ModelLoadError(f"model.pretrained={pretrained!r}: {exc}") from None
-    return pretrained
+    return resolve_pretrained(pretrained, ensure_tiny_vlm)
 
 
 def load_vlm(pretrained: str, *, dtype: str = "bfloat16", revision: str | None = None,
