@@ -112,6 +112,9 @@ def parse_choice(answer: str, choices: Sequence[str] | None = None) -> str:
     2. the answer repeats an option's text (``choices`` given; case and punctuation ignored);
     3. ``answer is B`` / ``option: (B)`` anywhere in the answer (upper-case letter);
     4. the answer starts with an upper-case letter token: ``B. red car``, ``(B) red car``, ``B, because``.
+       A bare ``A`` or ``I`` before a lower-case word is the English article or pronoun (``A cat sits``: no
+       letter), and a bare letter before an option's text names that option (``A cat`` with options
+       ``dog, cat``: B).
 
     A letter found by 3 or 4 and followed by another valid one in a list (``B, C``, ``answer is B or C``,
     ``B/C.``) is a hedge: :class:`Unparseable`, not the first letter (mmrl's rule: Video-R1 compares the whole
@@ -139,7 +142,14 @@ def parse_choice(answer: str, choices: Sequence[str] | None = None) -> str:
     candidates += [(m.group(1), listed_after(answer, m.end())) for m in _ANYWHERE.finditer(answer)]
     leading = _LEADING_LETTER.match(body)
     if leading:
-        candidates.append((leading.group(1), listed_after(body, leading.end())))
+        letter, rest = leading.group(1), body[leading.end():]
+        bare = leading.group(0) == letter and rest[:1].isspace()  # "A cat", not "A. cat" / "(A) cat"
+        named = [v for v, text in zip(valid, choices or ()) if isinstance(text, str) and _norm(rest)
+                 and _norm(text) == _norm(rest)] if bare else []
+        if named:  # "A cat" with cat an option: the article and that option's text
+            candidates.append((named[0], None))
+        elif not (bare and letter in "AI" and re.match(r"\s+[a-z]", rest)):  # "A cat sits": the article, prose
+            candidates.append((letter, listed_after(body, leading.end())))
     for letter, also in candidates:
         if letter in valid:
             if also is not None and also != letter:

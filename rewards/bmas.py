@@ -185,9 +185,11 @@ class BMAS(TextReward):
         if isinstance(completions, (list, tuple)):
             metas = metadata if isinstance(metadata, (list, tuple)) else [None] * len(completions)
             for text, meta in zip(completions, metas):
+                if not isinstance(text, str):  # scored (and reported) per sample below
+                    continue
                 try:
                     texts[answer_or_text(text, self.require_tags)] = None
-                except (Unparseable, TypeError):  # scored (and reported) per sample below
+                except Unparseable:
                     pass
                 try:
                     texts.update(dict.fromkeys(_references(meta, self.field, self.name)))

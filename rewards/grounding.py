@@ -12,6 +12,10 @@ Reading boxes from an answer (:func:`parse_boxes`, then :func:`rescale_box` into
 * otherwise every ``[x1, y1, x2, y2]`` in the text;
 * ``[]``, ``none``, ``null``, ``no object``: an explicit empty prediction (the set rewards score it).
 
+In a JSON list of boxes, an item meant as a box but malformed (``{"bbox_2d": [1, 2, 3]}``, a NaN, a string) is a
+prediction that matches nothing (a box of NaNs, IoU 0), as VLM-R1's ``detection_score`` counts every item; a list
+with no readable box at all is unparseable.
+
 Coordinate formats (``coord_format``, per sample from metadata, else the reward's default):
 
 * ``"qwen2"``: [0, 1000) normalised units, what Qwen2-VL and Qwen3-VL answer in: ``x_abs = x / 1000 * W``,
@@ -401,8 +405,18 @@ def _boxes_from_json(obj: Any) -> list[list[float]] | None:
             if sub is not None:
                 any_box = True
                 found.extend(sub)
+            elif _box_attempt(item):  # a prediction all the same: it matches nothing (never dropped, so a list
+                found.append([math.nan] * 4)  # of boxes cannot hide its wrong items from precision or the penalty)
         return found if any_box else None
     return None
+
+
+def _box_attempt(item: Any) -> bool:
+    """Whether a list item that is no box was meant as one: a mapping with a box key (``{"bbox_2d": [1, 2, 3]}``) or a
+    flat list of scalars (``[1, 2, 3]``, ``[NaN, 0, 5, 5]``)."""
+    if isinstance(item, Mapping):
+        return any(key in item for key in _BOX_KEYS)
+    return isinstance(item, list) and bool(item) and not any(isinstance(v, (list, dict)) for v in item)
 
 
 def _json_candidates(text: str) -> list[Any]:
@@ -1014,7 +1028,8 @@ def temporal_iou(pred: Sequence[float], gt: Sequence[float]) -> float:
 
 _CLOCK = r"\d+:\d{1,2}(?::\d{1,2})?(?:\.\d+)?"
 _SECONDS = r"\d+(?:\.\d+)?"
-_T = rf"(?<![\d.:])(?:{_CLOCK}|{_SECONDS})(?![\d:])"
+#: a time token: not a piece of a longer number (digits, a decimal point, a clock's colon, an exponent)
+_T = rf"(?<![\d.:])(?<!\d[eE])(?<!\d[eE][-+])(?:{_CLOCK}|{_SECONDS})(?![\d:]|[eE][-+]?\d)"
 _UNIT = r"(?:\s*(?:s|secs?|seconds?)\b)?"
 _RANGE = re.compile(rf"({_T}){_UNIT}\s*(?:to|until|till|through|-|–|—|~|and)\s*({_T}){_UNIT}", re.IGNORECASE)
 _PAIR = re.compile(rf"({_T}){_UNIT}\s*,\s*({_T}){_UNIT}", re.IGNORECASE)
@@ -1022,9 +1037,22 @@ _START_KEYS = ("start_time", "start", "begin")
 _END_KEYS = ("end_time", "end", "stop")
 
 
+def _signed(text: str, pos: int) -> bool:
+    """Whether the time token at ``pos`` carries a sign: a minus or plus right before it that starts a number (at
+    the start, after a space or an opening bracket), not a dash joining two times (``10-20``, ``10s-20s``)."""
+    if pos == 0 or text[pos - 1] not in "-+−":
+        return False
+    return pos == 1 or text[pos - 2].isspace() or text[pos - 2] in "([{,:=\"'"
+
+
 def _span_matches(text: str) -> list[re.Match]:
-    """The time pairs in ``text`` joined by a word or a dash, or failing those by a comma (``[12.5, 20.1]``)."""
-    return list(_RANGE.finditer(text)) or list(_PAIR.finditer(text))
+    """The time pairs in ``text`` joined by a word or a dash, or failing those by a comma (``[12.5, 20.1]``); a pair
+    whose start carries a sign (``-3 to 5``) is no time span (its end cannot: the joiners take no sign)."""
+    for pattern in (_RANGE, _PAIR):
+        found = [m for m in pattern.finditer(text) if not _signed(text, m.start(1))]
+        if found:
+            return found
+    return []
 
 
 def _time_value(token: Any) -> float:

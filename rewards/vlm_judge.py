@@ -201,7 +201,8 @@ class VLMJudge(_QwenVLScorer):
             try:
                 texts.append(self.prefix(self.question(prompts[pos], meta if isinstance(meta, dict) else None)))
                 todo.append(pos)
-            except (KeyError, IndexError, ValueError) as exc:
+            except (KeyError, IndexError, ValueError, TypeError, AttributeError) as exc:  # a field missing or of a
+                # type its format spec cannot take ({n:.2f} of None, {x[0]} of an int)
                 reasons[i] = f"cannot fill the question template: {type(exc).__name__}: {exc}"
         yes = torch.tensor(self.yes_ids)
         no = torch.tensor(self.no_ids)

@@ -113,6 +113,20 @@ def test_parse_choice_without_choices():
     assert parse_choice("D") == "D"
 
 
+def test_parse_choice_reads_a_leading_article_as_a_word():
+    # "A cat" names option B's text after the article, not option A (it scored 1 against solution A)
+    assert parse_choice("A cat", ["dog", "cat"]) == "B"
+    assert parse_choice("A cat.", ["dog", "cat"]) == "B"
+    assert parse_choice("A dog", ["dog", "cat"]) == "A"
+    with pytest.raises(Unparseable, match="no choice letter"):
+        parse_choice("A cat sits on the mat", ["dog", "cat"])
+    assert parse_choice("A. cat", ["dog", "cat"]) == "A" and parse_choice("A, because", ["dog", "cat"]) == "A"
+    assert parse_choice("B because it barks", ["dog", "cat"]) == "B"
+    meta = [{"solution": "A", "choices": ["dog", "cat"]}]
+    out = build_reward("choice_accuracy")(["<answer>A cat</answer>"], None, meta)
+    assert out["choice_accuracy"].tolist() == [0.0]
+
+
 def test_parse_choice_option_text_and_range():
     choices = ["a blue car", "the red car", "a bus"]
     assert parse_choice("The red car.", choices) == "B"

@@ -450,6 +450,33 @@ def test_parse_timestamps_prefers_a_range_to_a_comma_pair():
     assert parse_timestamps("clip 2, [2.0, 5.5]") == (2.0, 5.5)  # only comma pairs: still the last
 
 
+def test_malformed_items_of_a_box_list_count_as_predictions():
+    """A malformed item of a JSON box list is a prediction that matches nothing, not dropped: one right box among
+    four written items is F1 2/5 (it scored 1.0 on every set reward, the penalty for extra boxes dodged)."""
+    text = '[{"bbox_2d": [0, 0, 10, 10]}, {"bbox_2d": [1, 2, 3]}, {"bbox_2d": "x"}, {"bbox_2d": [NaN, 0, 5, 5]}]'
+    boxes = parse_boxes(text)
+    assert boxes[0] == [0.0, 0.0, 10.0, 10.0] and len(boxes) == 4 and all(math.isnan(v) for v in boxes[3])
+    meta = [{"boxes": [[0, 0, 10, 10]], "coord_format": "absolute"}]
+    answer = [f"<think>x</think><answer>{text}</answer>"]
+    assert build_reward("box_f1")(answer, None, meta)["box_f1"].item() == pytest.approx(0.4)
+    assert build_reward("box_set_f1")(answer, None, meta)["box_set_f1"].item() == pytest.approx(0.4)
+    with pytest.raises(Unparseable):  # nothing readable at all: unparseable, as before
+        parse_boxes('[{"bbox_2d": [1, 2, 3]}]')
+    assert parse_boxes('[{"bbox_2d": [0, 0, 4, 4], "label": "cat"}, {"label": "note"}]') == [[0.0, 0.0, 4.0, 4.0]]
+
+
+def test_parse_timestamps_refuses_signed_and_exponent_numbers():
+    """A sign or an exponent belongs to the number: "-3 to 5" read as (3, 5) and "0 to 1e1" as (0, 1), both scoring
+    tIoU 1 against [3, 5] and [0, 1]; a dash between two times still joins them."""
+    for text in ("-3 to 5", "from -3 to 5", "[-1.0, 3]", "0 to 1e1", "1e3 to 2e3", "5 to 1e999", "3 to -5"):
+        with pytest.raises(Unparseable, match="no time span"):
+            parse_timestamps(text)
+    assert parse_timestamps("10-20") == (10.0, 20.0) and parse_timestamps("10s-20s") == (10.0, 20.0)
+    assert parse_timestamps("00:12-00:20") == (12.0, 20.0) and parse_timestamps("12.5 - 20.1") == (12.5, 20.1)
+    out = build_reward("temporal_iou")(["<answer>-3 to 5</answer>"], None, [{"timestamps": [3.0, 5.0]}])
+    assert out["temporal_iou"].tolist() == [0.0]
+
+
 def test_parse_timezero_span_is_timezero_evaluate_py():
     """``evaluate.py`` ``parse_timestamp_output``: ``re.findall(r"(\\d+\\.?\\d*) (to|and) (\\d+\\.?\\d*)")`` over
     the whole output, the last match; nothing else reads."""

@@ -102,6 +102,11 @@ def test_vlm_judge_template_fields_and_nan(tiny_vlm):
     assert "template" in reasons[1] and "object" in reasons[1] and "non-finite" in reasons[2]
     with pytest.raises(ValueError, match="needs"):
         judge(x, None)
+    # a field of a type its format spec cannot take is that sample's NaN, not the batch's TypeError
+    typed = build_reward("vlm_judge", model=model, processor=processor, template="Is {prompt} {n:.2f} {x[0]}?")
+    out = typed(x[:2], ["a", "b"], [{"n": 1.0, "x": ["c"]}, {"n": None, "x": 5}])
+    assert torch.isfinite(out["vlm_judge"][0]) and torch.isnan(out["vlm_judge"][1])
+    assert "TypeError" in typed.last_info["nan_samples"][1]
 
 
 def test_vlm_judge_loads_tiny_by_name(tiny_vlm, monkeypatch, tmp_path):

@@ -322,6 +322,10 @@ def test_bmas_reward_on_hand_set_token_embeddings(tiny_text_model):
     assert info["num_unparseable"] == 1 and info["num_nan"] == 1 and 3 in info["nan_samples"]
     loose = build_reward("bmas", model=model, tokenizer=tokenizer, require_tags=False)
     assert float(loose(["a red cat"], None, [{"solution": "a cat"}])["bmas"][0]) == pytest.approx(v)
+    # a completion that is not a string is that sample's NaN (the batch's embedding pass used to raise on it)
+    out = reward([None, ans("a cat")], None, [{"solution": "a cat"}] * 2)
+    assert math.isnan(out["bmas"][0]) and out["bmas"][1] == pytest.approx(1.0)
+    assert "not a string" in reward.last_info["nan_samples"][0]
 
 
 def test_bmas_hidden_states_load_and_arguments(tiny_text_model, tmp_path):
