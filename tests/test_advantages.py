@@ -171,6 +171,37 @@ def test_gaussian_rank_advantages():
     q = NormalDist().inv_cdf
     want = torch.tensor([q(3.5 / 4), q(0.5 / 4), q(2.0 / 4), q(2.0 / 4), 0.0, 0.0, 0.0, 0.0])
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    clamped = gaussian_rank_advantages(rewards, [0, 0, 0, 0, 1, 1, 1, 1], clamp=1.0)
+    torch.testing.assert_close(clamped, want.clamp(-1.0, 1.0), atol=1e-6, rtol=1e-6)
+
+
+def test_g2rpo_variant_applies_the_configured_clamp_and_eps():
+    # algorithm.advantage_clamp and clamp_summed_advantage were ignored by g2rpo (|A| 1.53 at clamp 1, group of 8)
+    from types import SimpleNamespace
+
+    from mmrl.algorithms.base import AdvantageContext, VariantError, parse_spec
+
+    rewards = torch.arange(8.0)
+    variant = parse_spec("g2rpo", 0)
+
+    def run(**algorithm):
+        a = dict(reward_combination="sum_then_normalize", batch_normalize_sum=False, clamp_summed_advantage=False,
+                 eps=1e-4, advantage_clamp=None)
+        a.update(algorithm)
+        ctx = AdvantageContext(components={"r": rewards}, weights={"r": 1.0}, labels=[0] * 8, group_ids=torch.zeros(8),
+                               keys=["p"] * 8, algorithm=SimpleNamespace(**a), update=0, default=lambda: None)
+        return variant.advantages(ctx)
+
+    free = run()
+    assert free.abs().max() > 1.5
+    torch.testing.assert_close(run(advantage_clamp=1.0), free.clamp(-1.0, 1.0))
+    # GDPO's batch step: (A - mean) / (std + eps) with the configured eps
+    gdpo = dict(reward_combination="normalize_then_sum", batch_normalize_sum=True)
+    a1, a2 = run(**gdpo, eps=1e-4), run(**gdpo, eps=1.0)
+    torch.testing.assert_close(a2, (free - free.mean()) / (free.std() + 1.0))
+    assert not torch.allclose(a1, a2)
+    with pytest.raises(VariantError, match="scale: none"):
+        variant.check(SimpleNamespace(algorithm=SimpleNamespace(scale="none")))
 
 
 def test_tracker_matches_flow_grpo_and_keeps_state():

@@ -159,6 +159,38 @@ def test_entry_point_variants_are_found(monkeypatch):
         lookup("from_a_pakage")
 
 
+
+def test_every_float_option_refuses_nan_and_inf():
+    # a range check written as a comparison lets NaN through (NaN < 1 is False): tw_grpo max_weight=nan gave NaN
+    # advantages; the parser refuses NaN for every float option and inf unless the option allows it
+    import typing
+
+    import yaml
+
+    from mmrl.algorithms.base import VariantError, parse_spec
+
+    checked = 0
+    for name, cls in REGISTRY.items():
+        required = {k: yaml.safe_load(v) if isinstance(v, str) else v for k, v in VLM_OPTIONS.get(name, {}).items()}
+        hints = typing.get_type_hints(cls.Options)
+        for f in dataclasses.fields(cls.Options):
+            if hints[f.name] not in (float, typing.Optional[float]):
+                continue
+            checked += 1
+            with pytest.raises(VariantError, match=f"{f.name} must be a finite number, got nan"):
+                parse_spec({"name": name, **required, f.name: math.nan}, 0)
+            if f.metadata.get("allow_inf"):
+                continue
+            for value in (math.inf, -math.inf):
+                with pytest.raises(VariantError, match=f"{f.name} must be a finite number"):
+                    parse_spec({"name": name, **required, f.name: value}, 0)
+    assert checked > 80
+    # the two options where an infinity means something are accepted
+    assert parse_spec({"name": "g2rpo_shaping", "entropy_high": math.inf}, 0).options.entropy_high == math.inf
+    spec = {"name": "trust_grpo", "thinking": "t", "outcome": "a", "judge_from": -math.inf}
+    assert parse_spec(spec, 0).options.judge_from == -math.inf
+
+
 # ------------------------------------------------------------------------------------------ every variant, e2e
 
 #: options a smoke run needs (the required ones); every registered variant must be listed here or in FLOW_ONLY

@@ -5,6 +5,7 @@ consistency at step t: sign(d_t) sign(R_n - R_{t+1}) > 0. Float64 everywhere so 
 """
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,9 @@ from mmrl.core.credit import (
 
 def t(rows):
     return torch.tensor(rows, dtype=torch.float64)
+
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def close(a, b, tol=1e-9):
@@ -347,6 +351,35 @@ def test_cosine_weights_and_credit_by_hand():
     assert close(credit.sum(1), [2.0])
     # final=None uses the last prediction
     assert close(cosine_similarity_credit(preds, None, t([2.0])), [[1.2, 0.8]])
+
+
+def test_cosine_variant_options_reach_the_credit():
+    # the variant's window / reward_to_go / alpha / clamp_negative (CoCA's trainer: window 5, reward-to-go) are the
+    # core function's on the centred pixels; window 1 without reward-to-go is the default
+    from mmrl.algorithms.base import Intermediate, VariantError, parse_spec
+    from mmrl.config import ConfigError, load_config
+
+    torch.manual_seed(0)
+    images = torch.rand(3, 5, 3, 4, 4)
+    inter = Intermediate(images=images, step_rewards=torch.rand(3, 5))
+    flat = images.reshape(3, 5, -1) * 2 - 1
+    flat = flat - flat.mean(dim=-1, keepdim=True)
+
+    def variant_credit(**options):
+        return parse_spec({"name": "cosine", **options}, 0).credit(inter, None)
+
+    default = variant_credit()
+    assert close(default, cosine_similarity_credit(flat, None, inter.step_rewards[:, -1]))
+    shaped = variant_credit(window=2, reward_to_go=True, alpha=0.25, clamp_negative=True)
+    assert close(shaped, cosine_similarity_credit(flat, None, inter.step_rewards[:, -1], window=2, reward_to_go=True,
+                                                  alpha=0.25, clamp_negative=True))
+    assert not torch.allclose(default, shaped)
+    with pytest.raises(VariantError, match="reward_to_go"):
+        parse_spec({"name": "cosine", "alpha": 0.5}, 0)
+    # the window must divide the trained steps (9 of the tiny dense recipe's sliding window)
+    with pytest.raises(ConfigError, match="window=2 must divide the 9 trained steps"):
+        load_config(REPO / "configs/tiny/dense_grpo.yaml", ["algorithm.variants=[{name: cosine, window: 2}]"])
+    load_config(REPO / "configs/tiny/dense_grpo.yaml", ["algorithm.variants=[{name: cosine, window: 3}]"])
 
 
 def test_cosine_negative_gain_kept_or_clamped():

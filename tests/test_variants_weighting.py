@@ -30,7 +30,7 @@ def transform_ctx(advantages, old_logps=None, mask=None, group_ids=None, complet
 def credit(variant, step_rewards):
     n, k = step_rewards.shape
     inter = Intermediate(images=torch.zeros(n, k, 3, 2, 2), step_rewards=step_rewards)
-    return variant.credit(inter, ctx=SimpleNamespace(config=SimpleNamespace(), stats={}))
+    return variant.credit(inter, ctx=SimpleNamespace(config=SimpleNamespace(), stats={}, accelerator=None))
 
 
 def test_registered_with_stages_needs_and_families():
@@ -193,8 +193,30 @@ def test_delta_by_hand():
     assert torch.allclose(cd(mode="delta"), CD_R[:, 1:])
 
 
+def test_clip_mean_threshold_is_the_whole_batch_over_processes():
+    # two processes, one row each: eta must stay 0.4 (the mean over both rows), not each process's own row mean
+    class TwoProcesses:  # accelerate's reduce(sum) over this process and the other one's stats
+        num_processes, device = 2, "cpu"
+
+        def __init__(self, other):
+            self.other = other
+
+        def reduce(self, stats, reduction):
+            assert reduction == "sum"
+            r = self.other[:, 1:]
+            return stats + torch.stack([r.double().sum(), torch.tensor(float(r.numel()), dtype=torch.float64)])
+
+    whole = cd()
+    variant = ClipDelta(ClipDeltaOptions())
+    for row, other in ((0, 1), (1, 0)):
+        ctx = SimpleNamespace(config=SimpleNamespace(), stats={}, accelerator=TwoProcesses(CD_R[other:other + 1]))
+        inter = Intermediate(images=torch.zeros(1, 4, 3, 2, 2), step_rewards=CD_R[row:row + 1])
+        assert torch.allclose(variant.credit(inter, ctx), whole[row:row + 1])
+
+
 def test_clip_delta_options_validation():
-    for bad in ({"mode": "sum"}, {"threshold": "median"}, {"eta": math.nan}, {"outcome_weight": -1.0}):
+    for bad in ({"mode": "sum"}, {"threshold": "median"}, {"eta": math.nan}, {"outcome_weight": -1.0},
+                {"eta": 0.5}, {"mode": "delta", "threshold": "fixed", "eta": 0.5}):
         with pytest.raises(VariantError):
             parse_spec({"name": "clip_delta", **bad}, 0)
     assert parse_spec({"name": "clip_delta", "mode": "delta"}, 0).options.mode == "delta"

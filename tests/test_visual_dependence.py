@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mmrl.algorithms.base import TransformContext, parse_spec
+from mmrl.algorithms.base import TransformContext, VariantError, parse_spec
 from mmrl.pipelines.vlm.tiny import _processor, build_tiny_vlm_tokenizer
 
 REPO = __import__("pathlib").Path(__file__).parents[1]
@@ -186,13 +186,15 @@ def test_grpo_care_bonus_follows_the_released_rule():
         def __len__(self):
             return 4
 
-    variant = parse_spec({"name": "grpo_care", "accuracy": "acc", "bonus": 0.5, "decay": 0.5}, 0)
+    variant = parse_spec({"name": "grpo_care", "accuracy": "acc", "bonus": 0.5, "decay": 0.5, "margin": None,
+                          "confidence_cap": None}, 0)
     variant.setup(Policy(), None)
     with torch.no_grad():
         weight.add_(2.0)  # the policy moved: the reference follows halfway (decay 0.5) before judging
     rollout = Rollout(completions=["<answer>x</answer>"] * 4, mask=torch.ones(4, 3), group_ids=torch.zeros(4))
     ctx = SimpleNamespace(policy=Policy(), rollout=rollout, scores={"acc": torch.tensor([1.0, 1.0, 0.5, 0.0])},
-                          weights={"acc": 1.0}, stats={}, config=SimpleNamespace(train=SimpleNamespace(batch_size=2)))
+                          weights={"acc": 1.0}, stats={}, config=SimpleNamespace(train=SimpleNamespace(batch_size=2)),
+                          update=10)
     out = variant.rewards(ctx)
     assert variant.reference.shadow["w"].tolist() == [1.0, 1.0]
     assert weight.tolist() == [2.0, 2.0]  # the live weights are back
@@ -205,6 +207,19 @@ def test_grpo_care_bonus_follows_the_released_rule():
     fresh.load_state_dict(state)
     assert fresh.reference.shadow["w"].tolist() == [1.0, 1.0]
     assert math.isclose(variant.options.decay, 0.5)
+    # update_every (the released ref_ema_update_every, 10 by default): update 11 leaves the reference where it was
+    with torch.no_grad():
+        weight.add_(2.0)
+    ctx.update = 11
+    variant.rewards(ctx)
+    assert variant.reference.shadow["w"].tolist() == [1.0, 1.0]
+    # the released scripts' defaults: decay 0.995, every 10, bonus 0.5, margin 0.01, likelihood capped at 0.95
+    defaults = fresh.options
+    assert (defaults.decay, defaults.update_every, defaults.bonus, defaults.margin, defaults.confidence_cap) == (
+        0.995, 10, 0.5, 0.01, 0.95)
+    for bad in ({"confidence_cap": -1.0}, {"margin": -0.1}, {"update_every": 0}):
+        with pytest.raises(VariantError):
+            parse_spec({"name": "grpo_care", "accuracy": "acc", **bad}, 0)
 
 
 def test_prco_trains_the_solver_on_its_outcome_and_the_observer_on_its_solvers_success():

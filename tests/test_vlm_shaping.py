@@ -4,6 +4,7 @@ rule's numbers are derived by hand in the comments)."""
 from __future__ import annotations
 
 import math
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -126,7 +127,7 @@ def test_ttrv_options_validation():
 def test_trust_factors_by_hand():
     # group 0: correct thinking 0.2, 0.4 (mu_c = 0.3), incorrect 0.9, 0.7 (mu_w = 0.8) -> gamma = exp(-0.5)
     # group 1: correct 0.9, incorrect 0.1 and a NaN thinking reward (left out) -> mu_c >= mu_w -> gamma = 1
-    # group 2: only correct responses (the NaN outcome is neither) -> no contrast -> no_contrast = 0.25
+    # group 2: only correct responses (the NaN outcome is left out) -> homogeneous -> no_contrast = 0.25
     thinking = torch.tensor([0.2, 0.4, 0.9, 0.7, 0.9, 0.1, NAN, 0.5, 0.6])
     outcome = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, NAN])
     gamma, contrasted = trust_factors(thinking, outcome, [0, 0, 0, 0, 1, 1, 1, 2, 2], no_contrast=0.25)
@@ -137,11 +138,35 @@ def test_trust_factors_by_hand():
     assert torch.allclose(gamma, torch.full((4,), math.exp(-1.0)))
 
 
+def test_trust_factors_follow_the_released_reward_manager():
+    # SophiaVL-R1's CustomRewardManager (group mode), written out: homogeneous when every answer score is >= 0.9 or
+    # every one <= 0.1 (discount 0); else correct = score >= 0.5, an empty side's mean is 0, and the discount is
+    # multiplied by exp(c - w) when c < w and a correct answer exists
+    def anchor(process, answer):
+        if all(a >= 0.9 for a in answer) or all(a <= 0.1 for a in answer):
+            return 0.0
+        correct = [p for p, a in zip(process, answer) if a >= 0.5]
+        wrong = [p for p, a in zip(process, answer) if a < 0.5]
+        c = sum(correct) / len(correct) if correct else 0.0
+        w = sum(wrong) / len(wrong) if wrong else 0.0
+        return math.exp(c - w) if (c < w and correct) else 1.0
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.choice([2, 3, 4])
+        answer = [rng.choice([0.0, 0.05, 0.3, 0.6, 0.95, 1.0]) for _ in range(n)]
+        process = [rng.choice([-0.4, 0.0, 0.3, 0.8, 1.0]) for _ in range(n)]
+        gamma, _ = trust_factors(torch.tensor(process), torch.tensor(answer), [0] * n)
+        assert gamma.tolist() == pytest.approx([anchor(process, answer)] * n, abs=1e-6), (process, answer)
+
+
 def test_anneal_schedules_by_hand():
-    assert [anneal_factor(k, 10) for k in (0, 5, 10, 12)] == [1.0, 0.5, 0.0, 0.0]
+    assert [anneal_factor(k, 10, "linear") for k in (0, 5, 10, 12)] == [1.0, 0.5, 0.0, 0.0]
     assert anneal_factor(5, 10, "cosine") == pytest.approx(0.5)  # (1 + cos(pi / 2)) / 2
     assert anneal_factor(0, 10, "cosine") == 1.0 and anneal_factor(10, 10, "cosine") == pytest.approx(0.0)
-    assert anneal_factor(10, 10, "exp") == pytest.approx(math.exp(-1.0))
+    # exp: the released code's exp(-global_step / T), its global step 1 at the first update (update 0 here)
+    assert anneal_factor(0, 500) == pytest.approx(math.exp(-1 / 500))
+    assert anneal_factor(9, 10, "exp") == pytest.approx(math.exp(-1.0))
     assert anneal_factor(7, 10, "none") == 1.0
 
 
@@ -151,7 +176,8 @@ def test_trust_grpo_variant_shapes_the_thinking_reward():
     outcome = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
     ctx = reward_ctx(group_ids=[0, 0, 0, 0, 1, 1], scores={"think": thinking, "acc": outcome},
                      weights={"think": 0.5, "acc": 1.0}, update=1, steps=4)
-    out = TrustGRPO(TrustGRPOOptions(thinking="think", outcome="acc")).rewards(ctx)
+    options = dict(thinking="think", outcome="acc", anneal="linear", anneal_steps=0, judge_from=-math.inf)
+    out = TrustGRPO(TrustGRPOOptions(**options)).rewards(ctx)
     factor = torch.tensor([math.exp(-0.5)] * 4 + [1.0] * 2) * 0.75
     assert torch.allclose(out.scores["think"], factor * thinking)
     assert torch.allclose(out.scores["think_trust"], factor) and torch.equal(out.scores["think_raw"], thinking)
@@ -160,16 +186,41 @@ def test_trust_grpo_variant_shapes_the_thinking_reward():
     assert ctx.stats["trust_grpo/distrusted_groups"] == 1 and ctx.stats["trust_grpo/anneal"] == 0.75
     # anneal_steps overrides train.steps: 1 - 1/2 = 0.5; a NaN thinking reward stays NaN
     ctx.scores["think"] = torch.tensor([NAN, 0.4, 0.9, 0.7, 0.9, 0.1])
-    out = TrustGRPO(TrustGRPOOptions(thinking="think", outcome="acc", anneal_steps=2)).rewards(ctx)
+    out = TrustGRPO(TrustGRPOOptions(**{**options, "anneal_steps": 2})).rewards(ctx)
     assert math.isnan(out.scores["think"][0]) and ctx.stats["trust_grpo/anneal"] == 0.5
     assert out.scores["think"][4] == pytest.approx(0.45)
+
+
+def test_trust_grpo_defaults_give_the_released_score():
+    # the released code's group score: answer + exp(-step / 500) * 0.3 * gamma * process, process 0 where the answer
+    # scores below 0.2 (never judged), gamma 0 for a homogeneous group; mmrl: rewards {acc: 1, think: 0.3}
+    thinking = torch.tensor([0.6, 0.2, 0.9, 0.7, 0.5, 0.5])
+    outcome = torch.tensor([1.0, 0.3, 0.0, 0.6, 1.0, 1.0])
+    ctx = reward_ctx(group_ids=[0, 0, 0, 0, 1, 1], scores={"think": thinking, "acc": outcome},
+                     weights={"think": 0.3, "acc": 1.0}, update=99, steps=1000)
+    out = TrustGRPO(TrustGRPOOptions(thinking="think", outcome="acc")).rewards(ctx)
+    # group 0: process [0.6, 0.2, 0 (answer 0 < 0.2), 0.7]; correct {0.6, 0.7} mean 0.65 >= wrong {0.2, 0} mean 0.1
+    # -> gamma 1; group 1: every answer >= 0.9 -> 0. Step 100 (update 99, 1-based): exp(-100 / 500)
+    lam = math.exp(-100 / 500)
+    expected = torch.tensor([0.6, 0.2, 0.0, 0.7, 0.0, 0.0]) * torch.tensor([lam] * 4 + [0.0] * 2)
+    assert torch.allclose(out.scores["think"], expected)
+    total = outcome + 0.3 * out.scores["think"]
+    assert torch.allclose(total, outcome + lam * 0.3 * torch.tensor([0.6, 0.2, 0.0, 0.7, 0.0, 0.0]))
+    # a wrong answer that out-thinks the right ones: correct {0.2} vs wrong {0.9 (answer 0.3 >= 0.2: judged)}
+    ctx.scores["think"], ctx.scores["acc"] = torch.tensor([0.2, 0.9]), torch.tensor([1.0, 0.3])
+    ctx.rollout.group_ids = torch.tensor([0, 0])
+    out = TrustGRPO(TrustGRPOOptions(thinking="think", outcome="acc")).rewards(ctx)
+    assert torch.allclose(out.scores["think_trust"], torch.full((2,), lam * math.exp(0.2 - 0.9)))
 
 
 def test_trust_grpo_options_and_config_checks():
     for bad in ({"thinking": "t"}, {"thinking": "t", "outcome": "t"}, {"thinking": "t", "outcome": "a",
                                                                        "temperature": 0.0},
                 {"thinking": "t", "outcome": "a", "anneal": "step"}, {"thinking": "t", "outcome": "a",
-                                                                      "no_contrast_trust": 2.0}):
+                                                                      "no_contrast_trust": 2.0},
+                {"thinking": "t", "outcome": "a", "all_wrong_at": 0.9, "all_correct_at": 0.1},
+                {"thinking": "t", "outcome": "a", "judge_from": math.inf},
+                {"thinking": "t", "outcome": "a", "threshold": math.nan}):
         with pytest.raises(VariantError):
             parse_spec({"name": "trust_grpo", **bad}, 0)
     variant = parse_spec({"name": "trust_grpo", "thinking": "think", "outcome": "acc"}, 0)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -391,6 +392,11 @@ def parse_spec(spec: Any, index: int) -> Variant:
         values[key] = _coerce_option(cls, fields[key], value, f"{where}.{key}")
     try:
         options = cls.Options(**values)
+        for f in dataclasses.fields(options):  # NaN passes every range check written as a comparison
+            value = getattr(options, f.name)
+            if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and
+                                                                   not f.metadata.get("allow_inf"))):
+                raise ValueError(f"{f.name} must be a finite number, got {value}")
         validate_options = getattr(options, "validate", None)
         if validate_options is not None:
             validate_options()
@@ -466,7 +472,8 @@ def check_tag(option_name: str, tag: str) -> None:
 
 
 def option(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002 - mirrors mmrl.config.opt
-    """A variant option with its help text (shown by ``mmrl variants``)."""
+    """A variant option with its help text (shown by ``mmrl variants``). A float option must be finite unless it
+    is declared with ``allow_inf=True`` (NaN never passes)."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kwargs})
     return field(default=default, metadata={"help": help, **kwargs})

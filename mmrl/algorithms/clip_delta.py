@@ -21,8 +21,9 @@ def refined_process_rewards(step_rewards: Tensor, *, mode: str = "clip", thresho
                             eta: float = 0.0) -> Tensor:
     """Clip or Delta refined process rewards ``[N, T]`` of ``r_t = R_{t+1}`` (``step_rewards`` ``[N, T+1]``).
 
-    ``clip``: ``min(r_t - eta, 0)`` with ``eta`` the mean of every finite ``r`` of the batch (``threshold="mean"``)
-    or the given ``eta`` (``"fixed"``). ``delta``: ``r_t - r_{t+1}`` for ``t < T-1``, 0 for the last step.
+    ``clip``: ``min(r_t - eta, 0)`` with ``eta`` the mean of every finite ``r`` of ``step_rewards``
+    (``threshold="mean"``; the variant passes the mean over every process's samples as a fixed ``eta``) or the
+    given ``eta`` (``"fixed"``). ``delta``: ``r_t - r_{t+1}`` for ``t < T-1``, 0 for the last step.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -65,6 +66,9 @@ class ClipDeltaOptions:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.threshold not in THRESHOLDS:
             raise ValueError(f"threshold must be one of {THRESHOLDS}, got {self.threshold!r}")
+        if self.eta != 0.0 and not (self.mode == "clip" and self.threshold == "fixed"):
+            raise ValueError(f"eta={self.eta} is Clip's fixed threshold: it takes effect only with mode: clip and "
+                             f"threshold: fixed (mode={self.mode}, threshold={self.threshold})")
         if not math.isfinite(self.eta):
             raise ValueError(f"eta must be finite, got {self.eta}")
         if not self.outcome_weight >= 0 or not math.isfinite(self.outcome_weight):
@@ -105,5 +109,18 @@ class ClipDelta(DenseCredit):
 
     def credit(self, intermediate: Intermediate, ctx: RewardContext) -> Tensor:
         o = self.options
-        return clip_delta_credit(intermediate.step_rewards, mode=o.mode, threshold=o.threshold, eta=o.eta,
+        threshold, eta = o.threshold, o.eta
+        if o.mode == "clip" and threshold == "mean":  # the mean over every process's samples, not this one's
+            threshold, eta = "fixed", batch_mean(process_rewards(_step_rewards(intermediate.step_rewards), "reward"),
+                                                 ctx.accelerator)
+        return clip_delta_credit(intermediate.step_rewards, mode=o.mode, threshold=threshold, eta=eta,
                                  accumulate=o.accumulate, outcome_weight=o.outcome_weight)
+
+
+def batch_mean(values: Tensor, accelerator=None) -> float:
+    """The mean of the finite entries of ``values`` over every process (0 when there are none), in float64."""
+    finite = torch.isfinite(values)
+    stats = torch.stack([values[finite].double().sum(), finite.sum().double()])
+    if accelerator is not None and accelerator.num_processes > 1:
+        stats = accelerator.reduce(stats.to(accelerator.device), "sum").cpu()
+    return float(stats[0] / stats[1]) if stats[1] > 0 else 0.0

@@ -37,7 +37,7 @@ class G2RPOShapingOptions:
     entropy_low: float = option(0.1, "Below this batch entropy (mean sampled-token surprisal, nats) the tokens whose "
                                      "update lowers the entropy are damped (guards against entropy collapse).")
     entropy_high: float = option(1.0, "Above it the tokens whose update raises the entropy are damped (guards "
-                                      "against entropy explosion); inf = no upper bound.")
+                                      "against entropy explosion); inf = no upper bound.", allow_inf=True)
     damping: float = option(0.5, "The factor multiplying the damped tokens' advantages (0 = drop them, 1 = off).")
 
     def validate(self) -> None:

@@ -15,27 +15,41 @@ from mmrl.ema import EMA
 @dataclass
 class GRPOCareOptions:
     accuracy: str = option("", "The answer-correctness component (a key of `rewards`), GRPO-CARE's base reward.")
-    bonus: float = option(0.5, "The bonus coefficient: a consistent, accurate response gets bonus x its accuracy.")
-    decay: float = option(0.992, "EMA decay of the slowly evolving reference, lerp(policy, reference, decay), applied "
-                                 "once per update before the rollout is judged (the anchor's moving_average beta).")
-    margin: float | None = option(None, "Consistent means a likelihood >= the mean over the accurate peers minus this "
-                                        "(null: no margin).")
-    confidence_cap: float | None = option(None, "Clamp the answer likelihood at this (the anchor's "
-                                                "confidence_upper_bound; null: no cap).")
+    bonus: float = option(0.5, "The bonus coefficient: a consistent, accurate response gets bonus x its accuracy "
+                               "(the released scripts' bonus_coefficient 0.5).")
+    decay: float = option(0.995, "EMA decay of the slowly evolving reference, lerp(policy, reference, decay) (the "
+                                 "released scripts' ref_ema_decay 0.995).")
+    update_every: int = option(10, "The reference moves every this many updates, before that update's rollout is "
+                                   "judged (the released scripts' ref_ema_update_every 10, counted in optimizer steps "
+                                   "there: one per update).")
+    margin: float | None = option(0.01, "Consistent means a likelihood >= the mean over the accurate peers minus this "
+                                        "(the released scripts' consistency_margin: 0.01, or 0 in its margin0 runs; "
+                                        "null: no margin).")
+    confidence_cap: float | None = option(0.95, "Clamp the answer likelihood at this (the released scripts' "
+                                                "confidence_upper_bound 0.95; null: no cap).")
 
     def validate(self) -> None:
         if not self.accuracy:
             raise ValueError("accuracy: name the answer-correctness component")
         if self.bonus < 0 or not 0.0 <= self.decay <= 1.0:
             raise ValueError("bonus must be >= 0 and decay in [0, 1]")
+        if self.update_every < 1:
+            raise ValueError(f"update_every must be >= 1, got {self.update_every}")
+        if self.margin is not None and self.margin < 0:
+            raise ValueError(f"margin must be >= 0 (or null), got {self.margin}")
+        if self.confidence_cap is not None and not 0.0 < self.confidence_cap <= 1.0:
+            raise ValueError(f"confidence_cap caps a probability: it must be in (0, 1] (or null), got "
+                             f"{self.confidence_cap}")
 
 
 @register
 class GRPOCare(Variant):
     """Two-tiered reward (Chen et al.): the base accuracy reward plus an adaptive consistency bonus.
 
-    A reference model evolves slowly: an EMA of the policy's trainable weights (LoRA adapters or all weights), updated
-    once per update as ``ref <- decay * ref + (1 - decay) * policy``. For each response its likelihood of the final
+    A reference model evolves slowly: an EMA of the policy's trainable weights (LoRA adapters or all weights), moved
+    as ``ref <- decay * ref + (1 - decay) * policy`` at the start of every ``update_every``-th update (updates 0,
+    10, 20, ...: the released trainer's ``moving_average`` after optimizer steps 10, 20, ..., its reference then
+    judging the next rollout). For each response its likelihood of the final
     answer given its own reasoning under that reference is ``c_i = exp(mean log p_ref(answer tokens | prompt,
     reasoning))`` (the tokens of the ``<answer>`` block, mapped with the tokenizer), optionally capped. Within each
     group, following the released trainer: the accurate responses are those with accuracy ``> 0.1`` and ``>=`` the
@@ -47,7 +61,7 @@ class GRPOCare(Variant):
     name = "grpo_care"
     summary = "consistency bonus: accurate answers the slow EMA reference finds likely given their reasoning"
     paper = ("GRPO-CARE: Consistency-Aware Reinforcement Learning for Multimodal Reasoning, Chen et al. 2025, "
-             "arXiv 2506.16141 (rule as its released trainer computes it, per group)")
+             "arXiv 2506.16141 (rule and defaults as its released trainer and scripts, per group)")
     Options = GRPOCareOptions
     families = ("vlm",)
 
@@ -86,7 +100,8 @@ class GRPOCare(Variant):
 
     def rewards(self, ctx: RewardContext) -> Rewards:
         o = self.options
-        self.reference.update(ctx.policy.named_trainable_parameters())  # the slowly evolving reference moves first
+        if ctx.update % o.update_every == 0:  # the slowly evolving reference moves first
+            self.reference.update(ctx.policy.named_trainable_parameters())
         accuracy = torch.nan_to_num(ctx.scores[o.accuracy].float(), nan=0.0)
         likelihood = self.answer_likelihood(ctx)
         index, groups = group_index(ctx.rollout.group_ids)

@@ -22,6 +22,8 @@ class RVCOOptions:
     def validate(self) -> None:
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not self.eps >= 0:
+            raise ValueError(f"eps must be >= 0 (it is added to a MAD), got {self.eps}")
         if not 0.0 <= self.residual <= 1.0:
             raise ValueError(f"residual must be in [0, 1], got {self.residual}")
 
@@ -58,7 +60,9 @@ class RVCO(VisualDependence):
                 continue
             median = e.median()
             mad = (e - median).abs().median()
-            z = (e - median) / (mad + o.eps)
+            spread = mad + o.eps
+            # no spread (eps 0 and at least half the values tied): every token at its median coordinate, 0
+            z = (e - median) / spread if spread > 0 else torch.zeros_like(e)
             routed = torch.softmax(z / o.temperature, dim=0)
             length = e.numel()
             weights[i, valid[i]] = length * (o.residual / length + (1.0 - o.residual) * routed)

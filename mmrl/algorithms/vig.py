@@ -16,7 +16,8 @@ class VIGOptions:
     token_threshold: float = option(0.0, "A token is trained when its VIG (nats) exceeds this; the others get "
                                          "advantage 0.")
     sample_fraction: float = option(1.0, "The fraction of the batch's samples, those of largest mean VIG, that are "
-                                         "trained (1 = every sample).")
+                                         "trained (1 = every sample); ranked within each process's samples, so "
+                                         "below 1 the chosen samples depend on the process count.")
 
     def validate(self) -> None:
         if not 0.0 < self.sample_fraction <= 1.0:
@@ -29,7 +30,10 @@ class VIG(VisualDependence):
 
     The paper measures VIG as the perplexity reduction the image brings, at sample and token level, and trains only
     on high-VIG samples and tokens (for supervised tuning); mmrl applies the same selection to the RL advantages,
-    with VIG from the sampling policy (:mod:`mmrl.algorithms.visual`). The thresholds are mmrl's options."""
+    with VIG from the sampling policy (:mod:`mmrl.algorithms.visual`). The thresholds are mmrl's options. The
+    ``transform`` stage sees this process's samples, so ``sample_fraction < 1`` keeps the top fraction of each
+    process's ``N / P`` samples, not of the whole batch: with several processes the chosen samples (not the token
+    rule) depend on the process count."""
 
     name = "vig"
     summary = "train only on the tokens and samples whose likelihood the image raises (visual information gain)"

@@ -24,6 +24,9 @@ class VisionSR1Options:
     def validate(self) -> None:
         if not self.accuracy:
             raise ValueError("accuracy: name the answer-accuracy component that judges the text-only answer")
+        if self.weight < 0:
+            raise ValueError(f"weight must be >= 0 (a negative weight would reward a perception that misleads the "
+                             f"text-only answer), got {self.weight}")
         if self.fallback not in ("think", "zero"):
             raise ValueError(f"fallback must be 'think' or 'zero', got {self.fallback!r}")
         check_tag("tag", self.tag)

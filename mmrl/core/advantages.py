@@ -126,13 +126,16 @@ def group_advantages(
     return adv.squeeze(1) if was_1d else adv
 
 
-def gaussian_rank_advantages(rewards: Tensor, group_ids: Tensor | Sequence[Any]) -> Tensor:
+def gaussian_rank_advantages(rewards: Tensor, group_ids: Tensor | Sequence[Any], *,
+                             clamp: float | None = None) -> Tensor:
     """Rank-based Gaussian advantages (G2RPO-style Gaussian normalisation).
 
     Within each group (and each column of ``[N, T]`` rewards) the valid rewards are ranked
     (ties get the average of their ranks, ranks ``r = 1..n``) and mapped to standard-normal
     quantiles ``A = Phi^-1((r - 0.5) / n)`` (Hazen plotting positions), so each group's advantages
     follow N(0, 1) whatever the reward's scale or outliers. Zero-spread groups and NaN rewards get 0.
+    ``clamp``: the advantages are clamped to ``+-clamp`` (``algorithm.advantage_clamp``; groups of more than
+    about 30 reach quantiles beyond 2).
     """
     values, was_1d = _as_2d(rewards.double())
     index, num_groups = group_index(group_ids)
@@ -152,6 +155,8 @@ def gaussian_rank_advantages(rewards: Tensor, group_ids: Tensor | Sequence[Any])
             avg_rank = less + (equal + 1) / 2  # 1-based rank, ties averaged
             quantiles = torch.special.ndtri((avg_rank - 0.5) / n)
             adv[rows[ok], col] = quantiles
+    if clamp is not None:
+        adv = adv.clamp(-clamp, clamp)
     adv = adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
     return adv.squeeze(1) if was_1d else adv
 
@@ -184,6 +189,7 @@ def combine_rewards(
     estimator: str = "grpo",
     batch_normalize: bool = False,
     clamp_sum: bool = False,
+    batch_eps: float | None = None,
     **estimator_kwargs: Any,
 ) -> Tensor:
     """Advantages from several named rewards.
@@ -202,7 +208,8 @@ def combine_rewards(
     reward-Decoupled Normalization Policy Optimization", arXiv 2601.05242), the summed advantages normalised
     over the whole batch, ``(A - mean(A)) / (std(A) + eps)`` with the unbiased std and ``eps`` (1e-4) of its
     reference implementation, over every sample at least one reward could judge (a sample with every component
-    NaN is left out of the statistics and gets exactly 0).
+    NaN is left out of the statistics and gets exactly 0); ``batch_eps`` replaces that eps (default: the
+    estimator's ``eps``, else 1e-4).
     ``clamp_sum`` (``normalize_then_sum`` only): the estimator's ``clamp`` applies to the summed advantage
     (MixGRPO's ``train_grpo_flux.py``: each reward normalised per group, weighted, summed, then clamped to
     ``adv_clip_max``) instead of to each component (DanceGRPO's video script clamps each reward's advantage).
@@ -235,7 +242,7 @@ def combine_rewards(
         # normalize_then_sum leaves its all-NaN rows out of the batch statistics
         judged = torch.stack([torch.isfinite(v.float()) for v in components.values()]).any(0)
         judged = judged.reshape(judged.shape[0], -1).any(-1).reshape(-1, *([1] * (total.dim() - 1))).expand_as(total)
-        eps = estimator_kwargs.get("eps", 1e-4)
+        eps = batch_eps if batch_eps is not None else estimator_kwargs.get("eps", 1e-4)
         kept = total[judged]
         std = kept.std() if kept.numel() > 1 else torch.zeros(())
         mean = kept.mean() if kept.numel() else torch.zeros(())
