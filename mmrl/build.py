@@ -182,6 +182,7 @@ def build_vlm_policy(config: Config, device: torch.device | str = "cpu"):
         tool_response_template=g.tool_response_template, share_prompt_prefix=m.share_prompt_prefix,
         coord_format=policy_coord_format(config) if g.tools else None,
         sampler=build_vlm_sampler(config) if g.engine == "vllm" else None,
+        kl_estimator=config.algorithm.kl_estimator,
     )
 
 

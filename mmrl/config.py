@@ -320,6 +320,11 @@ class AlgorithmConfig:
     ratio_level: str = opt("token", "Importance ratio per action ('token') or per sample ('sequence', GSPO).",
                            choices=("token", "sequence"))
     beta: float = opt(0.0, "KL coefficient to the reference policy (Flow-GRPO: 0.04 for GenEval, 0 for PickScore).")
+    kl_estimator: str = opt("k3", "VLM policies, with beta > 0: the per-token KL estimate. k3: exp(ref - logp) - "
+                                  "(ref - logp) - 1 (TRL); low_var_kl: k3 with ref - logp clamped to +-20 and the "
+                                  "estimate to +-10 (verl's and EasyR1's default); k1: logp - ref; k2: (logp - ref)^2 "
+                                  "/ 2; abs: |logp - ref|. Flow policies take Flow-GRPO's Gaussian KL of the step "
+                                  "means (k3 here).", choices=("k3", "low_var_kl", "k1", "k2", "abs"))
     kl_bias_correction: bool = opt(False, "With beta > 0: multiply each action's KL by its importance ratio, gradient "
                                    "kept (TRL 1.16's use_bias_correction_kl, on by default there; the unbiased "
                                    "reverse-KL gradient of DeepSeek-V3.2, arXiv 2512.02556). Off: the plain KL of "
@@ -831,6 +836,11 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         (all(isinstance(x, str) and x for x in m.lora_target_modules),
          "model.lora_target_modules must be a list of module names (strings)"),
         (not flow or m.resolution >= 16, "model.resolution must be >= 16"),
+        (not flow or a.kl_estimator == "k3", f"algorithm.kl_estimator={a.kl_estimator} applies to VLM policies "
+                                             f"(qwen_vl): a flow policy's KL is Flow-GRPO's Gaussian KL of the step "
+                                             f"means"),
+        (a.kl_estimator == "k3" or a.beta > 0, f"algorithm.kl_estimator={a.kl_estimator} estimates the KL term: it "
+                                               f"needs algorithm.beta > 0"),
         (flow or not d.balance_tags, "data.balance_tags applies to flow prompts, not a VLM data set (qwen_vl)"),
         (not flow or m.share_prompt_prefix, "model.share_prompt_prefix applies to VLM policies (qwen_vl); a flow "
                                             "policy has no prompt prefix in its forwards"),

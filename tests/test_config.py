@@ -155,6 +155,8 @@ RANGE_ERRORS = [
      "its step gains need contiguous trained steps; sampling.train_steps=random_fraction"),
     (["sampling.guidance_scale=1.0", "sampling.cfg_detach_uncond=false"],
      "cfg_detach_uncond: false changes the gradient of classifier-free guidance's unconditional half"),
+    (["algorithm.kl_estimator=low_var_kl", "algorithm.beta=0.04"],
+     "kl_estimator=low_var_kl applies to VLM policies"),
 ]
 
 
@@ -179,6 +181,9 @@ VLM = Path(__file__).parents[1] / "configs/tiny/vlm_grounding.yaml"
     (["generation.video_nframes=1"], "generation.video_nframes must be >= 2"),
     (["generation.question_template='{question} {oops}'"], r"only \{question\} may be in braces"),
     (["data.eval_prompts=[a cat]"], "data.eval_prompts is for flow policies"),
+    (["algorithm.kl_estimator=k1", "algorithm.beta=0"],
+     "kl_estimator=k1 estimates the KL term: it needs algorithm.beta > 0"),
+    (["algorithm.kl_estimator=k4", "algorithm.beta=0.04"], "algorithm.kl_estimator"),
 ])
 def test_vlm_generation_values_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -170,6 +170,30 @@ def test_dense_advantages_and_explicit_kl():
     assert with_kl.loss.item() == pytest.approx(base.loss.item() + 0.5 * ((kl * mask).sum() / mask.sum()).item())
 
 
+def test_kl_estimators_against_verl_and_easyr1_written_out():
+    from mmrl.core.losses import kl_estimate
+
+    # verl kl_penalty_forward / EasyR1 compute_kl, written out: low_var_kl clamps ref - logp to [-20, 20], the
+    # estimate to [-10, 10]; kl = logp - ref, mse = (logp - ref)^2 / 2, abs = |logp - ref|
+    logp = torch.tensor([-5.0, -1.0, -1.0, -3.5, -0.2], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-1.0, -30.0, -1.2, -1.0, -0.2], dtype=torch.float64)
+    d = (ref - logp.detach()).clamp(-20, 20)
+    expected = {
+        "low_var_kl": (d.exp() - d - 1).clamp(-10, 10),
+        "k3": (ref - logp.detach()).exp() - (ref - logp.detach()) - 1,
+        "k1": logp.detach() - ref, "k2": 0.5 * (logp.detach() - ref) ** 2, "abs": (logp.detach() - ref).abs(),
+    }
+    for name, want in expected.items():
+        torch.testing.assert_close(kl_estimate(logp, ref, name), want)
+    assert kl_estimate(logp, ref, "low_var_kl")[:2].tolist() == [10.0, 10.0]  # clamped where k3 reads 49.6 / 28
+    grad, = torch.autograd.grad(kl_estimate(logp, ref, "low_var_kl").sum(), logp)
+    # no gradient past the clamps; elsewhere k3's d/dlogp = 1 - exp(ref - logp)
+    torch.testing.assert_close(grad, torch.tensor([0.0, 0.0, 1 - math.exp(-0.2), 1 - math.exp(2.5), 0.0],
+                                                  dtype=torch.float64))
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        kl_estimate(logp, ref, "k4")
+
+
 def test_k3_is_nonnegative_and_zero_at_equality():
     a = torch.randn(100, dtype=torch.float64)
     b = torch.randn(100, dtype=torch.float64)

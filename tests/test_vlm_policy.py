@@ -118,6 +118,12 @@ def test_first_ratio_is_one_kl_zero_and_only_lora_trains(model_path):
     assert not any("visual" in k for k in changed)
     after = policy.logprobs(rollout, idx, with_kl=True)
     assert after.kl[rollout.mask[idx].bool()].max() > 0
+    # algorithm.kl_estimator reaches the policy's per-token KL: k1 is logp - ref on the same log-probs
+    with torch.no_grad(), policy.reference():
+        ref = policy.logprobs(rollout, idx).logps
+    policy.kl_estimator = "k1"
+    policy_k1 = policy.logprobs(rollout, idx, with_kl=True)
+    torch.testing.assert_close(policy_k1.kl, policy_k1.logps - ref, atol=1e-6, rtol=0)
 
 
 def count_encodes(policy, monkeypatch, calls: dict | None = None) -> dict:

@@ -47,6 +47,34 @@ def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
+#: per-action KL estimators (``algorithm.kl_estimator``)
+KL_ESTIMATORS = ("k3", "low_var_kl", "k1", "k2", "abs")
+
+
+def kl_estimate(logps: Tensor, ref_logps: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-action estimate of KL(pi || ref) from the policy's and the reference's log-probs of the sampled actions
+    (Schulman, "Approximating KL divergence", 2020), as ``algorithm.kl_estimator`` names it:
+
+    * ``k3``: :func:`k3_kl`, unclamped (TRL's ``per_token_kl``);
+    * ``low_var_kl``: k3 with ``ref - logp`` clamped to [-20, 20] and the estimate to [-10, 10], so past the clamps
+      it has no gradient (verl's ``kl_penalty`` ``low_var_kl`` / ``k3``, EasyR1's ``compute_kl`` ``low_var_kl``);
+    * ``k1``: ``logp - ref`` (verl / EasyR1 ``kl``); ``k2``: ``(logp - ref)^2 / 2`` (``mse``); ``abs``:
+      ``|logp - ref|``.
+    """
+    if estimator == "k3":
+        return k3_kl(logps, ref_logps)
+    if estimator == "low_var_kl":
+        delta = (ref_logps - logps).clamp(-20.0, 20.0)
+        return (torch.exp(delta) - delta - 1.0).clamp(-10.0, 10.0)
+    if estimator == "k1":
+        return logps - ref_logps
+    if estimator == "k2":
+        return 0.5 * (logps - ref_logps).square()
+    if estimator == "abs":
+        return (logps - ref_logps).abs()
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+
+
 #: how the rollout engine's log-probs correct the loss (TRL's ``vllm_importance_sampling_mode``)
 SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 

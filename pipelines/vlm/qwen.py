@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmrl.core.losses import k3_kl
+from mmrl.core.losses import kl_estimate
 from mmrl.data.prompts import DataError
 from mmrl.distributed import full_weights, weights_partitioned
 from mmrl.data.prompts import EmptyBatchError
@@ -409,7 +409,8 @@ class QwenVLPolicy:
                  question_template: str = "{question}", media=None, gradient_checkpointing: bool = False,
                  skip_bad_samples: bool = False, device: torch.device | str = "cpu", tools: dict | None = None,
                  max_tool_calls: int = 2, tool_response_template: str = "\n<observation>{image}</observation>\n",
-                 share_prompt_prefix: bool = True, sampler=None, coord_format: str | None = None):
+                 share_prompt_prefix: bool = True, sampler=None, coord_format: str | None = None,
+                 kl_estimator: str = "k3"):
         self.processor = processor
         #: the rollout engine when it is not HF ``generate`` (a :class:`~mmrl.pipelines.vlm.vllm_engine.VLLMSampler`)
         self.sampler = sampler
@@ -417,6 +418,8 @@ class QwenVLPolicy:
         self.share_prompt_prefix = share_prompt_prefix
         self.tokenizer = processor.tokenizer
         self.temperature = temperature
+        #: the per-token KL estimate of ``logprobs(with_kl=True)`` (:func:`mmrl.core.losses.kl_estimate`)
+        self.kl_estimator = kl_estimator
         self.top_p = top_p
         self.top_k = top_k
         self.min_p = min_p
@@ -982,8 +985,8 @@ class QwenVLPolicy:
         (:meth:`perturbed_vision`), for consistency under a small visual perturbation.
 
         With gradients enabled the forward runs in train mode (gradient checkpointing, LoRA dropout); without, in
-        eval mode. ``with_kl``: also TRL's k3 estimate of KL(policy || reference) per token,
-        ``exp(ref - logp) - (ref - logp) - 1``, on the live log-probs (so ``beta`` has a gradient) with the
+        eval mode. ``with_kl``: also an estimate of KL(policy || reference) per token (``kl_estimator``; TRL's k3
+        ``exp(ref - logp) - (ref - logp) - 1`` by default), on the live log-probs (so ``beta`` has a gradient) with the
         reference log-probs computed without gradients (eval mode) and cached for the update. ``with_entropy``: also
         the entropy ``-sum_v p log p`` (nats) of the tempered distribution each completion token was drawn from (0 at
         positions that are not the policy's own tokens), for ``algorithm.top_entropy_quantile``.
@@ -1051,7 +1054,8 @@ class QwenVLPolicy:
                     cache[i] = fresh[j]
             ref = torch.stack([cache[i] for i in rows_list])
         logps = token_logps(self.train_model, train=torch.is_grad_enabled(), entropy=with_entropy)
-        kl = None if ref is None else k3_kl(logps, ref)  # TRL: live log-probs, reference without gradient
+        # TRL: live log-probs, reference without gradient
+        kl = None if ref is None else kl_estimate(logps, ref, self.kl_estimator)
         entropy = entropies[0] if entropies else None
         if steps is not None:
             steps = torch.as_tensor(steps, device=logps.device)
