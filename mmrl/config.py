@@ -89,7 +89,9 @@ class SamplingConfig:
 
     num_steps: int = opt(10, "Denoising steps per trajectory (Flow-GRPO trains with 10, evaluates with 40).")
     eval_num_steps: int = opt(40, "ODE steps for evaluation grids (Flow-GRPO: 40).")
-    guidance_scale: float = opt(4.5, "Classifier-free guidance scale; 1.0 disables CFG (one forward per step).")
+    guidance_scale: float = opt(4.5, "Classifier-free guidance scale; 1.0 disables CFG (one forward per step). FLUX: "
+                                     "the distilled guidance input (model.family flux defaults to FluxPipeline's "
+                                     "3.5).")
     negative_prompt: str = opt("", "Negative prompt for classifier-free guidance (SD3 with guidance_scale > 1; "
                                "rejected for FLUX, which is guidance-distilled, and for SD3 without CFG).")
     cfg_detach_uncond: bool = opt(True, "SD3 with classifier-free guidance: the training forward detaches the "
@@ -99,7 +101,8 @@ class SamplingConfig:
                                   "flows through both halves (plus (1 - guidance_scale) x the unconditional branch's), "
                                   "as the newest Flow-GRPO train_sd3.py / train_sd3_fast.py (74db691) compute it. The "
                                   "values (log-probs, ratios) are the same either way.")
-    max_sequence_length: int = opt(256, "T5 token budget for prompt encoding (SD3/FLUX).")
+    max_sequence_length: int = opt(256, "T5 token budget for prompt encoding, at most 512 (SD3's pipeline default "
+                                        "256; model.family flux defaults to FluxPipeline's 512).")
     time_shift: float | None = opt(None, "null: the model scheduler's sigmas (SD3.5: shift 3; FLUX: resolution-"
                                    "dependent shift). A number: sigma = s t / (1 + (s - 1) t) on uniform t "
                                    "(DanceGRPO --shift 3).")
@@ -684,11 +687,20 @@ VLM_ALGORITHM_DEFAULTS: dict[str, Any] = {"scale": "group", "std_ddof": 1, "adva
                                           "aggregation": "dapo"}
 
 
+#: ``model.family: flux``: the sampling settings a config leaves out are ``FluxPipeline.__call__``'s defaults (T5 at
+#: 512 tokens, distilled guidance 3.5); the dataclass defaults (256, 4.5) are SD3's pipeline and Flow-GRPO's CFG
+FLUX_SAMPLING_DEFAULTS: dict[str, Any] = {"max_sequence_length": 512, "guidance_scale": 3.5}
+
+
 def _with_family_defaults(data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` with :data:`VLM_ALGORITHM_DEFAULTS` under the keys a ``qwen_vl`` config leaves out of ``algorithm``."""
-    model, algorithm = data.get("model"), data.get("algorithm") or {}
-    if isinstance(model, dict) and model.get("family") == "qwen_vl" and isinstance(algorithm, dict):
+    """``data`` with :data:`VLM_ALGORITHM_DEFAULTS` under the keys a ``qwen_vl`` config leaves out of ``algorithm``,
+    and :data:`FLUX_SAMPLING_DEFAULTS` under those a ``flux`` config leaves out of ``sampling``."""
+    model, algorithm, sampling = data.get("model"), data.get("algorithm") or {}, data.get("sampling") or {}
+    family = model.get("family") if isinstance(model, dict) else None
+    if family == "qwen_vl" and isinstance(algorithm, dict):
         data["algorithm"] = {**VLM_ALGORITHM_DEFAULTS, **algorithm}
+    if family == "flux" and isinstance(sampling, dict):
+        data["sampling"] = {**FLUX_SAMPLING_DEFAULTS, **sampling}
     return data
 
 
@@ -846,6 +858,8 @@ def validate(config: Config, *, check_files: bool = True) -> None:
                                             "policy has no prompt prefix in its forwards"),
         (s.eval_num_steps >= 1, "sampling.eval_num_steps must be >= 1"),
         (s.max_sequence_length >= 1, "sampling.max_sequence_length must be >= 1"),
+        (not flow or s.max_sequence_length <= 512, "sampling.max_sequence_length must be <= 512 (the T5 budget the "
+                                                   "SD3 and FLUX pipelines accept)"),
         (s.time_shift is None or s.time_shift > 0, "sampling.time_shift must be > 0 (or null)"),
         (all(_is_number(x) and x >= 0 for x in s.noise_schedule),
          "sampling.noise_schedule must be a list of noise levels >= 0"),

@@ -23,6 +23,21 @@ def test_defaults_follow_flow_grpo_and_overrides_apply():
     assert config.sampling.num_steps == 10 and config.algorithm.clip_low == 1e-4 and config.data.group_size == 24
 
 
+def test_flux_takes_fluxpipelines_sampling_defaults():
+    # a FLUX config that leaves them out gets FluxPipeline's T5 budget and guidance (512, 3.5), not SD3's 256 and
+    # Flow-GRPO's CFG 4.5; what a config sets is kept; SD3 keeps the dataclass defaults
+    base = {"rewards": {"brightness": 1.0}, "data": {"prompt_list": ["a cat"]}}
+    flux = config_from_dict({**base, "model": {"family": "flux", "pretrained": "tiny:flux"}})
+    assert (flux.sampling.max_sequence_length, flux.sampling.guidance_scale) == (512, 3.5)
+    set_here = config_from_dict({**base, "model": {"family": "flux", "pretrained": "tiny:flux"}},
+                                ["sampling.guidance_scale=2.0"])
+    assert (set_here.sampling.max_sequence_length, set_here.sampling.guidance_scale) == (512, 2.0)
+    sd3 = config_from_dict(base)
+    assert (sd3.sampling.max_sequence_length, sd3.sampling.guidance_scale) == (256, 4.5)
+    with pytest.raises(ConfigError, match="max_sequence_length must be <= 512"):
+        config_from_dict(base, ["sampling.max_sequence_length=600"])
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [

@@ -30,9 +30,31 @@ def test_ode_sampling_matches_diffusers_pipeline(tiny_sd3):
     policy = make_policy(tiny_sd3)
     ours = policy.sample_eval(["a red apple"], [3, 4])
     pipe = StableDiffusion3Pipeline.from_pretrained(str(tiny_sd3))
-    latents = torch.stack([torch.randn((16, 16, 16), generator=torch.Generator().manual_seed(s)) for s in (3, 4)])
-    theirs = pipe("a red apple", num_images_per_prompt=2, num_inference_steps=6, guidance_scale=4.5, height=32, width=32, latents=latents,
-                  output_type="pt", max_sequence_length=32).images
+    generators = [torch.Generator().manual_seed(s) for s in (3, 4)]  # the pipeline's own noise draw per seed
+    theirs = pipe("a red apple", num_images_per_prompt=2, num_inference_steps=6, guidance_scale=4.5, height=32,
+                  width=32, generator=generators, output_type="pt", max_sequence_length=32).images
+    torch.testing.assert_close(ours, theirs.float().clamp(0, 1), atol=1e-4, rtol=1e-4)
+
+
+def test_dynamic_shifting_scheduler_matches_diffusers_pipeline(tiny_sd3):
+    """An SD3 scheduler with use_dynamic_shifting needs the shift mu of the image's token count, as
+    StableDiffusion3Pipeline computes it (mmrl raised the scheduler's "mu must be passed" error)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(str(tiny_sd3))
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, use_dynamic_shifting=True)
+    policy = FlowPolicy(SD3Family(pipe, max_sequence_length=32), num_steps=6, eval_num_steps=6, resolution=32,
+                        guidance_scale=4.5, lora=dict(LORA))
+    sigmas, _ = policy.family.schedule(6, 32)
+    plain = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, use_dynamic_shifting=False)
+    plain.set_timesteps(6)
+    assert not torch.allclose(sigmas, plain.sigmas.float())  # the shift of 4 tokens differs from the static one
+    ours = policy.sample_eval(["a red apple"], [3])
+    reference = StableDiffusion3Pipeline(**{**pipe.components, "transformer": policy.transformer})
+    with policy.reference():  # adapters off: the base transformer
+        theirs = reference("a red apple", num_inference_steps=6, guidance_scale=4.5, height=32, width=32,
+                           generator=[torch.Generator().manual_seed(3)], output_type="pt",
+                           max_sequence_length=32).images
     torch.testing.assert_close(ours, theirs.float().clamp(0, 1), atol=1e-4, rtol=1e-4)
 
 

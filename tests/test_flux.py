@@ -40,15 +40,12 @@ def _pipe(path):
     return pipe
 
 
-def _noise(shape, seeds=SEEDS) -> torch.Tensor:
-    """The initial noise ``FlowPolicy.sample_eval`` draws for ``seeds`` (one generator per seed)."""
-    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
-
-
 @torch.no_grad()
-def _pipeline_images(pipe, prompt, latents, guidance_scale=GUIDANCE):
-    return pipe([prompt] * len(latents), num_inference_steps=STEPS, guidance_scale=guidance_scale, height=RES,
-                width=RES, output_type="pt", latents=latents.clone(), max_sequence_length=MAX_SEQ).images
+def _pipeline_images(pipe, prompt, seeds=SEEDS, guidance_scale=GUIDANCE):
+    """FluxPipeline's own images, each from its own seed's generator (its noise draw, not mmrl's)."""
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    return pipe([prompt] * len(seeds), num_inference_steps=STEPS, guidance_scale=guidance_scale, height=RES,
+                width=RES, output_type="pt", generator=generators, max_sequence_length=MAX_SEQ).images
 
 
 def _perturb_lora_b(policy: FlowPolicy, scale: float = 0.5) -> int:
@@ -132,13 +129,12 @@ def test_ode_sampling_matches_fluxpipeline(flux_dir):
     images = policy.sample_eval(PROMPTS, SEEDS, num_steps=STEPS)
     assert images.shape == (len(PROMPTS) * len(SEEDS), 3, RES, RES)
     pipe = _pipe(flux_dir)
-    latents = _noise(policy.family.latent_shape(RES))
     for i, prompt in enumerate(PROMPTS):
-        ref = _pipeline_images(pipe, prompt, latents)
+        ref = _pipeline_images(pipe, prompt)  # the same seeds give the same images
         got = images[i * len(SEEDS):(i + 1) * len(SEEDS)]
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-4)
         # the comparison is sensitive: another distilled-guidance value gives other images
-        assert (_pipeline_images(pipe, prompt, latents, guidance_scale=1.0) - got).abs().max() > 1e-3
+        assert (_pipeline_images(pipe, prompt, guidance_scale=1.0) - got).abs().max() > 1e-3
     assert (images[0] - images[1]).abs().max() > 1e-2  # seeds differ
     assert (images[0] - images[2]).abs().max() > 1e-3  # prompts differ
 
@@ -158,7 +154,7 @@ def test_without_guidance_embeds_matches_fluxpipeline(flux_dir):
     policy = FlowPolicy(family, num_steps=STEPS, guidance_scale=GUIDANCE, resolution=RES,
                         lora={"rank": 4, "alpha": 4, "target_modules": ["attn.to_q", "attn.to_v"]})
     images = policy.sample_eval(PROMPTS[:1], SEEDS, num_steps=STEPS)
-    ref = _pipeline_images(pipe, PROMPTS[0], _noise(family.latent_shape(RES)))
+    ref = _pipeline_images(pipe, PROMPTS[0])
     torch.testing.assert_close(images, ref, rtol=0, atol=1e-4)
 
 
@@ -203,8 +199,7 @@ def test_kl_zero_with_fresh_lora(flux_dir):
 @pytest.mark.parametrize("alpha", [4, 8])
 def test_lora_export_loads_in_fluxpipeline(flux_dir, tmp_path, alpha):
     policy = _policy(flux_dir, rank=4, alpha=alpha)
-    latents = _noise(policy.family.latent_shape(RES))
-    base = _pipeline_images(_pipe(flux_dir), PROMPTS[0], latents)
+    base = _pipeline_images(_pipe(flux_dir), PROMPTS[0])
 
     fresh = tmp_path / "fresh"
     policy.export(str(fresh))
@@ -218,14 +213,14 @@ def test_lora_export_loads_in_fluxpipeline(flux_dir, tmp_path, alpha):
     assert any("transformer_blocks.0.ff_context.net.2.lora_B" in k for k in keys)
     pipe = _pipe(flux_dir)
     pipe.load_lora_weights(str(fresh))
-    torch.testing.assert_close(_pipeline_images(pipe, PROMPTS[0], latents), base, rtol=0, atol=1e-6)
+    torch.testing.assert_close(_pipeline_images(pipe, PROMPTS[0]), base, rtol=0, atol=1e-6)
 
     assert _perturb_lora_b(policy) > 0
     trained = tmp_path / "trained"
     policy.export(str(trained))
     pipe = _pipe(flux_dir)
     pipe.load_lora_weights(str(trained))
-    loaded = _pipeline_images(pipe, PROMPTS[0], latents)
+    loaded = _pipeline_images(pipe, PROMPTS[0])
     assert (loaded - base).abs().max() > 1e-3
     # the loaded LoRA is the policy's (same weights and scale alpha / rank)
     torch.testing.assert_close(loaded, policy.sample_eval(PROMPTS[:1], SEEDS, num_steps=STEPS), rtol=0, atol=1e-4)

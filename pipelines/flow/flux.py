@@ -116,6 +116,16 @@ class FluxFamily:
         self._grids[side * side] = (resolution, resolution)
         return (side * side, self.transformer.config.in_channels)
 
+    def seeded_noise(self, resolution: int, seed: int) -> Tensor:
+        """One image's starting noise ``(L, 4C)`` for ``seed``, as ``FluxPipeline(generator=manual_seed(seed))``
+        draws it: ``randn`` of the VAE latent ``(1, C, 2s, 2s)`` on the CPU, then packed into 2x2 patches (drawn in
+        the packed shape directly, the same numbers land on other pixels: another image)."""
+        side = self._check_resolution(resolution)
+        self.latent_shape(resolution)  # registers the grid of this resolution
+        channels = self.transformer.config.in_channels // 4
+        noise = torch.randn((1, channels, 2 * side, 2 * side), generator=torch.Generator().manual_seed(int(seed)))
+        return self.pipe._pack_latents(noise, 1, channels, 2 * side, 2 * side)[0]
+
     def _size(self, seq_len: int) -> tuple[int, int]:
         """Pixel ``(height, width)`` of a packed latent with ``seq_len`` tokens (square unless registered)."""
         if seq_len not in self._grids:

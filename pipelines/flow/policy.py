@@ -495,12 +495,12 @@ class FlowPolicy:
         prompts = [p if isinstance(p, str) else p.prompt for p in prompts]
         num_steps = num_steps or self.eval_num_steps
         sigmas, timesteps = self.schedule(num_steps)
-        shape = self.family.latent_shape(self.resolution)
         images = []
         self._set_mode(False)
         for prompt in prompts:
             cond = self.family.encode([prompt])
-            x = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(int(s))) for s in seeds])
+            # each image's noise from its own seed, as the family's diffusers pipeline draws it
+            x = torch.stack([self.family.seeded_noise(self.resolution, s) for s in seeds])
             x = x.to(self.device)
             batch_cond = {k: v.expand(len(seeds), *v.shape[1:]) for k, v in cond.items()}
             for s in range(num_steps):

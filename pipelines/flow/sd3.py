@@ -71,10 +71,27 @@ class SD3Family:
                              f"{largest}")
         return (config.in_channels, resolution // factor, resolution // factor)
 
+    def seeded_noise(self, resolution: int, seed: int) -> Tensor:
+        """One image's starting noise ``(C, H, W)`` for ``seed``, as ``StableDiffusion3Pipeline(generator=
+        manual_seed(seed))`` draws it on the CPU."""
+        return torch.randn(self.latent_shape(resolution), generator=torch.Generator().manual_seed(int(seed)))
+
     def schedule(self, num_steps: int, resolution: int) -> tuple[Tensor, Tensor]:
-        """``(sigmas [S+1] with the terminal 0, timesteps [S])`` from the pipeline's scheduler (shift 3 for SD3.5)."""
+        """``(sigmas [S+1] with the terminal 0, timesteps [S])`` from the pipeline's scheduler (shift 3 for SD3.5), as
+        ``StableDiffusion3Pipeline.__call__`` sets them: a scheduler with ``use_dynamic_shifting`` gets the shift
+        ``mu`` of the image's token count (``calculate_shift``, its defaults 256 / 4096 / 0.5 / 1.16)."""
         scheduler = self.pipe.scheduler
-        scheduler.set_timesteps(num_steps, device="cpu")
+        kwargs = {}
+        if scheduler.config.get("use_dynamic_shifting", None):
+            from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
+            _, height, width = self.latent_shape(resolution)
+            patch = self.transformer.config.patch_size
+            config = scheduler.config
+            kwargs["mu"] = calculate_shift((height // patch) * (width // patch), config.get("base_image_seq_len", 256),
+                                           config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                                           config.get("max_shift", 1.16))
+        scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
         return scheduler.sigmas.float().clone(), scheduler.timesteps.float().clone()
 
     def velocity(self, model, latents: Tensor, timesteps: Tensor, cond: dict[str, Tensor],
