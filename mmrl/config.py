@@ -1098,7 +1098,7 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         raise ConfigError(f"train.batch_size={t.batch_size} must divide the {samples} samples of an update "
                           f"(data.prompts_per_step x data.group_size)")
     from mmrl.algorithms import VariantError, build_variants
-    from mmrl.rewards import check_reward_arguments  # composition root: the config knows the reward registry
+    from mmrl.rewards import check_reward_arguments, reward_inputs  # composition root: knows the reward registry
 
     weights = []
     for key, spec in config.rewards.items():
@@ -1121,8 +1121,14 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         weights.append(weight)
         try:
             check_reward_arguments(name, kwargs)
+            inputs = reward_inputs(name)
         except ValueError as exc:
             raise ConfigError(f"rewards.{key}: {exc}") from None
+        if inputs is not None and not inputs[0 if flow else 1]:
+            judged, given = ("completions (text)", "images") if flow else ("images", "completions (text)")
+            raise ConfigError(f"rewards.{key}: reward {name!r} judges {judged}, but a model.family "
+                              f"{m.family} policy's rewards get its {given}; choose a reward for them "
+                              f"(`mmrl rewards` lists them)")
     if weights and not any(weights):
         raise ConfigError("rewards: every weight is 0, so no reward enters the advantages (a weight-0 reward is only "
                           "logged); give at least one a non-zero weight")

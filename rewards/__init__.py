@@ -59,6 +59,8 @@ from ._base import (
     build_reward,
     check_reward_arguments,
     list_rewards,
+    reward_factory,
+    reward_inputs,
     reward_scores_images,
     prepare_batch,
     register_reward,
@@ -67,6 +69,7 @@ from ._base import (
 # Importing the modules registers their rewards; none imports a model library at import time.
 from . import aesthetic, answer, bmas, clipscore, diversity, geneval, grounding, hps, imagereward, jpeg, ocr, pickscore, pixel, reference, remote, routing, shapeworld, video, video_r1, vlm_judge  # noqa: E402,F401  (registration side effect)
 from . import claimdiff, medix, perception_r1, pest_feature, video_ver  # noqa: E402,F401  (judged perception rewards)
+from . import function  # noqa: E402,F401  (TRL-style reward functions)
 from ._text import TextReward  # noqa: E402
 from .answer import (  # noqa: E402
     ChoiceAccuracy,
@@ -80,6 +83,7 @@ from .answer import (  # noqa: E402
 )
 from .async_scoring import AsyncScorer  # noqa: E402
 from .compose import ComposedReward, build_rewards  # noqa: E402
+from .function import FunctionReward  # noqa: E402
 from .remote import RemoteReward, RewardServerError  # noqa: E402
 from .grounding import (  # noqa: E402
     BoxDetectionScore,
@@ -122,6 +126,9 @@ __all__ = [
     "check_reward_arguments",
     "list_rewards",
     "reward_scores_images",
+    "reward_factory",
+    "reward_inputs",
+    "FunctionReward",
     "ComposedReward",
     "RemoteReward",
     "RewardServerError",

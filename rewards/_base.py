@@ -37,6 +37,8 @@ __all__ = [
     "list_rewards",
     "check_reward_arguments",
     "reward_scores_images",
+    "reward_inputs",
+    "reward_factory",
     "check_available",
     "load_pretrained",
     "nearest",
@@ -320,6 +322,7 @@ class Reward:
 
     name: str = ""
     needs_prompts: bool = False
+    scores_images: bool = True  # judges a flow policy's images (text rewards say False, see reward_inputs)
 
     def __init__(self) -> None:
         self.last_info: dict = {}
@@ -394,24 +397,51 @@ def register_reward(name: str) -> Callable:
     return deco
 
 
+#: the entry-point group a package registers its rewards under (``[project.entry-points."mmrl.rewards"]``)
+ENTRY_POINT_GROUP = "mmrl.rewards"
+
+
 def list_rewards() -> list[str]:
     """Registered reward names, sorted."""
     return sorted(_REGISTRY)
 
 
+def reward_factory(name: str) -> Callable[..., RewardFn]:
+    """The factory (a class or function taking the reward's keyword arguments) of ``name``: a registered reward,
+    ``"package.module:Name"`` (a reward of your own, imported), or a name an installed package gives in the
+    ``mmrl.rewards`` entry-point group. ``ValueError`` naming the nearest registered ones otherwise."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if isinstance(name, str) and ":" in name:
+        from mmrl.config import import_attribute
+
+        try:
+            factory = import_attribute(name)
+        except ValueError as exc:
+            raise ValueError(f"reward {name!r}: {exc}") from None
+        if not callable(factory):
+            raise ValueError(f"reward {name!r} is {factory!r}, not a class or function building a reward")
+        return factory
+    from importlib.metadata import entry_points
+
+    points = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    if isinstance(name, str) and name in points:
+        return points[name].load()
+    close = nearest(str(name), list(_REGISTRY) + list(points))
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    raise ValueError(
+        f"unknown reward {name!r}; {hint}registered rewards: {', '.join(list_rewards())} (a reward of your own is "
+        f"'package.module:ClassName' or an '{ENTRY_POINT_GROUP}' entry point)"
+    )
+
+
 def check_reward_arguments(name: str, kwargs: Mapping[str, Any], *, complete: bool = True) -> None:
     """Raise ``ValueError`` for an unknown reward name or keyword argument, naming the nearest valid ones, and
     (``complete``) for a required argument ``kwargs`` lacks, without building anything (config validation uses
-    this)."""
-    if name not in _REGISTRY:
-        close = nearest(name, _REGISTRY)
-        hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
-        raise ValueError(
-            f"unknown reward {name!r}; {hint}registered rewards: {', '.join(list_rewards())}"
-        )
+    this). A factory with a ``check_arguments(kwargs)`` classmethod checks its values there too."""
+    factory = reward_factory(name)
     if not isinstance(kwargs, Mapping):
         raise ValueError(f"reward {name!r}: kwargs must be a mapping of argument names to values, got {kwargs!r}")
-    factory = _REGISTRY[name]
     target = factory.__init__ if isinstance(factory, type) else factory
     params = inspect.signature(target).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
@@ -428,13 +458,28 @@ def check_reward_arguments(name: str, kwargs: Mapping[str, Any], *, complete: bo
     missing = [k for k in needed if k not in kwargs]
     if complete and missing:
         raise ValueError(f"reward {name!r} needs the argument(s) {', '.join(missing)} (kwargs: {{{missing[0]}: ...}})")
+    check = getattr(factory, "check_arguments", None)
+    if complete and callable(check):
+        check(kwargs)
 
 
 def reward_scores_images(name: str) -> bool:
     """Whether the registered reward ``name`` judges images (``scores_images`` on its class; default True).
     Text rewards say False, so image-only uses (intermediate-step credit) can refuse them at config time."""
-    check_reward_arguments(name, {}, complete=False)
-    return bool(getattr(_REGISTRY[name], "scores_images", True))
+    return bool(getattr(reward_factory(name), "scores_images", True))
+
+
+def reward_inputs(name: str) -> tuple[bool, bool] | None:
+    """``(images, texts)``: whether reward ``name`` judges a flow policy's images and a VLM policy's completions,
+    from its class's ``scores_images`` / ``scores_texts`` (one given: the other is its opposite); None when its
+    factory says neither (a reward of your own that does not declare it: not checked)."""
+    factory = reward_factory(name)
+    images, texts = getattr(factory, "scores_images", None), getattr(factory, "scores_texts", None)
+    if images is None and texts is None:
+        return None
+    images = (not texts) if images is None else bool(images)
+    texts = (not images) if texts is None else bool(texts)
+    return images, texts
 
 
 def build_reward(name: str, **kwargs) -> RewardFn:
@@ -444,7 +489,7 @@ def build_reward(name: str, **kwargs) -> RewardFn:
     ones. Heavy backbones (transformers, open_clip) are imported only by the reward that needs them.
     """
     check_reward_arguments(name, kwargs)
-    return _REGISTRY[name](**kwargs)
+    return reward_factory(name)(**kwargs)
 
 
 # --------------------------------------------------------------------------------------------

@@ -681,6 +681,7 @@ class RemoteReward(Reward):
 
     name = "remote"
     needs_prompts = False  # the server decides (and answers 400 when its rewards need prompts)
+    scores_texts = True  # images or completions: the server decides
 
     def __init__(
         self,

@@ -70,6 +70,7 @@ class SegmentalVideoReward(Reward):
 
     needs_prompts = False
     scores_images = False  # it scores videos [N, T, 3, H, W]; image-only uses must not pick it
+    scores_texts = False
 
     def __init__(
         self,

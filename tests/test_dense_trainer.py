@@ -57,7 +57,7 @@ def test_adaptive_noise_is_logged_and_resumed(tmp_path, tiny_path):
 
 def test_dense_credit_config_errors(tmp_path):
     tp = REPO / "configs/tiny/tp_grpo.yaml"
-    with pytest.raises(ConfigError, match="cannot score images"):
+    with pytest.raises(ConfigError, match="judges completions \\(text\\), but a model.family sd3 policy"):
         load_config(tp, ["rewards={iou: 1.0}"])
     with pytest.raises(ConfigError, match="longer than the 9 trainable steps"):
         load_config(tp, ["sampling.window_size=12"])

@@ -33,13 +33,7 @@ class DenseCredit(Variant):
         if dense:
             raise VariantError(f"variants {self.name!r} and {dense[0]!r} both assign credit over denoising steps; "
                                f"choose one")
-        from mmrl.rewards import reward_scores_images
-
-        for key, spec in config.rewards.items():
-            name = spec.get("reward", key) if isinstance(spec, dict) else key
-            if not reward_scores_images(name):
-                raise VariantError(f"variant {self.name!r} scores intermediate images, but reward {key!r} cannot "
-                                   f"score images (it judges text); use an image reward")
+        # every reward of a flow policy judges images: the config refuses a text reward for any flow run
         if config.sampling.train_steps == "entropy_merge":
             raise VariantError(f"sampling.train_steps=entropy_merge samples on a merged sigma grid: variant "
                                f"{self.name!r} needs the intermediate images of the full grid (use outcome credit)")
