@@ -358,18 +358,25 @@ def build_reward_fn(config: Config, *, probe: bool = True):
     return reward_fn
 
 
+def training_eval_plan(config: Config):
+    """``eval.benchmarks`` during training, every benchmark name, option and file checked without loading anything
+    (None with ``eval.every: 0``); a :class:`ConfigError` naming the problem (``mmrl train`` and ``mmrl config
+    validate`` both ask)."""
+    if not config.eval.every:
+        return None
+    from mmrl.eval.runner import EvalError, plan_training_eval
+
+    try:
+        return plan_training_eval(config)
+    except (EvalError, ValueError) as exc:
+        raise ConfigError(f"eval: {exc}") from None
+
+
 def build_trainer(config: Config):
     from mmrl.trainer import Trainer, check_resume
 
     check_resume(config)  # a resume that changes what the checkpoint fixes: refused before anything loads
-    eval_plan = None
-    if config.eval.every:  # benchmarks during training: every file and key checked before anything loads
-        from mmrl.eval.runner import EvalError, plan_training_eval
-
-        try:
-            eval_plan = plan_training_eval(config)
-        except (EvalError, ValueError) as exc:
-            raise ConfigError(f"eval: {exc}") from None
+    eval_plan = training_eval_plan(config)
     accelerator = build_accelerator(config)
     torch.manual_seed(config.seed + accelerator.process_index)
     if config.train.allow_tf32:  # for the whole process, as the anchors set it (PyTorch's default: off)

@@ -150,6 +150,9 @@ def _cmd_config(args) -> int:
         if args.no_check_files:
             print(f"{args.config}: ok (files not checked)")
             return 0
+        from mmrl.build import training_eval_plan
+
+        training_eval_plan(config)  # eval.benchmarks, their options and files, as `mmrl train` checks them
         from mmrl.data.validate import check_data  # every line of the data (and its media unless --quick)
 
         head, _, listing = check_data(config, media=not args.quick).summary().partition("\n")

@@ -522,7 +522,10 @@ def _coerce(value: Any, annotation: Any, path: str) -> Any:
         if name in names and isinstance(value, kind):
             return value
     expected = " or ".join(sorted(names - {"NoneType"}))
-    raise ConfigError(f"{path}: expected {expected}, got {value!r}")
+    hint = ""
+    if isinstance(value, bool) and "str" in names:  # YAML 1.1: no / yes / on / off (unquoted) are booleans
+        hint = f" (YAML reads an unquoted no / yes / on / off as a boolean: quote the text, e.g. \"{path}='no'\")"
+    raise ConfigError(f"{path}: expected {expected}, got {value!r}{hint}")
 
 
 #: keys that became algorithm variants (:mod:`mmrl.algorithms`): the error names the new spelling
@@ -576,14 +579,39 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
-def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any, schema: type | None = None) -> None:
+    """Set ``dotted`` in the raw config ``data``. A mapping given for a whole section of ``schema`` (a dataclass
+    field, e.g. ``model={dtype: float32}``) is merged into what the file has, key by key, as OmegaConf merges; a
+    mapping-valued field (``rewards``, ``eval.options``) is replaced."""
     node = data
     parts = dotted.split(".")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
+    current = node.get(parts[-1])
+    if isinstance(value, dict) and isinstance(current, dict) and _is_section(schema, parts):
+        for key, item in value.items():
+            if isinstance(key, str):
+                _set_dotted(current, key, item, _section_type(schema, parts))
+            else:  # a key YAML read as a boolean or number: _build names it
+                current[key] = item
+        return
     node[parts[-1]] = value
+
+
+def _section_type(schema: type | None, parts: list[str]) -> type | None:
+    """The dataclass type at ``parts`` of ``schema`` (None where it is not one)."""
+    for part in parts:
+        if schema is None or not dataclasses.is_dataclass(schema):
+            return None
+        hint = typing.get_type_hints(schema).get(part)
+        schema = hint if dataclasses.is_dataclass(hint) else None
+    return schema
+
+
+def _is_section(schema: type | None, parts: list[str]) -> bool:
+    return _section_type(schema, parts) is not None
 
 
 def yaml_error_text(exc: yaml.YAMLError) -> str:
@@ -707,7 +735,7 @@ def _with_family_defaults(data: dict[str, Any]) -> dict[str, Any]:
 def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None, *, check_files: bool = True) -> Config:
     data = dict(data or {})
     for key, value in parse_overrides(overrides or []):
-        _set_dotted(data, key, value)
+        _set_dotted(data, key, value, Config)
     config = _build(Config, _with_family_defaults(data))
     validate(config, check_files=check_files)
     return config

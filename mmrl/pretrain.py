@@ -318,7 +318,7 @@ def validate_pretrain(config: PretrainConfig) -> None:
 def pretrain_config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> PretrainConfig:
     data = dict(data or {})
     for key, value in parse_overrides(overrides or []):
-        _set_dotted(data, key, value)
+        _set_dotted(data, key, value, PretrainConfig)
     config = _build(PretrainConfig, data)
     validate_pretrain(config)
     return config

@@ -381,7 +381,7 @@ def load_sft_config(path: str | Path, overrides: Sequence[str] | None = None, *,
         if not isinstance(data, dict):
             raise ConfigError(f"config: expected a mapping of sections, got {type(data).__name__}")
         for key, value in parse_overrides(overrides):
-            _set_dotted(data, key, value)
+            _set_dotted(data, key, value, SFTConfig)
         config = _build(SFTConfig, data)
         validate_sft(config, check_files=check_files)
     except ConfigError as exc:

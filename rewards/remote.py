@@ -604,7 +604,8 @@ class RewardServer:
 
 
 def load_reward_spec(config: str | None = None, rewards: str | Mapping | None = None) -> dict:
-    """The ``rewards:`` mapping from a YAML config file, or an inline YAML/JSON mapping (exactly one)."""
+    """The ``rewards:`` mapping from a YAML config file (or a run folder's ``config.yaml``), or an inline YAML/JSON
+    mapping (exactly one)."""
     import yaml
 
     if (config is None) == (rewards is None):
@@ -619,6 +620,10 @@ def load_reward_spec(config: str | None = None, rewards: str | Mapping | None = 
         from pathlib import Path
 
         path = Path(config)
+        if path.is_dir() and (path / "config.yaml").is_file():  # a run folder: the config it trained with
+            path = path / "config.yaml"
+        elif path.is_dir():
+            raise FileNotFoundError(f"{path} is a folder without config.yaml: give a config file or a run folder")
         if not path.is_file():
             raise FileNotFoundError(f"config file not found: {path}")
         try:

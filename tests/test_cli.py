@@ -154,6 +154,17 @@ def test_validate_checks_every_data_line_and_lists_the_problems(tmp_path, capsys
     one_error(capsys, "--quick goes with `mmrl config validate` (without --no-check-files)")
 
 
+def test_config_validate_checks_the_eval_section_as_train_does(capsys):
+    # validate said ok for benchmarks and eval options that `mmrl train` then refused at startup
+    flow = str(REPO / "configs/tiny/flow_grpo.yaml")
+    assert main(["config", "validate", flow, "eval.every=1", "eval.benchmarks=[foo]"]) == 2
+    one_error(capsys, "eval: unknown benchmark 'foo'")
+    assert main(["config", "validate", flow, "eval.every=1", "eval.benchmarks=[ocr]", "eval.options={limt: 3}"]) == 2
+    one_error(capsys, "eval: unknown eval key 'limt'; did you mean 'limit'?")
+    assert main(["config", "validate", str(REPO / "configs/shapes/flow_grpo_faded.yaml")]) == 0
+    assert ": ok; data:" in capsys.readouterr().out
+
+
 def test_config_validate_reads_pretrain_and_sft_configs_by_their_own_schema(capsys):
     """`mmrl config validate` on an `mmrl pretrain` / `mmrl sft` config validates it with that command's schema
     (their keys are not `mmrl train`'s), and a mistake in one is that schema's one-line error."""

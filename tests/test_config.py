@@ -23,6 +23,25 @@ def test_defaults_follow_flow_grpo_and_overrides_apply():
     assert config.sampling.num_steps == 10 and config.algorithm.clip_low == 1e-4 and config.data.group_size == 24
 
 
+def test_a_section_given_as_a_mapping_merges_into_the_files_section():
+    # "model={...}" replaced the whole section: the file's dtype, resolution and LoRA rank fell back to the GPU
+    # defaults; "train={steps: 2}" lost batch_size and failed on an unrelated check
+    config = load_config(TINY_RECIPE, ["model={family: sd3, lora_rank: 8}", "train={steps: 2}"])
+    file = load_config(TINY_RECIPE)
+    assert config.model.lora_rank == 8 and config.train.steps == 2
+    assert (config.model.dtype, config.model.resolution, config.train.batch_size) == (
+        file.model.dtype, file.model.resolution, file.train.batch_size)
+    # a mapping-valued field is replaced, not merged
+    assert load_config(TINY_RECIPE, ["rewards={saturation: 1.0}"]).rewards == {"saturation": 1.0}
+    assert load_config(TINY_RECIPE, ["eval={options: {num_steps: 3}}"]).eval.options == {"num_steps": 3}
+    with pytest.raises(ConfigError, match="model.lora_rnak"):
+        load_config(TINY_RECIPE, ["model={lora_rnak: 8}"])
+    # YAML reads an unquoted no as false: the error says to quote it
+    with pytest.raises(ConfigError, match="quote the text"):
+        load_config(TINY_RECIPE, ["train.mixed_precision=no"])
+    assert load_config(TINY_RECIPE, ["train.mixed_precision='no'"]).train.mixed_precision == "no"
+
+
 def test_flux_takes_fluxpipelines_sampling_defaults():
     # a FLUX config that leaves them out gets FluxPipeline's T5 budget and guidance (512, 3.5), not SD3's 256 and
     # Flow-GRPO's CFG 4.5; what a config sets is kept; SD3 keeps the dataclass defaults

@@ -112,6 +112,13 @@ def test_score_without_prompts_from_config(folder, tmp_path):
     assert main(["score", "--config", str(config), "--images", str(folder), "--out", str(out3), "--workers", "1",
                  "--batch-size", "2", "--quiet"]) == 0
     assert [json.loads(line) for line in out3.read_text().splitlines()] == rows
+    # a run folder names its config.yaml (it said "config file not found" of the existing folder)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(config.read_text())
+    out4 = tmp_path / "run.jsonl"
+    assert main(["score", "--config", str(run), "--images", str(folder), "--out", str(out4), "--quiet"]) == 0
+    assert [json.loads(line) for line in out4.read_text().splitlines()] == rows
 
 
 def test_score_input_errors_are_clear(folder, tmp_path, capsys):

@@ -513,6 +513,21 @@ def test_mmrl_eval_shapeworld_heldout_end_to_end(config_file, tmp_path, capsys):
     one_error(capsys, "unknown ShapeWorld split 'val'")
 
 
+def test_mmrl_eval_without_benchmarks_evaluates_the_configs_eval_section(config_file, tmp_path):
+    # `mmrl eval RUN` with no benchmarks= ran geneval and ocr at 512 px, not what the run evaluates during training
+    from mmrl.cli import main
+
+    out = tmp_path / "out"
+    assert main(["eval", str(config_file), "eval.benchmarks=[shapeworld@test:single_object]",
+                 "eval.options={images_per_prompt: 2, num_steps: 3, resolution: 32}", "num_steps=2", "limit=1",
+                 f"output_dir={out}"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["benchmarks"]) == ["shapeworld@test:single_object"]
+    protocol = summary["benchmarks"]["shapeworld@test:single_object"]["protocol"]
+    # the eval section's options, a key given on the command line winning (num_steps)
+    assert (protocol["images_per_prompt"], protocol["num_steps"], protocol["resolution"]) == (2, 2, 32)
+
+
 def test_shapeworld_prompt_spec_reads_the_split_with_metadata(tmp_path, monkeypatch):
     from mmrl.config import ConfigError, load_config
     from mmrl.data.prompts import DataError, read_prompts

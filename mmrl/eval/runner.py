@@ -62,7 +62,8 @@ EVAL_KEYS: dict[str, str] = {
                   "in, else the config's output_dir) if it has one, else base",
     "benchmarks": "list of ocr, geneval, t2i_compbench[:CAT+CAT...], dpg_bench, hpsv2[:STYLE], "
                   "reward:NAME[+NAME...][@SET], fid[@SET], diversity[@SET] (SET: drawbench, partiprompts, geneval, "
-                  "ocr; without @SET: prompts=FILE); default [geneval, ocr]",
+                  "ocr; without @SET: prompts=FILE); default: the config's eval.benchmarks (with its "
+                  "eval.options), else [geneval, ocr]",
     "output_dir": "where samples.jsonl, images/, grids/, summary.json go; default RUN/eval/<checkpoint> or "
                   "<config output_dir>/eval/base; an existing one is resumed",
     "limit": "evaluate the first N prompts of each benchmark",
@@ -888,6 +889,14 @@ def run_eval(config: str | Path, args: Sequence[str] = (), *, echo: Callable[[st
         return run_vlm_eval(config, args, echo=echo)
     options, overrides = parse_eval_args(args)
     cfg = load_config(config_file, overrides, check_files=False)  # the training data is not needed
+    if "benchmarks" not in options.given and cfg.eval.benchmarks:
+        # without benchmarks=: the ones the run evaluates during training, with its eval.options (the keys given
+        # here win); the limit stays this command's (default: whole benchmarks)
+        from mmrl.config import yaml_literal
+
+        defaults = [f"benchmarks={yaml_literal(list(cfg.eval.benchmarks))}"] + [
+            f"{k}={yaml_literal(v)}" for k, v in cfg.eval.options.items() if k not in options.given]
+        options, overrides = parse_eval_args([*defaults, *args])
     run_dir = run_dir or Path(cfg.output_dir)  # the run this config trains
     plans = plan_benchmarks(cfg, options)
     ckpt = _resolve_checkpoint(options, run_dir)
