@@ -452,12 +452,22 @@ class Config:
 
 
 def import_attribute(spec: str) -> Any:
-    """``"package.module:name"`` -> that object (a plug-in named in a config). ValueError saying what failed."""
+    """``"package.module:name"`` -> that object (a plug-in named in a config). The working directory is searched
+    after the installed packages (as ``python -m`` does), so a ``my_rewards.py`` next to the config imports from the
+    ``mmrl`` command too. ValueError saying what failed (a module that does not import: its error and line)."""
+    import sys
+
     module, _, attr = spec.partition(":")
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.append(str(Path.cwd()))
     try:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot import {attr!r} from {module!r} ({exc})") from None
+    except Exception as exc:  # the module itself fails: a SyntaxError, an exception at import time
+        where = f" ({exc.filename}, line {exc.lineno})" if isinstance(exc, SyntaxError) else ""
+        raise ValueError(f"cannot import {attr!r} from {module!r}: importing {module!r} failed with "
+                         f"{type(exc).__name__}: {exc}{where}") from None
 
 
 #: fields of the shared sections that one family reads and the other ignores (a set one is warned about)

@@ -30,6 +30,22 @@ from ._base import register_reward
 from ._text import check_text_batch
 
 
+#: what TRL 1.16 passes and mmrl does not: a function that needs one of these cannot run unchanged
+NOT_PASSED = ("completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
+
+
+def _needs_unpassed(function: Callable) -> list[str]:
+    """The parameters of ``function`` that TRL passes, mmrl does not, and the function requires (no default)."""
+    import inspect
+
+    try:
+        params = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: not checked
+        return []
+    return [n for n in NOT_PASSED if n in params and params[n].default is inspect.Parameter.empty
+            and params[n].kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+
+
 def _resolve(function: str | Callable) -> Callable:
     if callable(function):
         return function
@@ -55,16 +71,26 @@ class FunctionReward:
     scores_images = False  # judges completions (text)
 
     def __init__(self, function: str | Callable, conversational: bool = False, kwargs: Mapping | None = None):
+        self.check_arguments({"function": function, "conversational": conversational, "kwargs": kwargs})
         self.function = _resolve(function)
         self.label = function if isinstance(function, str) else getattr(function, "__qualname__", repr(function))
-        self.conversational = bool(conversational)
+        self.conversational = conversational
         self.fixed = dict(kwargs or {})
         self.last_info: dict = {}
 
     @classmethod
     def check_arguments(cls, kwargs: Mapping[str, Any]) -> None:
-        """Config-time check: the function imports and is callable; ``kwargs`` is a mapping."""
-        _resolve(kwargs.get("function"))
+        """Config-time check: the function imports, is callable and requires nothing mmrl does not pass;
+        ``conversational`` is a boolean; ``kwargs`` a mapping."""
+        function = _resolve(kwargs.get("function"))
+        missing = _needs_unpassed(function)
+        if missing:
+            raise ValueError(f"function {kwargs.get('function')!r} requires {', '.join(missing)}, which TRL passes and "
+                             f"mmrl does not (it passes completions, prompts and the data's columns); give "
+                             f"{'it a default' if len(missing) == 1 else 'them defaults'} or read what it needs from "
+                             f"the columns")
+        if not isinstance(kwargs.get("conversational", False), bool):
+            raise ValueError(f"conversational must be true or false, got {kwargs.get('conversational')!r}")
         if not isinstance(kwargs.get("kwargs") or {}, Mapping):
             raise ValueError(f"kwargs must be a mapping of fixed keyword arguments, got {kwargs.get('kwargs')!r}")
 
@@ -84,30 +110,45 @@ class FunctionReward:
             values = self.function(completions=texts, prompts=list(prompts) if prompts is not None else [None] * n,
                                    **columns, **self.fixed)
         except Exception as exc:
-            raise RuntimeError(f"reward function {self.label} failed: {type(exc).__name__}: {exc}") from exc
-        if isinstance(values, torch.Tensor):
-            values = values.reshape(-1).tolist()
-        try:
-            values = list(values)
-        except TypeError:
-            raise ValueError(f"reward function {self.label} returned {type(values).__name__}, not one value per "
-                             f"completion") from None
-        if len(values) != n:
-            raise ValueError(f"reward function {self.label} returned {len(values)} values for {n} completions")
+            hint = ""
+            if isinstance(exc, KeyError) and exc.args and exc.args[0] in NOT_PASSED:
+                hint = f" (TRL passes {exc.args[0]}; mmrl passes completions, prompts and the data's columns)"
+            raise RuntimeError(f"reward function {self.label} failed: {type(exc).__name__}: {exc}{hint}") from exc
+        values = self._one_per_completion(values, n)
         scores = torch.full((n,), float("nan"))
         reasons: dict[int, str] = {}
         for i, value in enumerate(values):
             if value is None:
                 reasons[i] = "the function returned None (TRL: the reward does not apply to this sample)"
-                continue
-            try:
-                number = float(value)
-            except (TypeError, ValueError):
-                reasons[i] = f"the function returned {value!r}, not a number"
-                continue
-            if not math.isfinite(number):
-                reasons[i] = f"the function returned a non-finite value {number}"
-                continue
-            scores[i] = number
+            elif not math.isfinite(value):
+                reasons[i] = f"the function returned a non-finite value {value}"
+            else:
+                scores[i] = value
         self.last_info = {"num_nan": len(reasons), "nan_samples": reasons}
         return {self.name: scores}
+
+    def _one_per_completion(self, values: Any, n: int) -> list[float | None]:
+        """``values`` as ``n`` floats or None, as TRL reads them (``torch.tensor(list, dtype=float32)``): a list,
+        tuple, 1-D array or tensor of numbers (bools count) and None; anything else is an error naming the
+        function (a string, a mapping, a 2-D array: TRL raises on them too, or reads them wrongly)."""
+        import numpy as np
+
+        what = f"reward function {self.label} returned"
+        if isinstance(values, (torch.Tensor, np.ndarray)):
+            if values.ndim != 1:
+                raise ValueError(f"{what} an array of shape {tuple(values.shape)}; expected one value per completion, "
+                                 f"shape ({n},)")
+            values = values.tolist()
+        elif isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__iter__"):
+            raise ValueError(f"{what} {type(values).__name__}; expected a list of {n} numbers (None: does not apply)")
+        values = list(values)
+        if len(values) != n:
+            raise ValueError(f"{what} {len(values)} values for {n} completions")
+        out: list[float | None] = []
+        for i, value in enumerate(values):
+            if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0:
+                value = value.item()
+            if value is not None and not isinstance(value, (int, float, np.number, np.bool_)):
+                raise ValueError(f"{what} {value!r} for completion {i}; expected a number or None")
+            out.append(None if value is None else float(value))
+        return out

@@ -43,7 +43,33 @@ def too_few(completions, **kwargs):
 
 
 def odd_values(completions, **kwargs):
-    return [float("nan"), "high", True][:len(completions)]
+    return [float("nan"), None, True][:len(completions)]
+
+
+def as_string(completions, **kwargs):
+    return "1" * len(completions)
+
+
+def as_column(completions, **kwargs):
+    import numpy as np
+
+    return np.ones((len(completions), 1))
+
+
+def as_mapping(completions, **kwargs):
+    return {i: 0.5 for i in range(len(completions))}
+
+
+def a_word(completions, **kwargs):
+    return ["0.5"] * len(completions)
+
+
+def token_length(completions, completion_ids, **kwargs):
+    return [len(c) for c in completion_ids]
+
+
+def reads_ids(completions, **kwargs):
+    return [len(c) for c in kwargs["completion_ids"]]
 
 
 class ExactMatch(TextReward):
@@ -85,6 +111,18 @@ def test_trl_function_conversational_nonfinite_and_errors(module):
     out = odd(["a", "b", "c"])
     assert math.isnan(out["function"][0]) and math.isnan(out["function"][1]) and out["function"][2] == 1.0
     assert set(odd.last_info["nan_samples"]) == {0, 1}
+    # results TRL's torch.tensor(list) refuses or misreads are errors, not NaN or silently read keys / characters
+    for name, match in (("as_string", "returned str"), ("as_column", r"shape \(3, 1\)"),
+                        ("as_mapping", "returned dict"), ("a_word", "'0.5' for completion 0")):
+        with pytest.raises(ValueError, match=match):
+            build_reward("function", function=f"my_trl_rewards:{name}")(["a", "b", "c"])
+    # what TRL passes and mmrl does not: required -> refused when the config is read; read from kwargs -> named
+    with pytest.raises(ValueError, match="requires completion_ids, which TRL passes and mmrl does not"):
+        build_reward("function", function="my_trl_rewards:token_length")
+    with pytest.raises(RuntimeError, match="TRL passes completion_ids; mmrl passes completions"):
+        build_reward("function", function="my_trl_rewards:reads_ids")(["a"])
+    with pytest.raises(ValueError, match="conversational must be true or false"):
+        build_reward("function", function="my_trl_rewards:content_length", conversational="false")
     with pytest.raises(RuntimeError, match="reward function my_trl_rewards:broken failed: KeyError"):
         build_reward("function", function="my_trl_rewards:broken")(["a"])
     with pytest.raises(ValueError, match="returned 1 values for 2 completions"):
@@ -120,6 +158,20 @@ def test_config_checks_the_function_and_what_each_reward_judges(module):
     with pytest.raises(ConfigError, match="'brightness' judges images, but a model.family qwen_vl policy"):
         load_config(vlm, ["rewards={brightness: 1.0}"], check_files=False)
     load_config(vlm, ["rewards={remote: {kwargs: {url: 'http://localhost:1'}}}"], check_files=False)  # either
+
+
+def test_a_module_that_fails_to_import_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "broken_rewards.py").write_text("def f(completions, **kw)\n    return [1.0]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="importing 'broken_rewards' failed with SyntaxError.*line 1"):
+        build_reward("function", function="broken_rewards:f")
+    # the working directory is searched too (as python -m does), so a module next to the config imports from `mmrl`
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "cwd_rewards.py").write_text("def f(completions, **kw):\n    return [2.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path / "sub")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path / "sub"))])
+    sys.modules.pop("cwd_rewards", None)
+    assert build_reward("function", function="cwd_rewards:f")(["a"])["function"].tolist() == [2.0]
 
 
 def test_mmrl_train_trains_on_a_trl_function_reward(module, tmp_path):
