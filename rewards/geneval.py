@@ -729,11 +729,14 @@ class ClipColorClassifier:
     def __call__(self, crops: Sequence[Image.Image], classname: str) -> list[str]:
         if not crops:
             return []
+        from mmrl.eval.t2i_compbench import clip_pixels
+
         weights = self.weights(classname)
         chunks = []
         for start in range(0, len(crops), self.batch_size):
-            pixels = self.processor.image_processor(images=list(crops[start:start + self.batch_size]),
-                                                    return_tensors="pt")["pixel_values"]
+            # open_clip's ViT-L-14 "openai" transform, as evaluate_images.py preprocesses the crops (torchvision's
+            # centre crop rounds its offset, transformers' floors it: a pixel apart in a fifth of the crops)
+            pixels = clip_pixels(list(crops[start:start + self.batch_size]), self.processor.image_processor)
             emb = _embedding(self.model.get_image_features(pixel_values=pixels.to(self.device, self.dtype))).float()
             chunks.append(F.normalize(emb, dim=-1))
         logits = 100.0 * torch.cat(chunks) @ weights

@@ -417,11 +417,32 @@ def test_clip_color_classifier_matches_reference(tiny_clip):
             w = F.normalize(F.normalize(t, dim=-1).mean(0), dim=0)
             weights.append(w)
         weights = torch.stack(weights, 1)
-        pixels = processor.image_processor(images=crops, return_tensors="pt")["pixel_values"]
+        # open_clip's openai transform as GenEval's evaluate_images.py builds it, in torchvision: Resize (shorter
+        # side, bicubic), CenterCrop (rounded offset), ToTensor, Normalize
+        from torchvision import transforms
+
+        ip = processor.image_processor
+        side, crop = ip.size["shortest_edge"], (ip.crop_size["height"], ip.crop_size["width"])
+        transform = transforms.Compose([transforms.Resize(side, interpolation=transforms.InterpolationMode.BICUBIC),
+                                        transforms.CenterCrop(crop), transforms.ToTensor(),
+                                        transforms.Normalize(ip.image_mean, ip.image_std)])
+        pixels = torch.stack([transform(c.convert("RGB")) for c in crops])
         img = F.normalize(model.visual_projection(model.vision_model(pixel_values=pixels).pooler_output), dim=-1)
     torch.testing.assert_close(clf.weights("cat"), weights, rtol=1e-5, atol=1e-6)
     assert got == [COLORS[i] for i in (img @ weights).argmax(1).tolist()]
     assert set(got) <= set(COLORS)
+    # the pixels the classifier sees: a 22 x 20 crop resizes to 35 x 32, an excess of 3 where torchvision's centre
+    # crop starts at round(1.5) = 2 and transformers' at 1
+    seen = []
+    original = model.get_image_features
+    model.get_image_features = lambda pixel_values: seen.append(pixel_values) or original(pixel_values=pixel_values)
+    try:
+        odd = random_images(1, 20, 22, seed=4)
+        clf(odd, "cat")
+    finally:
+        model.get_image_features = original
+    torch.testing.assert_close(seen[0][0], transform(odd[0].convert("RGB")), rtol=0, atol=1e-5)
+    assert not torch.allclose(seen[0][0], processor.image_processor(images=odd, return_tensors="pt")["pixel_values"][0])
 
 
 # --------------------------------------------------------------------------------------------
