@@ -246,6 +246,12 @@ def _build_policy(config: Config, device: torch.device | str = "cpu"):
         family.latent_shape(m.resolution)  # a side this model cannot generate: one line naming the key
     except ValueError as exc:
         raise ConfigError(f"model.resolution={m.resolution}: {exc}") from None
+    limit = family.text_token_limit()
+    if limit is not None and s.max_sequence_length > limit:  # padding it never saw: a condition it cannot read
+        raise ConfigError(f"sampling.max_sequence_length={s.max_sequence_length} pads prompts past the "
+                          f"{limit} tokens this pipeline's T5 tokenizer states (model_max_length: the length it was "
+                          f"trained with, e.g. an mmrl pretrain base's text.max_length); set "
+                          f"sampling.max_sequence_length: {limit} or less")
     lora = None
     if m.use_lora:
         lora = {"rank": m.lora_rank, "alpha": m.lora_alpha, "dropout": m.lora_dropout,

@@ -1005,6 +1005,7 @@ class Pretrainer:
                 self._encode_pool()  # resumed in the flow stage
             while self.step < self.total:
                 started, cpu_started = time.perf_counter(), time.process_time()
+                lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trains at (its scheduler steps after)
                 if self.step < self.vae_steps:
                     stage, loss = "vae", self.vae_step(self.step)
                 else:
@@ -1016,7 +1017,7 @@ class Pretrainer:
                 boundary = self.step == self.vae_steps or self.step == self.total
                 if self.step % log.log_every == 0 or boundary:
                     row = {"step": self.step, "stage": stage, "loss": sum(self.window) / len(self.window),
-                           "loss_last": loss, "lr": self.optimizer.param_groups[0]["lr"],
+                           "loss_last": loss, "lr": lr,
                            "seconds_per_step": self.window_time / len(self.window),
                            "cpu_seconds_per_step": self.window_cpu / len(self.window)}
                     logger.log(row)

@@ -54,7 +54,9 @@ step is random: the data order is a seeded permutation by position, there is no 
 steps equal 4 steps. SIGINT / SIGTERM stop after the current step with a checkpoint.
 
 Several processes (``accelerate launch -m mmrl.cli sft``) split each step's samples; gradients are averaged over
-processes (each process normalises by its own token count). Tested on one process.
+processes, and each process divides its token losses by the step's completion tokens over every process times the
+process count, so the update is the token mean over all processes' samples whichever process holds them (TRL's
+default, ``average_tokens_across_devices``; tested with a two-process reduction stand-in).
 """
 
 from __future__ import annotations
@@ -691,6 +693,14 @@ def completion_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
     return total, int((shift_labels != -100).sum())
 
 
+def summed_over_processes(accelerator, value: float) -> float:
+    """``value`` summed over every process (itself with one process), in float64."""
+    if accelerator.num_processes == 1:
+        return value
+    total = torch.tensor([float(value)], dtype=torch.float64, device=accelerator.device)
+    return float(accelerator.reduce(total, "sum").item())
+
+
 def batch_loss(policy, batch: SFTBatch, *, train: bool) -> tuple[torch.Tensor, int]:
     """The forward of one batch (train mode with gradients, else eval mode) -> :func:`completion_loss`. Logits
     are computed for the completion columns (+ the last prompt position) only: the prompt carries no label."""
@@ -876,7 +886,7 @@ class SFTRun:
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over ``batch_size x gradient_accumulation_steps`` samples per process: the loss is
-        the sum of the completion-token cross-entropies divided by the step's completion tokens."""
+        the sum of the completion-token cross-entropies divided by the step's completion tokens on every process."""
         c, acc, policy = self.config, self.accelerator, self.policy
         t = c.train
         start = time.perf_counter()
@@ -888,6 +898,7 @@ class SFTRun:
         batches = [collate(policy, items[i:i + t.batch_size], c.data.target_field)
                    for i in range(0, len(items), t.batch_size)]
         tokens = sum(b.num_tokens for b in batches)
+        all_tokens = summed_over_processes(acc, tokens)
         total = 0.0
         self.optimizer.zero_grad(set_to_none=True)
         for i, batch in enumerate(batches):
@@ -895,8 +906,11 @@ class SFTRun:
             context = contextlib.nullcontext() if sync or acc.num_processes == 1 else acc.no_sync(policy.train_model)
             with context:
                 loss_sum, _ = batch_loss(policy, batch, train=True)
-                acc.backward(loss_sum / tokens)
+                # the step's token mean over every process: DDP averages the gradients over the P processes, so each
+                # divides its sum by all tokens / P (transformers' average_tokens_across_devices, TRL's default)
+                acc.backward(loss_sum * (acc.num_processes / max(all_tokens, 1)))
             total += float(loss_sum.detach())
+        total, tokens = summed_over_processes(acc, total), all_tokens
         params = policy.trainable_parameters()
         norm = acc.clip_grad_norm_(params, t.max_grad_norm if t.max_grad_norm > 0 else float("inf"))
         grad_norm = float(norm)

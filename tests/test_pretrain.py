@@ -81,6 +81,9 @@ def test_smoke_run_writes_metrics_checkpoints_samples_and_a_pipeline_the_policy_
     assert [r["step"] for r in rows] == list(range(1, TOTAL + 1))
     assert [r["stage"] for r in rows] == ["vae"] * 3 + ["flow"] * 4
     assert all(r["loss"] > 0 and r["seconds_per_step"] > 0 for r in rows)
+    # the rate each step trained at (it logged the next step's: the last flow step read 0.0): no warm-up, so the
+    # first flow step trains at train.lr and the last one above 0
+    assert rows[3]["lr"] == pytest.approx(3e-3) and rows[-1]["lr"] > 0
     latest = latest_checkpoint(run_a / "checkpoints")
     assert latest.name == f"step_{TOTAL}"
     state = json.loads((latest / "state.json").read_text())

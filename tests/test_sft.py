@@ -117,6 +117,36 @@ def test_labels_mask_every_prompt_token_and_the_loss_is_the_completion_cross_ent
     assert n == count and torch.allclose(kept, total.detach(), rtol=1e-5)
 
 
+def test_the_step_loss_is_the_token_mean_over_every_process(tmp_path, data):
+    """Each process divides by the step's tokens over all processes (times P, as DDP averages gradients): with a
+    stand-in reduction where the other process holds twice this one's tokens, the gradient is 2 / 3 of the one-process
+    step's (it was the same: each process normalised by its own count); the logged loss is the pooled token mean."""
+    from mmrl.sft import SFTRun, load_sft_config
+
+    def fresh(name):
+        return SFTRun(load_sft_config(_config(tmp_path / f"{name}.yaml", data, output_dir=str(tmp_path / name),
+                                              train={"steps": 1, "batch_size": 2, "max_grad_norm": 0.0})))
+
+    one = fresh("one").train_step()
+
+    class TwoProcesses:  # this process's accelerator, with a second process whose sums are twice this one's
+        def __init__(self, inner):
+            self.inner, self.num_processes = inner, 2
+
+        def reduce(self, tensor, reduction):
+            assert reduction == "sum"
+            return tensor * 3
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    run = fresh("two")
+    run.accelerator = TwoProcesses(run.accelerator)
+    two = run.train_step()
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"] * 2 / 3, rel=1e-5)
+    assert two["tokens"] == 3 * one["tokens"] and two["loss"] == pytest.approx(one["loss"], rel=1e-6)
+
+
 def test_a_few_steps_overfit_and_greedy_decoding_reproduces_the_targets(overfit):
     run, folder = overfit
     rows = metrics_rows(run)

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mmrl.pipelines.flow.loading import load_pipeline
+from mmrl.pipelines.flow.loading import load_pipeline, tokenizer_limit
 from mmrl.pipelines.flow.policy import model_dtype
 
 
@@ -83,6 +83,11 @@ class FluxFamily:
     @property
     def device(self) -> torch.device:
         return self.transformer.device
+
+    def text_token_limit(self) -> int | None:
+        """The T5 tokenizer's ``model_max_length`` (None when it states none): prompts padded past it reach the
+        transformer as a condition it was not made for."""
+        return tokenizer_limit(getattr(self.pipe, "tokenizer_2", None))
 
     # ------------------------------------------------------------------------------------ conditioning
 

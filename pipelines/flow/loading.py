@@ -100,3 +100,11 @@ def _missing_components(folder: Path) -> list[str]:
 def _is_hub_id(source: str) -> bool:
     parts = source.split("/")
     return len(parts) == 2 and all(parts) and not Path(source).exists()
+
+
+def tokenizer_limit(tokenizer) -> int | None:
+    """A tokenizer's ``model_max_length`` when it states one (transformers puts a huge sentinel where none is set),
+    else None: for a T5 text encoder, the prompt length the pipeline was made for (an ``mmrl pretrain`` base: its
+    ``text.max_length``)."""
+    limit = getattr(tokenizer, "model_max_length", None)
+    return int(limit) if isinstance(limit, int) and 0 < limit < 1_000_000 else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mmrl.pipelines.flow.loading import load_pipeline
+from mmrl.pipelines.flow.loading import load_pipeline, tokenizer_limit
 from mmrl.pipelines.flow.policy import model_dtype
 
 
@@ -39,6 +39,11 @@ class SD3Family:
     @property
     def device(self) -> torch.device:
         return self.transformer.device
+
+    def text_token_limit(self) -> int | None:
+        """The T5 tokenizer's ``model_max_length`` (None when it states none): prompts padded past it reach the
+        transformer as a condition it was not made for."""
+        return tokenizer_limit(getattr(self.pipe, "tokenizer_3", None))
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> dict[str, Tensor]:
