@@ -47,7 +47,9 @@ is the server's ``total``, the server's other keys come back as extras. A connec
 timeout or a 5xx is retried ``retries`` times with exponential ``backoff``; after that, or at once
 for a 4xx, it raises :class:`RewardServerError` naming the url and the last failure: a dead server
 is an error within about ``(retries + 1) * timeout + backoff * (2 ** retries - 1)`` seconds (a
-refused connection costs only the backoff sleeps: 3 s with the defaults), never a hang.
+refused connection costs only the backoff sleeps: 3 s with the defaults), never a hang; a server that sends its
+answer slowly (headers, then a byte at a time) or cuts it off is a failed attempt too, each attempt at most about
+``2 * timeout``.
 
 At startup (``mmrl train``, ``mmrl score``) every remote reward is probed with :meth:`RemoteReward.probe`
 (one ``GET /health``, each attempt at most :data:`PROBE_TIMEOUT_S` seconds; with ``startup_wait: S`` it
@@ -57,6 +59,7 @@ so a dead or wrong URL is a one-line error at once rather than after the model h
 from __future__ import annotations
 
 import base64
+import http.client
 import io
 import json
 import logging
@@ -229,6 +232,8 @@ def decode_request(body: bytes, content_type: str, headers: Mapping[str, str], *
         kind = "tensor"
     elif content_type in ("application/json", ""):
         payload = _load_json(body)
+        if not isinstance(payload, dict):
+            raise BadRequest(f"the JSON body must be an object, got {type(payload).__name__}")
         given = [k for k in ("images", "array", "completions") if payload.get(k) is not None]
         if len(given) != 1:
             raise BadRequest("send exactly one of \"images\" (base64 PNG list), \"array\" ({shape, dtype, data}) "
@@ -751,7 +756,7 @@ class RemoteReward(Reward):
                                              method="POST" if body is not None else "GET")
             try:
                 with self._opener.open(request, timeout=self.timeout) as response:
-                    raw = response.read()
+                    raw = self._read_body(response)
                 return json.loads(raw.decode("utf-8"))
             except urllib.error.HTTPError as exc:
                 try:
@@ -761,7 +766,8 @@ class RemoteReward(Reward):
                 last = f"HTTP {exc.code} {exc.reason}" + (f": {message}" if message else "")
                 if exc.code < 500:
                     raise RewardServerError(f"reward server {url} refused the request: {last}") from None
-            except (urllib.error.URLError, OSError, ValueError) as exc:  # refused, reset, timeout, bad JSON
+            except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
+                # refused, reset, timeout, bad JSON, a body cut off (IncompleteRead) or a status line that is none
                 reason = getattr(exc, "reason", exc)
                 last = f"{type(reason).__name__}: {reason}" if not isinstance(reason, str) else reason
                 if isinstance(reason, (socket.timeout, TimeoutError)):
@@ -772,6 +778,22 @@ class RemoteReward(Reward):
             f"reward server {url} failed {attempts} attempt(s) over {time.monotonic() - start:.1f}s; "
             f"last failure: {last}. Is `mmrl serve-rewards` running there and reachable?"
         )
+
+    def _read_body(self, response) -> bytes:
+        """The answer's body, read as it arrives; a server still sending it ``timeout`` seconds after the headers
+        (a byte at a time, each read within the socket timeout) is a timeout, so an attempt ends within about
+        twice ``timeout``."""
+        deadline = time.monotonic() + self.timeout
+        chunks = []
+        while True:
+            chunk = response.read1(1 << 16)
+            if not chunk:
+                if getattr(response, "length", None):  # the connection closed short of its Content-Length
+                    raise http.client.IncompleteRead(b"".join(chunks), response.length)
+                return b"".join(chunks)
+            chunks.append(chunk)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the answer was still arriving {self.timeout:g}s after its headers")
 
     def health(self) -> dict:
         """The server's ``GET /health`` answer (reward names, weights, batching stats)."""
@@ -856,7 +878,13 @@ class RemoteReward(Reward):
             spans = {key: [as_spans(s) for s in per_sample] for key, per_sample in spans.items()}
         except (TypeError, ValueError):
             raise RewardServerError(f"reward server {self.url} returned malformed spans: {str(spans)[:200]}") from None
-        return out, {int(i): why for i, why in (answer.get("nan_samples") or {}).items()}, spans
+        reasons = answer.get("nan_samples") or {}
+        try:
+            reasons = {int(i): str(why) for i, why in reasons.items()}
+        except (AttributeError, TypeError, ValueError):
+            raise RewardServerError(f"reward server {self.url} returned nan_samples that are not a mapping of sample "
+                                    f"index to reason: {str(reasons)[:200]}") from None
+        return out, reasons, spans
 
     @staticmethod
     def _side(prompts, metadata) -> dict:
@@ -879,7 +907,11 @@ class RemoteReward(Reward):
     def _score_text(self, completions: list, prompts, metadata) -> dict[str, torch.Tensor]:
         body = _dumps(dict(self._side(prompts, metadata), completions=completions))
         scores, reasons, spans = self._post_score(body, {"Content-Type": "application/json"}, len(completions))
-        out = {self.name: scores.pop("total"), **scores}
+        total = scores.pop("total")
+        for i in (~torch.isfinite(total)).nonzero().flatten().tolist():  # as the image path counts them
+            reasons.setdefault(i, "the server returned no finite score")
+        total = torch.where(torch.isfinite(total), total, torch.full_like(total, float("nan")))
+        out = {self.name: total, **scores}
         from ._base import _info
 
         self.last_info = _info(len(completions), reasons)

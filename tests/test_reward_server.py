@@ -3,6 +3,7 @@
 Every server here binds 127.0.0.1 on a free port; every request loop is bounded in count and time.
 """
 import base64
+import http.server
 import io
 import json
 import math
@@ -251,6 +252,8 @@ def png_b64(image) -> str:
     (bytes(11), {"Content-Type": "application/octet-stream", "X-Image-Shape": "1,3,2,2", "X-Image-Dtype": "uint8"},
      400, "11 bytes"),
     (b"pickle-ish", {"Content-Type": "application/python-pickle"}, 415, "Content-Type"),
+    (b"[1, 2]", {"Content-Type": "application/json"}, 400, "must be an object, got list"),  # was a 500 retried
+    (b"null", {"Content-Type": "application/json"}, 400, "must be an object, got NoneType"),
 ])
 def test_bad_payloads_get_4xx_with_message(server, body, headers, status, words):
     code, answer = post(server.url + "/score", body, headers)
@@ -481,6 +484,8 @@ def test_remote_rewards_are_found_inside_compositions_and_routes():
     ({"scores": {"total": ["high", 0.5]}}, "returned 'total' with values that are not numbers or null, e.g. 'high'"),
     ({"scores": {"total": [True, 0.5]}}, "not numbers or null, e.g. True"),
     ([1, 2], "answered without scores: [1, 2]"),
+    ({"scores": {"total": [1.0, 0.5]}, "nan_samples": {"x": "why"}}, "nan_samples that are not a mapping"),
+    ({"scores": {"total": [1.0, 0.5]}, "nan_samples": [0]}, "nan_samples that are not a mapping"),
 ])
 def test_a_malformed_score_answer_is_one_clear_error(answer, words):
     """A server answering a string score or a JSON list: a RewardServerError naming the server, not a ValueError or
@@ -490,3 +495,57 @@ def test_a_malformed_score_answer_is_one_clear_error(answer, words):
     with pytest.raises(RewardServerError) as err:
         remote._post_score(b"", {}, 2)
     assert words in str(err.value) and f"http://{LOOPBACK}:1" in str(err.value)
+
+
+def test_a_non_finite_text_score_is_a_counted_nan():
+    """The text path counted a server's Infinity / NaN score neither as NaN nor in last_info (the image path did)."""
+    remote = RemoteReward(f"http://{LOOPBACK}:1", retries=0)
+    remote._request = lambda path, body, headers: {"scores": {"total": [float("inf"), 1.0, None]}}
+    out = remote(["a", "b", "c"], None, None)
+    assert math.isnan(out["remote"][0]) and out["remote"][1] == 1.0 and math.isnan(out["remote"][2])
+    assert set(remote.last_info["nan_samples"]) == {0, 2}
+
+
+class _BadAnswer(http.server.BaseHTTPRequestHandler):
+    """A fake reward server: 'cut' promises 500 bytes, sends 26 and closes; 'trickle' sends a byte every 0.4 s."""
+
+    mode = "cut"
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body = b'{"scores": {"total": [1.0]}}' + b" " * 200
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "500" if self.mode == "cut" else str(len(body)))
+        self.end_headers()
+        if self.mode == "cut":
+            self.wfile.write(body[:26])
+            return
+        try:
+            for i in range(len(body)):
+                self.wfile.write(body[i:i + 1])
+                self.wfile.flush()
+                time.sleep(0.4)
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up, as it should
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("mode, words", [("cut", "IncompleteRead"), ("trickle", "still arriving")])
+def test_a_cut_or_trickling_answer_is_a_clear_error_within_the_timeout(mode, words):
+    handler = type("Handler", (_BadAnswer,), {"mode": mode})
+    httpd = http.server.ThreadingHTTPServer((LOOPBACK, 0), handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        client = RemoteReward(f"http://{LOOPBACK}:{httpd.server_address[1]}", timeout=1.0, retries=1, backoff=0.1)
+        start = time.monotonic()
+        with pytest.raises(RewardServerError, match=words):
+            client(["a"], None, None)
+        assert time.monotonic() - start < 2 * (2 * 1.0 + 0.5) + 0.1 + 1  # two attempts, each ~2 timeouts at most
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
