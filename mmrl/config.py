@@ -599,11 +599,11 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any, schema: type | No
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
-    current = node.get(parts[-1])
-    if isinstance(value, dict) and isinstance(current, dict) and _is_section(schema, parts):
+    current, section = node.get(parts[-1]), _section_type(schema, parts)
+    if isinstance(value, dict) and isinstance(current, dict) and section is not None:
         for key, item in value.items():
             if isinstance(key, str):
-                _set_dotted(current, key, item, _section_type(schema, parts))
+                _set_dotted(current, key, item, section)
             else:  # a key YAML read as a boolean or number: _build names it
                 current[key] = item
         return
@@ -618,10 +618,6 @@ def _section_type(schema: type | None, parts: list[str]) -> type | None:
         hint = typing.get_type_hints(schema).get(part)
         schema = hint if dataclasses.is_dataclass(hint) else None
     return schema
-
-
-def _is_section(schema: type | None, parts: list[str]) -> bool:
-    return _section_type(schema, parts) is not None
 
 
 def yaml_error_text(exc: yaml.YAMLError) -> str:

@@ -51,11 +51,11 @@ class CosineCredit(DenseCredit):
 
     def check(self, config) -> None:
         super().check(config)
+        from mmrl.pipelines.flow.schedule import plan_steps
+
         s = config.sampling
-        if s.train_steps == "fraction":  # pipelines.flow.schedule.plan_steps' counts
-            steps = min(s.num_steps - 1, max(1, int(s.num_steps * s.timestep_fraction)))
-        else:
-            steps = s.window_size
+        steps = len(plan_steps(s.train_steps, s.num_steps, timestep_fraction=s.timestep_fraction,
+                               window_size=s.window_size, window_range=s.window_range).train)
         if steps % self.options.window:
             raise VariantError(f"variant 'cosine': window={self.options.window} must divide the {steps} trained "
                                f"steps (sampling.train_steps={s.train_steps})")
