@@ -217,6 +217,18 @@ class RewardBatches:
         self.prompts, self.metadata = self.prompts[count:], self.metadata[count:]
 
 
+def mean_over_processes(stats: dict[str, float], accelerator) -> dict[str, float]:
+    """``stats`` (what the variants report, per process) as the mean over the processes that report each key, so
+    the logged figure describes every process's samples, not the main process's alone."""
+    if accelerator.num_processes <= 1:
+        return dict(stats)
+    sums: dict[str, list[float]] = {}
+    for part in gather_object([dict(stats)]):
+        for key, value in part.items():
+            sums.setdefault(key, []).append(float(value))
+    return {key: sum(values) / len(values) for key, values in sums.items()}
+
+
 class Trainer:
     def __init__(self, config: Config, policy, reward_fn, prompts: PromptSource, accelerator: Accelerator,
                  scorer=None):
@@ -730,7 +742,8 @@ class Trainer:
         for variant in self._users("transform"):
             advantages = variant.transform(TransformContext(
                 advantages=advantages, scores=scores or {}, rollout=rollout, update=self.update,
-                total_updates=c.train.steps, stats=self.variant_stats, policy=policy, rows=rows))
+                total_updates=c.train.steps, stats=self.variant_stats, policy=policy, rows=rows,
+                accelerator=acc))
         num_minibatches = -(-n // t.batch_size)
         self.kept_rows = None  # algorithm.drop_zero_advantage: the rows trained this update
         if a.drop_zero_advantage:
@@ -1518,7 +1531,7 @@ class Trainer:
         for reason, count in skipped.items():
             metrics[f"samples/skipped_{reason}"] = float(count)
         metrics.update(self.reward_counts)
-        metrics.update(self.variant_stats)
+        metrics.update(mean_over_processes(self.variant_stats, acc))
         if "intermediate" in timer:  # the images trained steps lead to, and their rewards
             metrics["time/intermediate"] = timer["intermediate"]
         metrics["optimizer_steps"] = float(self.optimizer_steps)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mmrl.algorithms.base import TransformContext, Variant, option, register
+from mmrl.algorithms.base import TransformContext, Variant, global_mean, option, register
 from mmrl.algorithms.focal_advantage import group_success_rate
 
 PROGRESS = ("schedule", "accuracy")
@@ -24,7 +24,8 @@ class AGRAEOptions:
     curriculum: float = option(1.0, "Strength of the easy-to-hard group weights, in [0, 1] (0 = off): early, groups "
                                     "the policy mostly solves weigh more; late, groups it mostly fails weigh more.")
     progress: str = option("schedule", "Training progress t in [0, 1]: 'schedule' = update / (total updates - 1); "
-                                       "'accuracy' = this batch's success rate (the released A-GRAE code's proxy).")
+                                       "'accuracy' = the success rate of the whole batch, every process's samples "
+                                       "(the released A-GRAE code's proxy).")
 
     def validate(self) -> None:
         if not self.reward:
@@ -56,9 +57,9 @@ class AGRAE(Variant):
     ``w_g`` is 1 for a half-solved group at every point of training; at the start it favours easy groups
     (``w = 2 p``), at the end hard ones (``w = 2 (1 - p)``), linearly in between. Positive advantages are scaled by
     ``s`` (suppressed most at the start, not at all at the end). A group without a judged sample gets ``w = 1``;
-    ``[N, T]`` advantages get the same weights on every step. Groups are this process's sampling groups, and the
-    'accuracy' progress is this process's batch (the transform stage sees only local samples). No parity with the
-    paper's numbers is claimed.
+    ``[N, T]`` advantages get the same weights on every step. Groups are this process's sampling groups (whole on one
+    process); the 'accuracy' progress is the success rate of the whole update's batch, every process's samples.
+    No parity with the paper's numbers is claimed.
     """
 
     name = "a_grae"
@@ -72,8 +73,7 @@ class AGRAE(Variant):
 
     def _progress(self, ctx: TransformContext, success: Tensor) -> float:
         if self.options.progress == "accuracy":
-            judged = success[torch.isfinite(success)]
-            return float(judged.mean()) if judged.numel() else 0.0
+            return global_mean(success, ctx.accelerator)  # the judged samples of every process
         return min(1.0, max(0.0, ctx.update / max(1, ctx.total_updates - 1)))
 
     def transform(self, ctx: TransformContext) -> Tensor:

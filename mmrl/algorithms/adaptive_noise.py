@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from mmrl.algorithms.base import RewardContext, Rewards, Variant, VariantError, option, register
 from mmrl.core.credit import step_gain_credit
 from mmrl.core.noise import adapt_noise_levels
@@ -22,8 +24,10 @@ class AdaptiveNoiseOptions:
 @register
 class AdaptiveNoise(Variant):
     """After each rollout, :func:`mmrl.core.noise.adapt_noise_levels` from the spread of the step gains
-    ``R_{t+1} - R_t`` over the whole global batch (so every process computes, and rank 0 checkpoints, the same
-    levels); the levels stay within 0.25-4x of the configured ones (and <= 1 for CPS). The levels are saved in every
+    ``R_{t+1} - R_t`` over the whole global batch, per step of the sigma grid (each step's spread over the samples
+    of the processes that trained it: with a random plan, ``sampling.train_steps`` ``random_window`` or
+    ``random_fraction``, each process draws its own steps), so every process computes, and rank 0 checkpoints, the
+    same levels; the levels stay within 0.25-4x of the configured ones (and <= 1 for CPS). The levels are saved in every
     checkpoint with the policy. Needs the intermediate images (the same ones a dense-credit variant uses, computed
     once)."""
 
@@ -44,14 +48,22 @@ class AdaptiveNoise(Variant):
                                "sampling.train_steps=entropy_merge")
 
     def rewards(self, ctx: RewardContext) -> Rewards:
-        step_rewards = ctx.intermediate().step_rewards
-        acc = ctx.accelerator
-        everyone = acc.gather(step_rewards.to(acc.device)).cpu() if acc.num_processes > 1 else step_rewards
-        gains = step_gain_credit(everyone)
-        policy = ctx.policy
+        plan, policy, acc = ctx.rollout.plan, ctx.policy, ctx.accelerator
+        gains = step_gain_credit(ctx.intermediate().step_rewards)  # [n, trained steps], in plan.train's order
+        # each process may train its own steps (sampling.train_steps random_window / random_fraction draw the plan
+        # per process): the gains go into the columns of the full [n, S] grid, and every process's rows are gathered
+        num_steps = policy.step_noise_levels.numel()
+        grid = torch.zeros(gains.shape[0], num_steps, dtype=torch.float64)
+        trained = torch.zeros(gains.shape[0], num_steps)
+        grid[:, plan.train] = gains.double()
+        trained[:, plan.train] = 1.0
+        if acc.num_processes > 1:
+            grid, trained = (acc.gather(x.to(acc.device)).cpu() for x in (grid, trained))
+        steps = (trained.sum(0) > 0).nonzero(as_tuple=True)[0]  # every step some process trained
+        spread = torch.stack([grid[trained[:, s] > 0, s].std() for s in steps.tolist()])
         policy.step_noise_levels = adapt_noise_levels(
-            policy.step_noise_levels, ctx.rollout.plan.train, gains.std(dim=0), rate=self.options.rate,
+            policy.step_noise_levels, steps, spread, rate=self.options.rate,
             base=self.base_levels, max_level=1.0 if ctx.config.sampling.sde == "cps" else None)
-        for s, level in zip(ctx.rollout.plan.train.tolist(), policy.step_noise_levels[ctx.rollout.plan.train].tolist()):
+        for s, level in zip(steps.tolist(), policy.step_noise_levels[steps].tolist()):
             ctx.stats[f"noise_level/step_{s}"] = level
         return Rewards(ctx.scores, ctx.weights)

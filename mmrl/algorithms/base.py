@@ -47,6 +47,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
+import torch
 from torch import Tensor
 
 STAGES = ("rewards", "select", "advantages", "transform", "surrogate")
@@ -175,7 +176,9 @@ class TransformContext:
     ``old_logps``; ``spans``: per reward component the character spans its reward reported, VLM rollouts), the update
     index and the run's total updates. ``stats`` are metrics this update logs; ``policy`` the policy (e.g.
     ``policy.span_mask(rollout, spans)``: spans -> ``[N, T]`` token masks); ``rows [N]`` the positions of these samples
-    in the ``[N_all]`` tensors of the ``advantages`` stage (every process's samples, process order)."""
+    in the ``[N_all]`` tensors of the ``advantages`` stage (every process's samples, process order); ``accelerator``
+    the run's (``None`` in a bare call), for a statistic of the whole batch (:func:`global_mean`,
+    :func:`global_pool`)."""
 
     advantages: Tensor
     scores: dict[str, Tensor]
@@ -185,6 +188,35 @@ class TransformContext:
     stats: dict[str, float] = field(default_factory=dict)
     policy: Any = None
     rows: Tensor | None = None
+    accelerator: Any = None
+
+
+def global_mean(values: Tensor, accelerator: Any = None) -> float:
+    """The mean of the finite entries of ``values`` over every process (0 when there are none), in float64: a batch
+    statistic a ``transform`` or ``rewards`` stage takes from its own process's samples, made the statistic of the
+    whole batch (``accelerator``: the run's, or ``None`` on one process)."""
+    finite = torch.isfinite(values)
+    stats = torch.stack([values[finite].double().sum(), finite.sum().double()])
+    if accelerator is not None and accelerator.num_processes > 1:
+        stats = accelerator.reduce(stats.to(accelerator.device), "sum").cpu()
+    return float(stats[0] / stats[1]) if stats[1] > 0 else 0.0
+
+
+def global_pool(values: Tensor, accelerator: Any = None) -> tuple[Tensor, int]:
+    """Every process's 1-D ``values`` (any lengths) concatenated in process order, and where this process's start
+    in it: a ranking or quantile over the whole batch, whose local part is ``pool[offset : offset + len(values)]``.
+    On one process (``accelerator`` ``None`` or a single process) ``(values, 0)``."""
+    values = values.reshape(-1)
+    if accelerator is None or accelerator.num_processes <= 1:
+        return values, 0
+    device = accelerator.device
+    lengths = accelerator.gather(torch.tensor([values.numel()], device=device)).cpu().tolist()
+    if max(lengths) == 0:
+        return values, 0
+    padded = accelerator.pad_across_processes(values.to(device), dim=0)
+    everyone = accelerator.gather(padded).cpu().reshape(accelerator.num_processes, -1)
+    pool = torch.cat([everyone[rank, :length] for rank, length in enumerate(lengths)])
+    return pool, int(sum(lengths[:accelerator.process_index]))
 
 
 @dataclass

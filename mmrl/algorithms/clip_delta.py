@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mmrl.algorithms.base import Intermediate, RewardContext, option, register
+from mmrl.algorithms.base import Intermediate, RewardContext, global_mean, option, register
 from mmrl.algorithms.dense import DenseCredit
 from mmrl.algorithms.pure_credit import _nan_rows, process_rewards
 from mmrl.core.credit import _step_rewards
@@ -111,16 +111,7 @@ class ClipDelta(DenseCredit):
         o = self.options
         threshold, eta = o.threshold, o.eta
         if o.mode == "clip" and threshold == "mean":  # the mean over every process's samples, not this one's
-            threshold, eta = "fixed", batch_mean(process_rewards(_step_rewards(intermediate.step_rewards), "reward"),
+            threshold, eta = "fixed", global_mean(process_rewards(_step_rewards(intermediate.step_rewards), "reward"),
                                                  ctx.accelerator)
         return clip_delta_credit(intermediate.step_rewards, mode=o.mode, threshold=threshold, eta=eta,
                                  accumulate=o.accumulate, outcome_weight=o.outcome_weight)
-
-
-def batch_mean(values: Tensor, accelerator=None) -> float:
-    """The mean of the finite entries of ``values`` over every process (0 when there are none), in float64."""
-    finite = torch.isfinite(values)
-    stats = torch.stack([values[finite].double().sum(), finite.sum().double()])
-    if accelerator is not None and accelerator.num_processes > 1:
-        stats = accelerator.reduce(stats.to(accelerator.device), "sum").cpu()
-    return float(stats[0] / stats[1]) if stats[1] > 0 else 0.0

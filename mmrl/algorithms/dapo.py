@@ -25,7 +25,8 @@ class DynamicSamplingOptions:
 class DynamicSampling(Variant):
     """Keeps the groups :func:`mmrl.core.variants.select_informative_groups` finds informative (their advantage
     input varies), drawing up to ``max_rounds`` rounds of ``data.prompts_per_step`` prompts until there are enough;
-    the same number of rounds on every process."""
+    the same number of rounds on every process. Each process fills its own ``prompts_per_step`` from its own pool,
+    so which groups are trained (not the rule) depends on the process count."""
 
     name = "dynamic_sampling"
     summary = "drop zero-variance groups and sample replacements (text policies)"

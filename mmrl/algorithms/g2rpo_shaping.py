@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from mmrl.algorithms.base import RewardContext, Rewards, TransformContext, Variant, option, register
+from mmrl.algorithms.base import (RewardContext, Rewards, TransformContext, Variant, global_mean, option,
+                                  register)
 from mmrl.algorithms.delightful_pg import _token_advantages
 from mmrl.core.advantages import _grouped_stats, group_index
 
@@ -91,12 +93,12 @@ def group_failure_rate(outcome: Tensor, group_ids, threshold: float) -> Tensor:
 
 
 def entropy_band_weights(advantages: Tensor, old_logps: Tensor, mask: Tensor, *, low: float, high: float,
-                         damping: float) -> tuple[Tensor, float, int]:
+                         damping: float, accelerator: Any = None) -> tuple[Tensor, float, int]:
     """Token weights ``[N, T]`` (0 on padding) that keep the policy's entropy in ``[low, high]``, the batch entropy
     ``H`` and the gate (-1 below the band, 0 in it, +1 above).
 
-    ``s = -old_logps`` is each sampled token's surprisal, ``H = mean(s)`` over the active tokens (a Monte-Carlo
-    estimate of the mean token entropy). A policy-gradient step changes the entropy by about
+    ``s = -old_logps`` is each sampled token's surprisal, ``H = mean(s)`` over the active tokens of every process's
+    batch (``accelerator``; this process's alone when ``None``), a Monte-Carlo estimate of the mean token entropy. A policy-gradient step changes the entropy by about
     ``-Cov(log pi, A)`` (the covariance over the batch's tokens): a token with ``(H - s) * A > 0`` (a likely token
     reinforced, or an unlikely one pushed down) lowers it, one with ``(H - s) * A < 0`` raises it. Below the band
     (``H < low``) the lowering tokens get weight ``damping``; above it (``H > high``) the raising ones; in it every
@@ -105,9 +107,9 @@ def entropy_band_weights(advantages: Tensor, old_logps: Tensor, mask: Tensor, *,
     surprisal = -old_logps.to(adv.dtype)
     active = (mask > 0) & torch.isfinite(surprisal)
     weights = active.to(adv.dtype)
-    if not bool(active.any()):
+    if global_mean(active.sum().double().reshape(1), accelerator) == 0:  # no process has an active token
         return weights, float("nan"), 0
-    entropy = float(surprisal[active].mean())
+    entropy = global_mean(surprisal[active], accelerator)
     gate = -1 if entropy < low else (1 if entropy > high else 0)
     if gate == 0:
         return weights, entropy, 0
@@ -133,7 +135,7 @@ class G2RPOShaping(Variant):
 
     The abstract gives no formulas: the length targets, the failure-rate scaling, the covariance sign test and the
     damping are mmrl's, not a claim of parity with the paper's code. The entropy is the sampling policy's mean
-    sampled-token surprisal over this process's batch, once per update. Made to pair with ``g2rpo`` (the Gaussian
+    sampled-token surprisal over the whole update's batch (every process's tokens), once per update. Made to pair with ``g2rpo`` (the Gaussian
     advantages) but works with any estimator. Stats: ``g2rpo_shaping/entropy``, ``g2rpo_shaping/entropy_gate``,
     ``g2rpo_shaping/damped_tokens`` (share of active tokens), ``g2rpo_shaping/direct_length`` and
     ``g2rpo_shaping/reasoning_length`` (mean completion tokens per kind). VLM policies only (tasks, token entropies).
@@ -177,7 +179,8 @@ class G2RPOShaping(Variant):
         if not o.entropy_shaping:
             return ctx.advantages
         weights, entropy, gate = entropy_band_weights(ctx.advantages, r.old_logps, r.mask, low=o.entropy_low,
-                                                      high=o.entropy_high, damping=o.damping)
+                                                      high=o.entropy_high, damping=o.damping,
+                                                      accelerator=ctx.accelerator)
         active = (r.mask > 0) & torch.isfinite(r.old_logps)
         if math.isfinite(entropy):
             ctx.stats[f"{self.name}/entropy"] = entropy

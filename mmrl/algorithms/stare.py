@@ -9,23 +9,26 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmrl.algorithms.base import TransformContext, Variant, option, register
+from mmrl.algorithms.base import TransformContext, Variant, global_mean, global_pool, option, register
 from mmrl.algorithms.delightful_pg import _token_advantages
 
 MODES = ("O1", "C2")
 
 
-def top_surprisal(candidates: Tensor, surprisal: Tensor, ratio: float) -> Tensor:
-    """The ``ceil(ratio * n)`` highest-surprisal entries among the ``n`` ``candidates`` (bool ``[N, T]``); ties go
-    to the earlier entry in row-major order. ``ratio = 0`` or no candidate selects nothing."""
+def top_surprisal(candidates: Tensor, surprisal: Tensor, ratio: float, accelerator: Any = None) -> Tensor:
+    """The ``ceil(ratio * n)`` highest-surprisal entries among the ``n`` ``candidates`` (bool ``[N, T]``) of every
+    process's batch (``accelerator``; this process's alone when ``None``); ties go to the earlier entry in row-major
+    order, processes in order. Returns this process's selection; ``ratio = 0`` or no candidate selects nothing."""
     selected = torch.zeros_like(candidates)
-    count = int(candidates.sum())
+    flat = candidates.reshape(-1).nonzero(as_tuple=True)[0]
+    pool, offset = global_pool(surprisal.reshape(-1)[flat], accelerator)
+    count = pool.numel()
     if count == 0 or ratio <= 0.0:
         return selected
     k = min(count, max(1, math.ceil(count * ratio - 1e-9)))
-    flat = candidates.reshape(-1).nonzero(as_tuple=True)[0]
-    order = torch.sort(-surprisal.reshape(-1)[flat], stable=True).indices
-    selected.view(-1)[flat[order[:k]]] = True
+    chosen = torch.sort(-pool, stable=True).indices[:k] - offset
+    chosen = chosen[(chosen >= 0) & (chosen < flat.numel())]
+    selected.view(-1)[flat[chosen]] = True
     return selected
 
 
@@ -66,15 +69,15 @@ class STAREOptions:
 class STARE(Variant):
     """STARE: surprisal-guided token advantage reweighting in the four advantage-sign x surprisal quadrants.
 
-    Exact rule (``transform`` stage, once per update on this process's batch; ``s = -old_logps`` the surprisal of
-    each sampled token, ``A`` the advantage broadcast over tokens, active tokens only):
+    Exact rule (``transform`` stage, once per update over the whole batch, every process's samples; ``s =
+    -old_logps`` the surprisal of each sampled token, ``A`` the advantage broadcast over tokens, active tokens only):
 
     1. Gate: ``H = mean(s)`` over the active tokens; reweighting is on iff ``H < target_entropy``. With
        ``adaptive``: first ``W <- clip(W + alpha sgn(H_tgt - H), 1, w_max)``, ``M <- clip(M - alpha sgn(H_tgt - H),
        m_min, 1)`` (kept across updates and in checkpoints), then the gate.
     2. Quadrants: ``T+ = {A > 0}``, ``T- = {A < 0}``; ``L+`` = the ``ceil(top_ratio |T+|)`` tokens of ``T+`` with the
-       highest surprisal (over the whole batch, not per sequence; ties to the earlier token), ``L-`` likewise in
-       ``T-``. Low-surprisal tokens and ``A = 0`` keep weight 1.
+       highest surprisal (over the whole batch, not per sequence; ties to the earlier token, rows in process
+       order), ``L-`` likewise in ``T-``. Low-surprisal tokens and ``A = 0`` keep weight 1.
     3. ``A'_{i,t} = w_{i,t} A_{i,t}`` with ``w = W`` on ``L+``, ``w = M`` on ``L-`` (mode ``C2`` only), 1 elsewhere
        and everywhere while the gate is off; 0 on padding. (High-surprisal positive tokens raise the entropy,
        high-surprisal negative ones lower it: O1 amplifies the first, C2 also damps the second.)
@@ -84,9 +87,10 @@ class STARE(Variant):
     ``STAREController``; defaults ``P = 10%, W = 1.1, M = 0.9, H_tgt = 0.3``); it multiplies the per-token clipped
     surrogate by ``w``, which equals weighting the advantage for ``w > 0``. mmrl's differences, not claimed parity:
     the anchor ranks surprisal under the current policy within each loss micro-batch and gates on the batch's mean
-    *full-distribution* token entropy; a ``transform`` sees only the sampling policy's ``old_logps`` over this
-    process's batch, so ``H`` is the mean sampled-token surprisal (a Monte-Carlo estimate of the mean token entropy)
-    and the quantiles are over the local batch, once per update.
+    *full-distribution* token entropy; a ``transform`` sees the sampling policy's ``old_logps``, so ``H`` is the
+    mean sampled-token surprisal (a Monte-Carlo estimate of the mean token entropy) and ``H`` and the ranks are
+    taken over the whole update's batch (every process's tokens: the same weights, and the same adaptive ``W``/``M``
+    on every process, for any process count), once per update.
 
     VLM only: STARE's analysis is over next-token distributions; a flow policy's ``old_logps`` are Gaussian
     log-densities of continuous steps, whose negative is no surprisal or entropy (it can be negative and is set by
@@ -106,33 +110,35 @@ class STARE(Variant):
         self.reweight_w = float(self.options.reweight_w)
         self.reweight_m = float(self.options.reweight_m)
 
-    def weights(self, advantages: Tensor, old_logps: Tensor, mask: Tensor) -> Tensor:
-        """The STARE weights ``[N, T]`` (0 on padding); updates the adaptive ``W``/``M`` first when enabled."""
+    def weights(self, advantages: Tensor, old_logps: Tensor, mask: Tensor, accelerator: Any = None) -> Tensor:
+        """The STARE weights ``[N, T]`` (0 on padding) of this process's samples, with ``H`` and the surprisal ranks
+        taken over every process's batch (``accelerator``); updates the adaptive ``W``/``M`` first when enabled."""
         o = self.options
         adv = _token_advantages(advantages, mask)
         surprisal = -old_logps.to(adv.dtype)
         active = (mask > 0) & torch.isfinite(surprisal)
         weights = active.to(adv.dtype)
-        if not bool(active.any()):
+        tokens = global_mean(active.sum().double().reshape(1), accelerator)  # > 0 iff any process has a token
+        if tokens == 0:
             return weights
-        entropy = float(surprisal[active].mean())
+        entropy = global_mean(surprisal[active], accelerator)
         if o.adaptive and o.alpha > 0:
             sign = float(math.copysign(1.0, o.target_entropy - entropy)) if entropy != o.target_entropy else 0.0
             self.reweight_w = min(max(self.reweight_w + o.alpha * sign, 1.0), o.w_max)
             self.reweight_m = min(max(self.reweight_m - o.alpha * sign, o.m_min), 1.0)
         if not entropy < o.target_entropy:
             return weights
-        plus = top_surprisal(active & (adv > 0), surprisal, o.top_ratio)
+        plus = top_surprisal(active & (adv > 0), surprisal, o.top_ratio, accelerator)
         weights = torch.where(plus, torch.full_like(weights, self.reweight_w), weights)
         if o.mode == "C2":
-            minus = top_surprisal(active & (adv < 0), surprisal, o.top_ratio)
+            minus = top_surprisal(active & (adv < 0), surprisal, o.top_ratio, accelerator)
             weights = torch.where(minus, torch.full_like(weights, self.reweight_m), weights)
         return weights
 
     def transform(self, ctx: TransformContext) -> Tensor:
         r = ctx.rollout
         adv = _token_advantages(ctx.advantages, r.mask)
-        w = self.weights(ctx.advantages, r.old_logps, r.mask)
+        w = self.weights(ctx.advantages, r.old_logps, r.mask, ctx.accelerator)
         return torch.where(w > 0, adv * w, torch.zeros_like(adv))
 
     def state_dict(self) -> dict[str, Any]:

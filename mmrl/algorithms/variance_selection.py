@@ -24,7 +24,9 @@ class VarianceSelectionOptions:
 @register
 class VarianceSelection(Variant):
     """:func:`mmrl.core.variants.select_top_variance_groups` over the pool of ``rounds`` sampling rounds: the
-    ``prompts_per_step`` groups with the largest population variance of their advantage input (ties: first drawn)."""
+    ``prompts_per_step`` groups with the largest population variance of their advantage input (ties: first drawn).
+    Each process selects its own ``prompts_per_step`` from its own pool (every process trains the same number of
+    groups), so which prompts are trained depends on the process count."""
 
     name = "variance_selection"
     summary = "oversample prompts and train on the groups with the largest reward variance"
