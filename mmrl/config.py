@@ -470,10 +470,17 @@ def import_attribute(spec: str) -> Any:
                          f"{type(exc).__name__}: {exc}{where}") from None
 
 
+#: the tiny random models ``model.pretrained: tiny:<kind>`` builds, per model.family (pipelines.flow.tiny and
+#: pipelines.vlm.tiny's builders)
+TINY_KINDS = {"sd3": ("sd3",), "flux": ("flux",), "qwen_vl": ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")}
+#: transformers' attention kernels (``attn_implementation``)
+ATTENTION_KERNELS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
+
 #: fields of the shared sections that one family reads and the other ignores (a set one is warned about)
 VLM_ONLY_FIELDS = {"data": ("dataset", "skip_bad_samples"),
                    "model": ("freeze_vision", "attn_implementation", "share_prompt_prefix")}
-FLOW_ONLY_FIELDS = {"data": ("prompts", "prompt_list", "eval_prompts", "eval_seeds"), "model": ("resolution",)}
+FLOW_ONLY_FIELDS = {"data": ("prompts", "prompt_list", "eval_prompts", "eval_seeds"), "model": ("resolution",),
+                    "train": ("sample_batch_size", "overlap_scoring")}
 
 
 def _changed_fields(section: Any) -> list[str]:
@@ -862,6 +869,65 @@ def _check_engine(g: GenerationConfig, *, check_files: bool) -> None:
         raise ConfigError(problem)
 
 
+#: (section, fields, what they need, whether a config has it): fields read only under another setting, so that
+#: setting one without it changes nothing (logged as ignored); flow-only ones are checked on flow configs (a VLM
+#: config's sampling.* is ignored as a whole, with a warning)
+def _dependent_fields(config: Config, flow: bool) -> list[tuple[str, tuple[str, ...], str, bool]]:
+    s, m, o, g, a = config.sampling, config.model, config.optim, config.generation, config.algorithm
+    rules = [
+        ("model", ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules"), "model.use_lora: true",
+         m.use_lora),
+        ("optim", ("ema_decay", "ema_update_interval", "ema_warmup"), "optim.ema: true", o.ema),
+        ("algorithm", ("sampler_correction_max", "sampler_correction_min"),
+         "an algorithm.sampler_correction other than none (the bounds of its weights)",
+         a.sampler_correction != "none"),
+        ("eval", ("limit",), "eval.every > 0 (benchmarks during training; `mmrl eval` takes its own limit=)",
+         config.eval.every > 0),
+    ]
+    if flow:
+        rules += [
+            ("sampling", ("window_size",), "sampling.train_steps: random_window or sliding_window",
+             s.train_steps in ("random_window", "sliding_window")),
+            ("sampling", ("window_shift_every",), "sampling.train_steps: sliding_window",
+             s.train_steps == "sliding_window"),
+            ("sampling", ("timestep_fraction",), "sampling.train_steps: fraction or random_fraction",
+             s.train_steps in ("fraction", "random_fraction")),
+            ("sampling", ("merge_threshold", "merge_groups"), "sampling.train_steps: entropy_merge",
+             s.train_steps == "entropy_merge"),
+            ("sampling", ("intermediate",), "a variant that uses the intermediate images (step_gain, "
+             "turning_point, ...; `mmrl variants`)", _uses_intermediate_images(config)),
+            ("sampling", ("noise_level",), "an empty sampling.noise_schedule (a schedule gives every step's level)",
+             not s.noise_schedule),
+        ]
+    else:
+        rules += [
+            ("generation", ("max_tool_calls", "tool_response_template"), "generation.tools", bool(g.tools)),
+            ("generation", ("video_fps", "video_max_frames"), "generation.video_nframes: null (a fixed frame "
+             "count takes neither: qwen-vl-utils' rule)", g.video_nframes is None),
+        ]
+    return rules
+
+
+def _uses_intermediate_images(config: Config) -> bool:
+    from mmrl.algorithms.base import VariantError, build_variants
+
+    try:
+        return any("intermediate_images" in v.needs for v in build_variants(config))
+    except (VariantError, ValueError):
+        return True  # the variants' own error is reported where they are built
+
+
+def _check_dependent_fields(config: Config, flow: bool) -> None:
+    """Log a field set (away from its default) where nothing reads it (:func:`_dependent_fields`) as ignored, as
+    the other family's fields are: a warning, not an error, so that turning a setting off on the command line
+    (``model.use_lora=false`` on a LoRA recipe) and resuming that run from its saved config keep working."""
+    for section, keys, needs, present in _dependent_fields(config, flow):
+        changed = [f"{section}.{k}" for k in keys if k in _changed_fields(getattr(config, section))]
+        if changed and not present:
+            logger.warning("%s ignored: %s only with %s, which this config does not have", ", ".join(changed),
+                           "it applies" if len(changed) == 1 else "they apply", needs)
+
+
 def validate(config: Config, *, check_files: bool = True) -> None:
     """Range checks that types alone cannot express, and (``check_files``) what this machine must have: the
     named input files (relative paths from the working directory), the ``resume`` checkpoint, wandb when
@@ -876,6 +942,13 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         (bool(config.output_dir.strip()), "output_dir must not be empty"),
         (not Path(config.output_dir).is_file(), f"output_dir={config.output_dir} is a file; name a folder"),
         (bool(m.pretrained.strip()), "model.pretrained must name a model: a hub id, a local folder or tiny:<kind>"),
+        (not m.pretrained.startswith("tiny:") or m.pretrained[5:] in TINY_KINDS.get(m.family, ()),
+         f"model.pretrained={m.pretrained}: the tiny random models of model.family={m.family} are "
+         f"{', '.join('tiny:' + k for k in TINY_KINDS.get(m.family, ()))}"),
+        (m.attn_implementation is None or m.attn_implementation in ATTENTION_KERNELS
+         or "/" in m.attn_implementation or m.attn_implementation.startswith("paged|"),
+         f"model.attn_implementation={m.attn_implementation!r}: transformers' kernels are "
+         f"{', '.join(ATTENTION_KERNELS)} (or a hub kernel, 'owner/repo'); null picks its default"),
         (not m.use_lora or m.lora_rank >= 1, "model.lora_rank must be >= 1 (or model.use_lora: false)"),
         (not m.use_lora or m.lora_alpha > 0, "model.lora_alpha must be > 0"),
         (0.0 <= m.lora_dropout < 1.0, "model.lora_dropout must be in [0, 1)"),
@@ -937,6 +1010,12 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         (s.num_steps >= 2, "sampling.num_steps must be >= 2"),
         (0.0 < s.timestep_fraction <= 1.0, "sampling.timestep_fraction must be in (0, 1]"),
         (s.noise_level is None or s.noise_level >= 0.0, "sampling.noise_level must be >= 0"),
+        (not flow or s.sde == "cps" or ((s.noise_level is None or s.noise_level > 0.0)
+                                        and all(not _is_number(x) or x > 0 for x in s.noise_schedule)),
+         f"sampling.noise_level (and every sampling.noise_schedule entry) must be > 0 for sde={s.sde}: its step "
+         f"log-probability divides by the noise (0 is allowed with sde: cps only)"),
+        (s.guidance_scale >= 0.0, "sampling.guidance_scale must be >= 0 (SD3: 1 or less disables classifier-free "
+                                  "guidance; FLUX: the distilled guidance input)"),
         (s.window_size >= 1, "sampling.window_size must be >= 1"),
         (s.window_shift_every >= 1, "sampling.window_shift_every must be >= 1"),
         (d.group_size >= 2, "data.group_size must be >= 2 (group-relative advantages need a group)"),
@@ -946,14 +1025,16 @@ def validate(config: Config, *, check_files: bool = True) -> None:
                                                                      "train.gradient_accumulation_steps must be >= 1"),
         (t.timestep_chunk >= 0, "train.timestep_chunk must be >= 0"),
         (a.clip_low > 0 and (a.clip_high is None or a.clip_high > 0), "algorithm.clip_low/clip_high must be > 0"),
+        (a.clip_low < 1, "algorithm.clip_low must be < 1: the ratio's lower bound is 1 - clip_low, and a ratio is "
+                         "never below 0 (TRL's epsilon, 0.2 by default)"),
         (a.delta is None or a.delta > 1.0 + (a.clip_low if a.clip_high is None else a.clip_high),
          "algorithm.delta (two-sided clipping) must be > 1 + clip_high (the clip range's upper end); INTELLECT-2 "
          "uses 4 with 0.2"),
         (a.eps >= 0, "algorithm.eps must be >= 0"),
         (a.sampler_correction_max is None or a.sampler_correction_max > 0,
          "algorithm.sampler_correction_max must be > 0 (or null)"),
-        (a.sampler_correction_min is None or a.sampler_correction_max is None
-         or 0 <= a.sampler_correction_min <= a.sampler_correction_max,
+        (a.sampler_correction_min is None or (a.sampler_correction_min >= 0 and (
+            a.sampler_correction_max is None or a.sampler_correction_min <= a.sampler_correction_max)),
          "algorithm.sampler_correction_min must be in [0, sampler_correction_max]"),
         ((config.model.family == "qwen_vl" and config.generation.engine == "vllm")
          or (a.sampler_correction is None and a.sampler_correction_max == SAMPLER_CORRECTION_MAX
@@ -976,8 +1057,9 @@ def validate(config: Config, *, check_files: bool = True) -> None:
          "optim.ema_every_minibatch is how the EMA is updated: set optim.ema: true (or, without an EMA, "
          "optim.ema_every_minibatch: false)"),
         (config.logging.keep_last >= 1, "logging.keep_last must be >= 1"),
-        (config.optim.ema_update_interval >= 1 and 0.0 <= config.optim.ema_decay <= 1.0,
-         "optim.ema_update_interval must be >= 1 and optim.ema_decay in [0, 1]"),
+        (config.optim.ema_update_interval >= 1 and 0.0 <= config.optim.ema_decay < 1.0,
+         "optim.ema_update_interval must be >= 1 and optim.ema_decay in [0, 1) (at 1 the EMA never moves from "
+         "the initial weights, and evaluations and exports read it)"),
         (config.model.family != "flux" or not s.negative_prompt,
          "sampling.negative_prompt must be empty for model.family=flux: FLUX.1 is guidance-distilled "
          "(sampling.guidance_scale is its distilled-guidance input); there is no classifier-free guidance for a "
@@ -995,6 +1077,7 @@ def validate(config: Config, *, check_files: bool = True) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    _check_dependent_fields(config, flow)
     if s.train_steps in ("random_window", "sliding_window"):
         trainable = s.num_steps - 1
         if s.window_size > trainable:

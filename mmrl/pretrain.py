@@ -72,6 +72,7 @@ stage layout and its single step counter, the whole-prompt dropout, and which co
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -85,8 +86,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmrl.config import ConfigError, _build, _non_finite_floats, _set_dotted, config_to_dict, dump_config, opt, \
-    parse_overrides, read_config_file, yaml_key_lines
+from mmrl.config import ConfigError, _build, _changed_fields, _non_finite_floats, _set_dotted, config_to_dict, \
+    dump_config, opt, parse_overrides, read_config_file, yaml_key_lines
 
 __all__ = ["PretrainConfig", "load_pretrain_config", "run_pretrain", "main", "flow_matching_loss",
            "sample_flow_timesteps", "build_tokenizers", "PretrainStopped"]
@@ -313,6 +314,16 @@ def validate_pretrain(config: PretrainConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    changed = _changed_fields(v)
+    for keys, unread, why in ((("batch_size", "lr", "kl_weight"), v.steps == 0, "stage 1 is skipped (vae.steps: 0)"),
+                              (("block_out_channels", "layers_per_block", "latent_channels", "norm_num_groups",
+                                "mid_attention"), v.pretrained is not None,
+                               "vae.pretrained brings its own architecture"),
+                              (("stats_images",), c.init_from is not None,
+                               "init_from brings its VAE's latent statistics")):
+        named = [f"vae.{k}" for k in keys if k in changed]
+        if unread and named:  # logged, as mmrl train's unread fields are (an override may turn a stage off)
+            logging.getLogger("mmrl.pretrain").warning("%s ignored: %s", ", ".join(named), why)
 
 
 def pretrain_config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> PretrainConfig:

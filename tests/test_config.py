@@ -191,6 +191,15 @@ RANGE_ERRORS = [
      "cfg_detach_uncond: false changes the gradient of classifier-free guidance's unconditional half"),
     (["algorithm.kl_estimator=low_var_kl", "algorithm.beta=0.04"],
      "kl_estimator=low_var_kl applies to VLM policies"),
+    # values that crashed deep in the first rollout or silently meant nothing
+    (["sampling.noise_level=0"], r"must be > 0 for sde=flow_grpo: its step log-probability divides by the noise"),
+    (["sampling.noise_level=null", "sampling.sde=dance", "sampling.num_steps=3", "sampling.noise_schedule=[0.5, 0, 0.5]"],
+     r"must be > 0 for sde=dance"),
+    (["sampling.guidance_scale=-3"], "sampling.guidance_scale must be >= 0"),
+    (["optim.ema=true", "optim.ema_decay=1.0"], r"optim.ema_decay in \[0, 1\) \(at 1 the EMA never moves"),
+    (["algorithm.clip_low=2"], "algorithm.clip_low must be < 1"),
+    (["model.pretrained=tiny:bogus"], r"model.pretrained=tiny:bogus: the tiny random models of model.family=sd3 are "
+                                      r"tiny:sd3"),
 ]
 
 
@@ -249,15 +258,91 @@ def test_the_section_the_other_family_reads_is_named_as_ignored(caplog):
     assert "data.prompt_list, model.resolution ignored: they are read by flow policies" in caplog.text
 
 
+VLM_ERRORS = [
+    (["generation.engine=vllm", "algorithm.sampler_correction_max=null", "algorithm.sampler_correction_min=-1"],
+     r"algorithm.sampler_correction_min must be in \[0, sampler_correction_max\]"),
+    (["model.attn_implementation=bogus"], r"model.attn_implementation='bogus': transformers' kernels are eager, sdpa"),
+    (["model.pretrained=tiny:sd3"], r"the tiny random models of model.family=qwen_vl are tiny:qwen2_5_vl"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", VLM_ERRORS, ids=[o[0] for o, _ in VLM_ERRORS])
+def test_vlm_values_that_would_fail_at_load_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(VLM, overrides, check_files=False)
+
+
+UNREAD = [  # (config, overrides, the warning): each was accepted silently and changed nothing
+    (TINY_RECIPE, ["model.use_lora=false", "model.lora_rank=64", "model.lora_dropout=0.5"],
+     "model.lora_rank, model.lora_alpha, model.lora_dropout, model.lora_target_modules ignored: they apply only "
+     "with model.use_lora: true"),
+    (TINY_RECIPE, ["optim.ema_decay=0.5"], "optim.ema_decay ignored: it applies only with optim.ema: true"),
+    (TINY_RECIPE, ["sampling.window_size=5"], "sampling.window_size ignored: it applies only with "
+                                              "sampling.train_steps: random_window or sliding_window"),
+    (TINY_RECIPE, ["sampling.train_steps=random_window", "sampling.window_shift_every=5"],
+     "sampling.window_shift_every ignored: it applies only with sampling.train_steps: sliding_window"),
+    (TINY_RECIPE, ["sampling.train_steps=sliding_window", "sampling.timestep_fraction=0.3"],
+     "sampling.timestep_fraction ignored: it applies only with sampling.train_steps: fraction or random_fraction"),
+    (TINY_RECIPE, ["sampling.merge_groups=3"], "sampling.merge_groups ignored: it applies only with "
+                                               "sampling.train_steps: entropy_merge"),
+    (TINY_RECIPE, ["sampling.intermediate=x0"], "sampling.intermediate ignored: it applies only with a variant that "
+                                                "uses the intermediate images"),
+    (TINY_RECIPE, ["eval.limit=3"], "eval.limit ignored: it applies only with eval.every > 0"),
+    (TINY_RECIPE, ["sampling.num_steps=3", "sampling.noise_schedule=[0.5, 0.5, 0.5]"],
+     "sampling.noise_level ignored: it applies only with an empty sampling.noise_schedule"),
+    (VLM, ["generation.max_tool_calls=0", "generation.tool_response_template=x"],
+     "generation.max_tool_calls, generation.tool_response_template ignored: they apply only with generation.tools"),
+    (VLM, ["generation.video_nframes=16", "generation.video_max_frames=4", "generation.video_fps=8"],
+     "generation.video_fps, generation.video_max_frames ignored: they apply only with generation.video_nframes: "
+     "null"),
+    (VLM, ["generation.engine=vllm", "algorithm.sampler_correction=none", "algorithm.sampler_correction_max=10"],
+     "algorithm.sampler_correction_max ignored: it applies only with an algorithm.sampler_correction other than "
+     "none"),
+    (VLM, ["train.sample_batch_size=3", "train.overlap_scoring=true"],
+     "train.sample_batch_size, train.overlap_scoring ignored: they are read by flow policies"),
+]
+
+
+@pytest.mark.parametrize("config,overrides,warning", UNREAD, ids=[o[-1] for _, o, _ in UNREAD])
+def test_fields_read_only_under_another_setting_are_logged_as_ignored(caplog, config, overrides, warning):
+    """A warning, not an error: turning a setting off on the command line (``model.use_lora=false`` on a LoRA recipe,
+    as the README's full fine-tuning runs do) and resuming that run from its saved config.yaml must keep working."""
+    with caplog.at_level("WARNING", logger="mmrl.config"):
+        load_config(config, overrides, check_files=False)
+    assert warning in caplog.text
+
+
+def test_fields_that_need_another_setting_are_quiet_with_it(caplog):
+    with caplog.at_level("WARNING", logger="mmrl.config"):
+        load_config(TINY_RECIPE, ["model.use_lora=true", "model.lora_rank=64", "optim.ema=true",
+                                  "optim.ema_decay=0.5", "sampling.train_steps=sliding_window",
+                                  "sampling.window_size=3", "sampling.window_shift_every=5",
+                                  "sampling.intermediate=x0", "algorithm.variants=[step_gain]", "eval.every=2",
+                                  "eval.benchmarks=[ocr]", "eval.limit=3", "sampling.noise_level=0",
+                                  "sampling.sde=cps"], check_files=False)
+        load_config(VLM, ["generation.tools=[crop]", "generation.max_tool_calls=3", "generation.video_fps=8",
+                          "model.attn_implementation=kernels-community/flash-attn", "model.pretrained=tiny:qwen3_vl"],
+                    check_files=False)
+    assert "ignored" not in caplog.text
+
+
+def test_tiny_kinds_are_the_builders():
+    from mmrl.config import TINY_KINDS
+    from mmrl.pipelines.flow import tiny as flow_tiny
+    from mmrl.pipelines.vlm import tiny as vlm_tiny
+
+    assert set(TINY_KINDS["sd3"] + TINY_KINDS["flux"]) == set(flow_tiny._BUILDERS)
+    assert set(TINY_KINDS["qwen_vl"]) == set(vlm_tiny._BUILDERS)
+
+
 def test_every_numeric_field_has_a_range_check_or_is_unbounded():
     """Guard for new fields: each int/float field is named in validate() or listed here as free."""
     import inspect
 
     import mmrl.config as module
 
-    free = {"seed", "guidance_scale", "merge_threshold", "merge_groups", "noise_level", "timestep_fraction",
-            "window_size", "window_shift_every", "eps", "std_ddof", "clip_low", "clip_high", 
-            "ema_decay", "ema_update_interval", "keep_last", "steps", "inner_epochs",
+    free = {"seed", "merge_threshold", "merge_groups", "noise_level", "timestep_fraction",
+            "window_size", "window_shift_every", "eps", "std_ddof", "clip_high", "ema_update_interval", "keep_last", "steps", "inner_epochs",
             "batch_size", "gradient_accumulation_steps", "timestep_chunk", "num_steps", "group_size",
             "prompts_per_step", "temperature", "top_p", "max_new_tokens", "max_prompt_length", "resolution"}
     source = inspect.getsource(module.validate)

@@ -188,6 +188,20 @@ def test_unknown_key_is_one_line_error_naming_file_line_and_nearest_key(tmp_path
         load_pretrain_config(good, ["train.cfg_dropout=1.0"])
 
 
+def test_vae_fields_no_stage_reads_are_logged_as_ignored(tmp_path, caplog):
+    good = write_config(tmp_path / "good.yaml", tmp_path / "run")
+    with caplog.at_level("WARNING", logger="mmrl.pretrain"):
+        load_pretrain_config(good, ["vae.pretrained=/x", "vae.steps=0", "vae.lr=50.0", "vae.latent_channels=9"])
+        load_pretrain_config(good, ["init_from=/y", "vae.steps=0", "vae.stats_images=8"])
+    assert "vae.lr ignored: stage 1 is skipped (vae.steps: 0)" in caplog.text
+    assert "vae.latent_channels ignored: vae.pretrained brings its own architecture" in caplog.text
+    assert "vae.stats_images ignored: init_from brings its VAE's latent statistics" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mmrl.pretrain"):
+        load_pretrain_config(good, ["vae.lr=5e-4", "vae.stats_images=8"])  # stage 1 runs: both read
+    assert "ignored" not in caplog.text
+
+
 class Recorder(torch.nn.Module):
     """Stands in for SD3Transformer2DModel: records its inputs, returns a fixed velocity."""
 
