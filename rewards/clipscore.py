@@ -15,13 +15,17 @@ Score, computed in float32 on the L2-normalised projected embeddings::
 
 * Hessel et al.'s CLIPScore: ``2.5 * max(cos, 0)`` with the caption prefixed by
   ``"A photo depicts "`` (``scale=2.5, prompt_prefix="A photo depicts "``; their backbone is ViT-B/32);
-* torchmetrics' ``CLIPScore``: ``100 * max(cos, 0)`` (``scale=100``);
-* Flow-GRPO's ``clip_scorer.py``: ``logits_per_image / 30 = 100 * cos / 30``, not clipped, with a
-  torchvision tensor resize instead of the processor's PIL resize (``scale=100/30, clip_at_zero=False``
-  reproduces the formula; the resampling differs slightly).
+* torchmetrics' ``CLIPScore``: ``100 * max(cos, 0)`` (``scale=100``; torchmetrics clamps the batch's *mean*
+  at 0, mmrl each sample: the same unless some cosine is negative);
+* Flow-GRPO's ``flow_grpo/clip_scorer.py`` (``convention="flow_grpo"``): ``logits_per_image.diagonal() / 30``,
+  that is ``logit_scale.exp() * cos / 30`` with the model's own logit scale (100 for ViT-L/14), not clipped, on
+  the float images as given (no uint8 quantisation) through torchvision tensor transforms built from the
+  processor's config: ``Resize(shortest_edge)`` (torchvision's default bilinear, antialiased),
+  ``CenterCrop`` (torchvision's rounded offset) and ``Normalize``.
 
-Tensor images are quantised to uint8 PIL first (``round(x * 255)``), as for PickScore. The text tower
-runs once per unique prompt; image batches are chunked by ``batch_size``.
+With the default ``convention="clip"``, tensor images are quantised to uint8 PIL first (``round(x * 255)``),
+as for PickScore, and take the processor's PIL bicubic resize. The text tower runs once per unique prompt;
+image batches are chunked by ``batch_size``.
 
 :func:`load_clip` (model + processor from a hub id, a local directory or built objects, with the
 missing-weights checks) is shared with :mod:`~mmrl.rewards.aesthetic`.
@@ -45,7 +49,7 @@ from ._base import (
 )
 from .pickscore import _MODEL_FILES, _PROCESSOR_FILES, _embedding
 
-__all__ = ["CLIPScore", "load_clip", "DEFAULT_CLIP"]
+__all__ = ["CLIPScore", "load_clip", "flow_grpo_pixels", "DEFAULT_CLIP"]
 
 DEFAULT_CLIP = "openai/clip-vit-large-patch14"
 
@@ -122,6 +126,7 @@ class CLIPScore(Reward):
         prompt_prefix: str = "",
         batch_size: int = 32,
         max_length: int = 77,
+        convention: str = "clip",
     ):
         """Args:
         model: hub id or local directory of a transformers ``CLIPModel`` (the backbone), or a built
@@ -130,13 +135,22 @@ class CLIPScore(Reward):
         device: default CUDA if available, else CPU (a built model stays put unless given).
         dtype: model dtype (default float32 when loading); the cosine is computed in float32.
         scale: the weight ``w`` in ``w * max(cos, 0)``; 1.0 = plain cosine clipped at 0,
-            2.5 = Hessel et al., 100 = torchmetrics, 100/30 = Flow-GRPO (with ``clip_at_zero=False``).
+            2.5 = Hessel et al., 100 = torchmetrics (Flow-GRPO: ``convention="flow_grpo"``).
         clip_at_zero: clip negative cosines to 0 (CLIPScore's definition); False keeps the sign.
         prompt_prefix: prepended to every prompt (Hessel et al.: ``"A photo depicts "``).
         batch_size: images per vision forward.
         max_length: token truncation length (CLIP: 77).
+        convention: ``"clip"`` (``scale * max(cos, 0)`` on the processor's PIL pipeline) or ``"flow_grpo"``
+            (Flow-GRPO's ``clip_scorer.py``: ``logit_scale.exp() * cos / 30`` on torchvision tensor transforms;
+            ``scale`` and ``clip_at_zero`` are then its own, and giving them is an error).
         """
         super().__init__()
+        if convention not in ("clip", "flow_grpo"):
+            raise ValueError(f"convention must be 'clip' or 'flow_grpo', got {convention!r}")
+        if convention == "flow_grpo" and (scale != 1.0 or clip_at_zero is not True):
+            raise ValueError("convention='flow_grpo' scores logit_scale.exp() * cos / 30, unclipped, as Flow-GRPO's "
+                             "clip_scorer.py: leave scale and clip_at_zero out")
+        self.convention = convention
         self.model, self.processor = load_clip(model, processor, device, dtype, "CLIPScore")
         self.scale = float(scale)
         if not math.isfinite(self.scale):
@@ -162,13 +176,53 @@ class CLIPScore(Reward):
         emb = _embedding(self.model.get_text_features(**tokens)).float()
         return emb / emb.norm(dim=-1, keepdim=True)
 
-    def image_embeddings(self, images: list) -> torch.Tensor:
-        """L2-normalised float32 image embeddings ``[len(images), D]`` for PIL images."""
-        return clip_image_embeddings(self.model, self.processor, images, self.batch_size)
+    def image_embeddings(self, images) -> torch.Tensor:
+        """L2-normalised float32 image embeddings ``[len(images), D]``: PIL images (``convention="clip"``), or an
+        :class:`ImageBatch` whose float images go through :func:`flow_grpo_pixels` (``convention="flow_grpo"``)."""
+        if not isinstance(images, ImageBatch):
+            return clip_image_embeddings(self.model, self.processor, images, self.batch_size)
+        param = next(self.model.parameters())
+        order, chunks = [], []
+        for positions, floats in images.float_groups():  # one tensor per image size
+            for start in range(0, len(positions), self.batch_size):
+                pixels = flow_grpo_pixels(floats[start : start + self.batch_size], self.processor.image_processor)
+                chunks.append(_embedding(self.model.get_image_features(
+                    pixel_values=pixels.to(param.device, param.dtype))).float())
+                order += positions[start : start + self.batch_size]
+        emb = torch.cat(chunks)[torch.argsort(torch.tensor(order)).to(param.device)]
+        return emb / emb.norm(dim=-1, keepdim=True)
 
     @torch.inference_mode()
     def _score(self, batch: ImageBatch, reasons: dict[int, str]) -> dict[str, torch.Tensor]:
-        cos = prompt_image_cosine(batch, self.text_embeddings, self.image_embeddings)
+        flow_grpo = self.convention == "flow_grpo"
+        cos = prompt_image_cosine(batch, self.text_embeddings, self.image_embeddings, pass_batch=flow_grpo)
+        if flow_grpo:
+            return {self.name: (self.model.logit_scale.float().exp() * cos / 30.0).cpu()}
         if self.clip_at_zero:
             cos = cos.clamp_min(0.0)
         return {self.name: (self.scale * cos).cpu()}
+
+
+def flow_grpo_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
+    """Float images ``[N, 3, H, W]`` in [0, 1] -> CLIP pixel values as Flow-GRPO's ``clip_scorer.py`` makes them:
+    torchvision tensor transforms from the processor's config (``Resize`` of the shortest edge, or to height x
+    width, with torchvision's default bilinear antialiased interpolation; ``CenterCrop``; ``Normalize`` with the
+    processor's mean and std), each only where the processor's ``do_*`` flag is on; no uint8 quantisation."""
+    import torchvision.transforms.functional as TF
+
+    def size(value):
+        if isinstance(value, int):
+            return [value, value]
+        if "height" in value and "width" in value:
+            return [value["height"], value["width"]]
+        return value["shortest_edge"]
+
+    config = image_processor.to_dict()
+    pixels = images.float()
+    if config.get("do_resize"):
+        pixels = TF.resize(pixels, size(config["size"]), antialias=True)
+    if config.get("do_center_crop"):
+        pixels = TF.center_crop(pixels, size(config["crop_size"]))
+    if config.get("do_normalize"):
+        pixels = TF.normalize(pixels, mean=image_processor.image_mean, std=image_processor.image_std)
+    return pixels

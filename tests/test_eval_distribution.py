@@ -414,6 +414,48 @@ def test_too_few_images_give_null_with_the_reason(inception, tmp_path, fast_frec
     assert not fast_frechet
 
 
+def test_non_finite_features_give_null_fid_and_kid_naming_the_side(inception, tmp_path, fast_frechet,
+                                                                    monkeypatch):
+    """A NaN in the features (a corrupt cache): both metrics null with the side and the row count (KID was null
+    with no reason, FID's reason a SciPy internal error)."""
+    noise_images(tmp_path / "ref", 3, seed=1)
+    out = tmp_path / "out"
+    rows = eval_folder(out, noise_images(tmp_path / "gen", 3, seed=2))
+    scorer = fid_scorer(tmp_path / "ref", inception)
+    original = type(scorer)._generated_features
+
+    def poisoned(self, present, out):
+        features = original(self, present, out).copy()
+        features[1, 5] = np.nan
+        return features
+
+    monkeypatch.setattr(type(scorer), "_generated_features", poisoned)
+    metrics = scorer.summarize(rows, [], out)
+    assert metrics["fid"] is None and metrics["kid"] is None
+    assert metrics["fid_reason"] == metrics["kid_reason"]
+    assert metrics["kid_reason"].startswith("1 generated feature rows hold NaN or inf")
+    assert not fast_frechet  # clean-fid's frechet_distance is not called on them
+    from mmrl.eval.runner import _headline
+
+    assert _headline(metrics, "fid") == (f"fid nan ({metrics['fid_reason']}), kid nan ({metrics['kid_reason']})")
+    assert _headline({"fid": 12.5, "kid": 0.01, "fid_reason": None}, "fid") == "fid 12.5, kid 0.01"
+
+
+def test_paths_with_a_tilde_are_the_home_folder_and_one_reference_image_is_too_few(inception, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    noise_images(tmp_path / "ref", 2, seed=1)
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / dist.INCEPTION_FILE).write_bytes(inception.read_bytes())
+    settings = dist._fid_settings(EvalOptions(benchmarks=["fid@drawbench"], extra={
+        "reference_images": "~/ref", "inception": "~/weights"}))
+    assert settings["reference_images"] == str(tmp_path / "ref") and len(settings["reference_files"]) == 2
+    assert settings["inception"] == str(tmp_path / "weights" / dist.INCEPTION_FILE)
+    noise_images(tmp_path / "one", 1, seed=1)
+    with pytest.raises(EvalError, match="reference_images=~/one: one image file in it .*FID and KID need 2 or more"):
+        dist._fid_settings(EvalOptions(benchmarks=["fid@drawbench"], extra={
+            "reference_images": "~/one", "inception": "~/weights"}))
+
+
 def test_a_reference_image_cut_short_is_an_error_naming_it(inception, tmp_path, fast_frechet):
     refs = noise_images(tmp_path / "ref", 4, seed=1)
     truncate_file(refs[2], fraction=0.6)  # its header still reads: found when the features are extracted

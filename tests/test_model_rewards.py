@@ -148,6 +148,44 @@ def test_clipscore_is_scaled_cosine_clipped_at_zero(tiny_clip):
     torch.testing.assert_close(signed(x, PROMPTS)["clipscore"], 100 / 30 * cos, rtol=1e-5, atol=1e-5)
 
 
+def test_clipscore_flow_grpo_convention_is_its_clip_scorer(tiny_clip):
+    """Flow-GRPO's flow_grpo/clip_scorer.py, written out: torchvision Compose(Resize(shortest edge), CenterCrop,
+    Normalize) on the float images, the CLIP forward's logits_per_image diagonal / 30 (the model's own logit
+    scale, not 100; unclipped). The default convention quantises to uint8 PIL and takes the processor's bicubic
+    resize: up to 7e-3 apart on resized images (15 % of these scores), and 7x off with scale=100/30 on a model
+    whose logit scale is not 100."""
+    import torchvision.transforms as T
+
+    model, processor = tiny_clip
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(14.28))
+    ip = processor.image_processor
+    transform = T.Compose([T.Resize(ip.size["shortest_edge"]), T.CenterCrop((ip.crop_size["height"],
+                                                                              ip.crop_size["width"])),
+                           T.Normalize(mean=ip.image_mean, std=ip.image_std)])
+    reward = build_reward("clipscore", model=model, processor=processor, convention="flow_grpo", batch_size=2)
+    for height, width in ((40, 48), (104, 152), (32, 32)):
+        x = torch.rand(len(PROMPTS), 3, height, width, generator=torch.Generator().manual_seed(height))
+        texts = processor(text=PROMPTS, padding="max_length", truncation=True, max_length=77,
+                           return_tensors="pt")
+        with torch.no_grad():
+            expected = model(pixel_values=transform(x), **texts).logits_per_image.diagonal() / 30
+        torch.testing.assert_close(reward(x, PROMPTS)["clipscore"], expected, rtol=1e-5, atol=1e-6)
+    # PIL input of mixed sizes: each image as its float tensor, in the batch's order
+    pils = to_pils(torch.rand(2, 3, 40, 48)) + to_pils(torch.rand(1, 3, 36, 36))
+    floats = [torch.from_numpy(np.array(im)).permute(2, 0, 1).float() / 255 for im in pils]
+    texts = processor(text=PROMPTS[:3], padding="max_length", truncation=True, max_length=77,
+                           return_tensors="pt")
+    with torch.no_grad():
+        expected = torch.stack([model(pixel_values=transform(f[None]), **{k: v[i:i + 1] for k, v in texts.items()})
+                                .logits_per_image[0, 0] for i, f in enumerate(floats)]) / 30
+    torch.testing.assert_close(reward(pils, PROMPTS[:3])["clipscore"], expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="leave scale and clip_at_zero out"):
+        build_reward("clipscore", model=model, processor=processor, convention="flow_grpo", scale=100 / 30)
+    with pytest.raises(ValueError, match="convention must be"):
+        build_reward("clipscore", model=model, processor=processor, convention="hessel")
+
+
 def test_clipscore_prompt_prefix_and_pil_input(tiny_clip):
     model, processor = tiny_clip
     x = grid_images(3)

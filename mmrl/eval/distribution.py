@@ -276,16 +276,17 @@ def _folder_digest(folder: Path, files: list[Path]) -> str:
 def _check_reference(value: str) -> tuple[Path, list[Path]]:
     from PIL import Image
 
-    folder = Path(value)
+    folder = Path(value).expanduser()
     if not folder.exists():
         raise EvalError(f"reference_images={value}: no such folder (relative paths resolve from the working "
                         f"directory)")
     if not folder.is_dir():
         raise EvalError(f"reference_images={value}: not a folder (give the folder that holds the reference images)")
     files = reference_files(folder)
-    if not files:
-        raise EvalError(f"reference_images={value}: no image files in it ({', '.join(IMAGE_EXTENSIONS[:5])}, ...; "
-                        f"searched recursively)")
+    if len(files) < 2:
+        raise EvalError(f"reference_images={value}: {'one image file' if files else 'no image files'} in it "
+                        f"({', '.join(IMAGE_EXTENSIONS[:5])}, ...; searched recursively): FID and KID need 2 or more "
+                        f"reference images")
     key = (str(folder.resolve()), tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
     if key not in _CHECKED:  # benchmark() and make_scorer() both check: read the headers once
         for f in files:
@@ -303,7 +304,7 @@ def _check_inception(value: str | None) -> Path:
     fetch = f"clean-fid downloads it from {INCEPTION_URL}; mmrl does not download at run time"
     if value is None:
         raise EvalError(f"fid needs inception=PATH: clean-fid's Inception TorchScript file {INCEPTION_FILE} ({fetch})")
-    path = Path(value)
+    path = Path(value).expanduser()
     if path.is_dir():
         path = path / INCEPTION_FILE
     if not path.is_file():
@@ -340,8 +341,9 @@ def _diversity_settings(options: EvalOptions) -> dict[str, Any]:
     distance = _str_key(options, "diversity_distance", "cosine")
     if distance not in DISTANCES:
         raise EvalError(f"diversity_distance={distance!r}: expected one of {', '.join(DISTANCES)}")
-    path = Path(model)
+    path = Path(model).expanduser()
     if path.is_dir():
+        model = str(path)
         _model_type(model)
     elif path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise EvalError(f"diversity_model={model}: no such folder (a DINOv2 or CLIP checkpoint folder or hub id)")
@@ -575,7 +577,12 @@ class FIDScorer(Scorer):
                              f"counts (clean-fid computes it anyway; published FIDs use 10k-50k images)")
         fid = kid = None
         fid_reason = kid_reason = None
-        if n_gen < 2 or n_ref < 2:
+        broken = [f"{count} {side} feature rows hold NaN or inf" for side, features in (("generated", gen),
+                                                                                      ("reference", ref))
+                  for count in [int((~np.isfinite(features)).any(axis=1).sum())] if count]
+        if broken:  # a corrupt cache or a network gone wrong: neither metric means anything
+            fid_reason = kid_reason = (f"{' and '.join(broken)} (a corrupt feature cache? delete it and rerun)")
+        elif n_gen < 2 or n_ref < 2:
             fid_reason = f"FID needs 2 or more images on each side ({n_gen} generated, {n_ref} reference)"
         else:
             printed = io.StringIO()
@@ -602,7 +609,9 @@ class FIDScorer(Scorer):
                 fid = None
                 fid_reason = failure + (f" (during the call: {'; '.join(said)})" if said else "")
         m = min(n_gen, n_ref, self.kid_subset_size)
-        if m < 2:
+        if broken:
+            pass
+        elif m < 2:
             kid_reason = f"KID needs subsets of 2 or more images ({n_gen} generated, {n_ref} reference)"
         else:
             if m < self.kid_subset_size:
@@ -614,6 +623,8 @@ class FIDScorer(Scorer):
                 kid = _float(kernel_distance(ref, gen, num_subsets=self.kid_subsets, max_subset_size=m))
             finally:
                 np.random.set_state(state)
+            if kid is None:
+                kid_reason = "clean-fid's kernel_distance gave a value that is not a finite number"
         try:
             cache = str(Path(cache).relative_to(out))
         except ValueError:

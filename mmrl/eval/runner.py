@@ -1112,11 +1112,17 @@ def _headline(metrics: Mapping[str, Any], key: str = "") -> str:
         return "nan" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.4g}"
 
     if key:
-        value: Any = metrics
-        for part in key.split("."):
-            value = value.get(part) if isinstance(value, Mapping) else None
-        if not isinstance(value, Mapping):
-            return f"{key} {fmt(value)}"
+        shown = []
+        for name in [key, "kid"] if key == "fid" else [key]:  # clean-fid's pair: FID with its KID
+            value: Any = metrics
+            for part in name.split("."):
+                value = value.get(part) if isinstance(value, Mapping) else None
+            if isinstance(value, Mapping):
+                break
+            reason = metrics.get(f"{name}_reason") if value is None else None  # why there is no number
+            shown.append(f"{name} {fmt(value)}" + (f" ({reason})" if reason else ""))
+        else:
+            return ", ".join(shown)
     return ", ".join(f"{k} {fmt(v['mean'])}" for k, v in metrics.items() if isinstance(v, dict) and "mean" in v)
 
 
