@@ -44,6 +44,36 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def process_rng_states(accelerator: Any = None) -> dict[str, Any]:
+    """What a checkpoint keeps of the random state: this process's (:func:`rng_state`) on one process; with several,
+    every process's in rank order (``{"per_process": [...]}``, a collective: every process calls it), since each
+    was seeded differently (``seed + rank``) and a resume must give each its own stream back."""
+    if accelerator is None or accelerator.num_processes <= 1:
+        return rng_state()
+    from accelerate.utils import gather_object
+
+    return {"per_process": gather_object([rng_state()])}
+
+
+def restore_rng_states(saved: dict[str, Any], accelerator: Any = None, *, reseed: Callable[[int], int]) -> str | None:
+    """Give this process its own saved random state (:func:`process_rng_states`; a checkpoint of one process holds
+    one). When the checkpoint was written by another number of processes, every process is seeded afresh with
+    ``reseed(rank)`` instead (there is no stream of its own to continue) and the returned note says so."""
+    rank = accelerator.process_index if accelerator is not None else 0
+    count = accelerator.num_processes if accelerator is not None else 1
+    states = saved["per_process"] if "per_process" in saved else [saved]
+    if len(states) == count:
+        set_rng_state(states[rank])
+        return None
+    seed = reseed(rank) % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # all devices too
+    return (f"the checkpoint's random state is of {len(states)} process(es), this run has {count}: each process's "
+            f"random stream starts afresh (sampling noise, minibatch order and data order are seeded per update "
+            f"and do not depend on it; dropout does)")
+
+
 def list_checkpoints(directory: str | Path) -> list[Path]:
     """Complete checkpoints under ``directory``, oldest first."""
     directory = Path(directory)
@@ -144,14 +174,50 @@ def save_checkpoint(
         if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
-    if final.exists():
-        shutil.rmtree(final)
+    replaced = directory / f".step_{step}.old-{os.getpid()}"
+    if final.exists():  # the same step written again: the old one set aside first, so no kill leaves neither
+        os.replace(final, replaced)
     os.replace(tmp, final)
+    _fsync_directory(directory)  # the rename is on disk before older checkpoints are pruned
     for old in list_checkpoints(directory)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in directory.glob(".step_*.tmp-*"):
+    for stale in [*directory.glob(".step_*.tmp-*"), *directory.glob(".step_*.old-*")]:
         shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:  # a file system that cannot open folders: the rename stands on its own
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
+
+
+def set_aside_newer(directory: str | Path, step: int) -> list[Path]:
+    """Move this run's checkpoints after ``step`` into ``directory/abandoned/`` (kept, out of reach of
+    ``resume=auto`` and of pruning): a run resumed from an older checkpoint (a rollback) continues from there, and
+    the newer ones of the line it left would otherwise be what the next ``resume=auto`` picks, or what pruning keeps
+    in place of the new steps. Returns where they went."""
+    directory = Path(directory)
+    moved = []
+    for path in list_checkpoints(directory):
+        if int(STEP_DIR.match(path.name).group(1)) <= step:
+            continue
+        target = directory / "abandoned" / path.name
+        suffix = 1
+        while target.exists():
+            target = directory / "abandoned" / f"{path.name}.{suffix}"
+            suffix += 1
+        target.parent.mkdir(exist_ok=True)
+        os.replace(path, target)
+        moved.append(target)
+    return moved
 
 
 class CheckpointError(ValueError):
@@ -203,7 +269,15 @@ def read_state(path: str | Path, required: tuple[str, ...] = ()) -> dict[str, An
     missing = [key for key in required if key not in state]
     if missing:
         raise damaged(path, f"{COMPLETE_MARKER} lacks {', '.join(missing)}")
+    for key, kind in STATE_TYPES.items():  # a hand edit or another version's file: named here, not deep in the loop
+        if key in state and (not isinstance(state[key], kind) or isinstance(state[key], bool)):
+            raise damaged(path, f"{COMPLETE_MARKER}: {key} is {state[key]!r}, not {STATE_KINDS[kind]}")
     return state
+
+
+#: the types of the loop state's keys that commands read back (``update`` / ``step`` counters, mappings)
+STATE_TYPES = {"update": int, "optimizer_steps": int, "step": int, "data": dict, "tracker": dict, "config": dict}
+STATE_KINDS = {int: "a whole number", dict: "a mapping"}
 
 
 def read_trainable(path: str | Path, name: str = "trainable.safetensors") -> dict[str, torch.Tensor]:

@@ -785,6 +785,12 @@ class Pretrainer:
             self.lr_scheduler.load_state_dict(objects["lr_scheduler"])
             if self.ema is not None and "ema" in objects:
                 self.ema.load_state_dict(objects["ema"], self._flow_params())
+        from mmrl.checkpoint import set_aside_newer
+
+        moved = set_aside_newer(self.output_dir / "checkpoints", self.step)  # a rollback: the newer ones set aside
+        if moved:
+            print(f"resume from step {self.step}: the newer checkpoints {', '.join(m.name for m in moved)} moved to "
+                  f"{moved[0].parent}", file=sys.stderr)
 
     # ------------------------------------------------------------------------------------ steps
 

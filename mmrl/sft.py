@@ -828,21 +828,24 @@ class SFTRun:
     # ------------------------------------------------------------------------------------------ checkpoints
 
     def save(self) -> None:
-        from mmrl.checkpoint import rng_state, save_checkpoint
+        from mmrl.checkpoint import process_rng_states, save_checkpoint
 
         acc = self.accelerator
         acc.wait_for_everyone()
+        rng = process_rng_states(acc)  # every process's own stream (a collective)
         if acc.is_main_process:
             state = {"step": self.step, "data": self.source.state_dict(), "config": config_to_dict(self.config)}
             objects = {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict(),
-                       "rng": rng_state()}
+                       "rng": rng}
+            if acc.scaler is not None:  # fp16's loss scale
+                objects["scaler"] = acc.scaler.state_dict()
             save_checkpoint(self.output_dir / "checkpoints", self.step,
                             trainable=self.policy.named_trainable_parameters(), state=state, objects=objects,
                             export=self.policy.export, keep_last=self.config.logging.keep_last)
         acc.wait_for_everyone()
 
     def resume(self) -> int | None:
-        from mmrl.checkpoint import load_checkpoint, load_trainable, set_rng_state
+        from mmrl.checkpoint import damaged, load_checkpoint, load_trainable, restore_rng_states
 
         if self.resume_from is None:
             return None
@@ -854,9 +857,27 @@ class SFTRun:
             raise ConfigError(str(exc)) from None
         self.optimizer.load_state_dict(objects["optimizer"])
         self.lr_scheduler.load_state_dict(objects["lr_scheduler"])
-        set_rng_state(objects["rng"])
-        self.source.load_state_dict(state["data"])
+        if self.accelerator.scaler is not None and "scaler" in objects:
+            self.accelerator.scaler.load_state_dict(objects["scaler"])
+        from mmrl.trainer import _update_seed
+
+        note = restore_rng_states(objects["rng"], self.accelerator,
+                                  reseed=lambda rank: _update_seed(self.config.seed, int(state["step"]), rank))
+        if note and self.accelerator.is_main_process:
+            print(f"resume: {note}", file=sys.stderr)
+        try:  # a state.json edited by hand or written by another version
+            self.source.load_state_dict(state["data"])
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise damaged(self.resume_from, f"state.json's loop state does not fit this run ({type(exc).__name__}: "
+                                            f"{exc})") from None
         self.step = int(state["step"])
+        if self.accelerator.is_main_process:  # a rollback: the newer checkpoints set aside
+            from mmrl.checkpoint import set_aside_newer
+
+            moved = set_aside_newer(self.output_dir / "checkpoints", self.step)
+            if moved:
+                print(f"resume from step {self.step}: the newer checkpoints {', '.join(m.name for m in moved)} "
+                      f"moved to {moved[0].parent}", file=sys.stderr)
         return self.step
 
     def save_final(self) -> Path:

@@ -9,8 +9,12 @@ exactly 1), ``mask [N, T]``, ``prompts``, ``metadata`` and ``group_ids``;
 A reward is ``reward(images, prompts, metadata) -> {name: [N], ..., "total": [N]}`` with ``weights``
 naming the components that enter the advantage (:class:`mmrl.rewards.ComposedReward`). Everything algorithmic comes from :mod:`mmrl.core` by name.
 
-Every random draw of update ``k`` comes from a generator seeded by ``(seed, k, process)``, and every
-piece of loop state is in the checkpoint, so ``2 steps + resume + 2 steps`` equals ``4 steps``.
+Every random draw of update ``k`` comes from a generator seeded by ``(seed, k, process)`` (dropout from each
+process's own global stream, saved per process), and every piece of loop state is in the checkpoint, so a run
+stopped after 2 of 4 updates and resumed equals 4 straight updates. Raising ``train.steps`` on resume (``2 steps``,
+then ``resume`` with 4) equals 4 straight updates only where nothing depends on the total: the learning-rate
+schedule and the variants that read ``total_updates`` (``trust_grpo`` without ``anneal_steps``, ``a_grae``'s
+``schedule`` progress) do.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, gather_object
 
-from mmrl.checkpoint import (COMPLETE_MARKER, latest_checkpoint, load_checkpoint, load_trainable, read_state, rng_state,
-                             save_checkpoint, set_rng_state)
+from mmrl.checkpoint import (COMPLETE_MARKER, damaged, latest_checkpoint, load_checkpoint, load_trainable,
+                             process_rng_states, read_state, restore_rng_states, save_checkpoint, set_aside_newer)
 from mmrl.config import Config, ConfigError, config_to_dict, dump_config
 from mmrl.algorithms import (AdvantageContext, Intermediate, RewardContext, Rewards, SelectContext, SurrogateContext,
                              TransformContext, build_variants)
@@ -321,6 +325,17 @@ class Trainer:
         nothing."""
         return self.policy.full_weights() if self.sharded or self.zero3 else contextlib.nullcontext()
 
+    def _skipped_in_all(self) -> dict[str, int]:
+        """The policy's bad-sample skip counts since the run began, summed over every process (a collective: a bad
+        sample may be on any of them)."""
+        skipped = dict(getattr(self.policy, "skipped", {}))
+        if self.accelerator.num_processes > 1:
+            skipped = {}
+            for part in gather_object([dict(getattr(self.policy, "skipped", {}))]):
+                for reason, count in part.items():
+                    skipped[reason] = skipped.get(reason, 0) + count
+        return skipped
+
     def save(self) -> None:
         acc = self.accelerator
         acc.wait_for_everyone()
@@ -336,20 +351,26 @@ class Trainer:
         if self.sharded:  # the whole weights and optimizer state, gathered to the main process (collectives)
             model_state = full_model_state(self.policy.model)
             optimizer_state = full_optimizer_state(self.policy.model, self.optimizer)
+        rng = process_rng_states(acc)  # every process's own stream (a collective)
+        skipped = self._skipped_in_all()  # a collective too
         # ZeRO-3: the weights gathered for the main process's files (every process enters)
         with self._full_weights() if self.zero3 else contextlib.nullcontext():
             if acc.is_main_process:
-                self._write_checkpoint(checkpoints, folders, model_state, optimizer_state)
+                self._write_checkpoint(checkpoints, folders, model_state, optimizer_state, rng, skipped)
         acc.wait_for_everyone()
 
-    def _write_checkpoint(self, checkpoints: Path, folders: dict, model_state, optimizer_state) -> None:
-        """The main process's part of :meth:`save`. ``model_state`` / ``optimizer_state``: FSDP's, gathered."""
+    def _write_checkpoint(self, checkpoints: Path, folders: dict, model_state, optimizer_state, rng: dict,
+                          skipped: dict[str, int]) -> None:
+        """The main process's part of :meth:`save`. ``model_state`` / ``optimizer_state``: FSDP's, gathered;
+        ``rng``: every process's random state; ``skipped``: the run's skip counts over every process."""
         if self.sharded:  # the same files as an unsharded run's, whole tensors keyed by the same names
             trainable = {name: model_state[name] for name in self.policy.named_trainable_parameters()}
             export = lambda directory: self.policy.export(directory, state_dict=model_state)  # noqa: E731
         else:
             trainable, export = self.policy.named_trainable_parameters(), self._export
-        objects = {"lr_scheduler": self.lr_scheduler.state_dict(), "rng": rng_state()}
+        objects = {"lr_scheduler": self.lr_scheduler.state_dict(), "rng": rng}
+        if self.accelerator.scaler is not None:  # fp16's loss scale (it took many steps to settle)
+            objects["scaler"] = self.accelerator.scaler.state_dict()
         if self.engine is None:  # DeepSpeed's optimizer state is in its own folder
             objects["optimizer"] = optimizer_state if self.sharded else self.optimizer.state_dict()
         if self.ema is not None:
@@ -362,6 +383,8 @@ class Trainer:
                  "config": config_to_dict(self.config)}
         if hasattr(self.policy, "step_noise_levels"):
             state["noise_levels"] = self.policy.step_noise_levels.tolist()
+        if skipped:
+            state["skipped"] = skipped
         if self.engine is not None:
             state["deepspeed_processes"] = self.accelerator.num_processes
         save_checkpoint(checkpoints, self.update, trainable=trainable, state=state, objects=objects,
@@ -402,15 +425,31 @@ class Trainer:
         self._apply_optimizer_config()
         if self.ema is not None and "ema" in objects:
             self.ema.load_state_dict(objects["ema"], self.policy.named_trainable_parameters())
-        set_rng_state(objects["rng"])
+        if self.accelerator.scaler is not None and "scaler" in objects:  # fp16's loss scale
+            self.accelerator.scaler.load_state_dict(objects["scaler"])
+        note = restore_rng_states(objects["rng"], self.accelerator,
+                                  reseed=lambda rank: _update_seed(self.config.seed, state["update"], rank))
+        if note and self.accelerator.is_main_process:
+            logger.warning("resume: %s", note)
         self.update = state["update"]
         self.optimizer_steps = state["optimizer_steps"]
-        self.prompts.load_state_dict(state["data"])
-        self.tracker.load_state_dict(state["tracker"])
+        try:  # a state.json edited by hand or written by another version
+            self.prompts.load_state_dict(state["data"])
+            self.tracker.load_state_dict(state["tracker"])
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise damaged(path, f"state.json's loop state does not fit this run ({type(exc).__name__}: "
+                                f"{exc})") from None
         for variant in self.variants:
             variant.load_state_dict(objects.get("variants", {}).get(variant.name, {}))
         if "noise_levels" in state:
             self.policy.step_noise_levels = torch.tensor(state["noise_levels"])
+        if isinstance(getattr(self.policy, "skipped", None), dict) and self.accelerator.is_main_process:
+            self.policy.skipped.update(state.get("skipped", {}))  # the run's counts so far (summed over processes)
+        if self.accelerator.is_main_process:  # a rollback: the newer checkpoints of the line it leaves, set aside
+            moved = set_aside_newer(self.output_dir / "checkpoints", self.update)
+            if moved:
+                logger.warning("resume from update %d: the newer checkpoints %s moved to %s (out of resume=auto's "
+                               "reach)", self.update, ", ".join(m.name for m in moved), moved[0].parent)
         return self.update
 
     def _resume_deepspeed(self, path: Path, state: dict) -> None:
@@ -1522,13 +1561,7 @@ class Trainer:
                 values = rollout.extras[key].float().to(acc.device)
                 metrics[f"completions/{key}"] = float(acc.gather(values).mean() if acc.num_processes > 1
                                                       else values.mean())
-        skipped = dict(getattr(self.policy, "skipped", {}))
-        if acc.num_processes > 1:  # every process's skips, summed (a bad sample may be on any of them)
-            skipped = {}
-            for part in gather_object([dict(getattr(self.policy, "skipped", {}))]):
-                for reason, count in part.items():
-                    skipped[reason] = skipped.get(reason, 0) + count
-        for reason, count in skipped.items():
+        for reason, count in self._skipped_in_all().items():
             metrics[f"samples/skipped_{reason}"] = float(count)
         metrics.update(self.reward_counts)
         metrics.update(mean_over_processes(self.variant_stats, acc))

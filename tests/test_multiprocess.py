@@ -90,11 +90,13 @@ def tiny_sd3(tmp_path_factory):
 
 def test_adaptive_noise_levels_agree_on_every_rank_and_resume(tmp_path, tiny_sd3):
     """Adaptive noise levels come from the gathered per-step gains, so both ranks compute the same levels; the
-    checkpoint (rank 0's) then resumes every rank exactly: 1 + resume + 1 updates == 2 updates."""
+    checkpoint (rank 0's) then resumes every rank exactly: 1 + resume + 1 updates == 2 updates. With LoRA dropout,
+    which draws from each rank's own random stream: the checkpoint keeps every rank's (it kept rank 0's and gave it
+    to both, so the resumed update's dropout masks differed on rank 1: weights 0.056 apart after 4 updates)."""
     common = [f"model.pretrained={tiny_sd3}", "sampling.num_steps=4", "sampling.eval_num_steps=4",
               "sampling.max_sequence_length=16", "data.prompts_per_step=1", "data.group_size=4", "train.batch_size=4",
               "train.gradient_accumulation_steps=1", "algorithm.variants=[step_gain, {name: adaptive_noise, rate: 0.5}]", "sampling.window_size=3",
-              "train.sample_batch_size=4", "optim.lr=1e-2",
+              "train.sample_batch_size=4", "optim.lr=1e-2", "model.lora_dropout=0.3",
               "algorithm.clip_low=0.2", "logging.save_every=1"]
     config = str(REPO / "configs/tiny/dense_grpo.yaml")
     torchrun(tmp_path / "straight", 29543, config, *common, "train.steps=2")

@@ -463,3 +463,17 @@ def test_a_skipped_evaluation_item_leaves_the_evaluation_aligned(tmp_path):
     questions = [json.loads(line)["question"] for line in data.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == questions[1:3]
     assert math.isfinite(_metrics(run)[0]["eval/reward/total"])
+
+
+def test_skip_counts_stay_cumulative_across_a_resume(tmp_path):
+    """samples/skipped_* counts the run's skips since it began: a resumed run carries the checkpoint's counts on
+    (they started again from 0, so update 2 of a resumed run dropped the metric)."""
+    data = _grounding_lines_with_a_long_question(tmp_path, 0)  # the first line: update 1 skips it
+    args = [str(REPO / "configs/tiny/vlm_grounding.yaml"), *FAST, f"data.dataset={data}", "data.shuffle=false",
+            "data.skip_bad_samples=true", "logging.save_every=1", "logging.eval_every=0"]
+    assert main(["train", *args, f"output_dir={tmp_path / 'straight'}", "train.steps=2"]) == 0
+    assert main(["train", *args, f"output_dir={tmp_path / 'resumed'}", "train.steps=1"]) == 0
+    assert main(["train", *args, f"output_dir={tmp_path / 'resumed'}", "train.steps=2"]) == 0
+    straight, resumed = _metrics(tmp_path / "straight"), _metrics(tmp_path / "resumed")
+    assert [m["samples/skipped_prompt_too_long"] for m in straight] == [1.0, 1.0]
+    assert [m.get("samples/skipped_prompt_too_long") for m in resumed] == [1.0, 1.0]
