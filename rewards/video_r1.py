@@ -26,6 +26,9 @@ mmrl's rules where the anchor's code is silent or batch-bound:
   (the anchor gives 0 to an unknown type);
 * a solution without an answer block is read whole (stripped): Video-R1's data wraps every solution in
   ``<answer>`` tags, where its ``extract_answer`` would give ``""``;
+* a ``numerical`` or ``regression`` solution that is not a finite number is NaN with the reason, as the other
+  numeric rewards and ``mmrl eval`` treat it (the anchor's ``try``/``except`` gives 0 whatever the answer, so a
+  broken label trains the policy away from every answer to that question);
 * an answer that reads as a non-finite number (``nan``, ``inf``) is not a number: 0. In the anchor ``float("nan")``
   parses, its relative error is NaN, and ``min(1, max(0, nan))`` returns 0, so ``nan`` scores 1.0 in every
   ``regression`` question, a reward hack a policy finds.
@@ -109,6 +112,8 @@ class VideoR1Accuracy(TextReward):
             raise Unparseable("no <answer>...</answer> block")
         if kind == "multiple choice":
             return 1.0 if out == gt else 0.0
+        if kind in ("numerical", "regression") and _number(gt) is None:  # the label, not the answer, is broken
+            raise Unjudgeable(f"metadata 'solution' {gt!r} is not a number ({kind} question)")
         if kind == "numerical":
             if (("." in gt) or ("," in gt)) != (("." in out) or ("," in out)):
                 return 0.0

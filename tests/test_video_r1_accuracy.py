@@ -137,3 +137,13 @@ def test_a_non_finite_regression_answer_scores_0_not_the_anchors_1(answer):
     assert r([ans(answer)], None, meta)["video_r1_accuracy"].item() == 0.0
     if answer.lower() == "nan":
         assert official(ans(answer), "<answer>10</answer>", "regression") == 1.0  # the hack, as the anchor scores it
+
+
+@pytest.mark.parametrize("problem_type", ["numerical", "regression"])
+@pytest.mark.parametrize("solution", ["nan", "<answer>inf</answer>", "<answer>three</answer>"])
+def test_a_numeric_solution_that_is_not_a_number_is_nan_with_the_reason(problem_type, solution):
+    """mmrl's rule: the label is broken, not the answer (the anchor's except gives 0 to every answer, 1 to none)."""
+    r = build_reward("video_r1_accuracy")
+    got = r([ans("3")], None, [{"problem_type": problem_type, "solution": solution}])["video_r1_accuracy"]
+    assert math.isnan(got.item())
+    assert "is not a number" in r.last_info["nan_samples"][0] and problem_type in r.last_info["nan_samples"][0]

@@ -126,6 +126,24 @@ def _text(record: Mapping, key: str, *, required: bool) -> str | None:
     return value
 
 
+#: Qwen-VL's chat and vision special tokens: a question holding one would forge a turn or a media placeholder
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+               "<|image_pad|>", "<|video_pad|>")
+
+
+def _hint_other_layout(record: Mapping) -> None:
+    """A record in another project's layout (no 'question'): say which fields are mmrl's."""
+    if "problem" in record:
+        raise _Bad("missing required field 'question': this looks like a Video-R1 / R1-V / VLM-R1 record, whose "
+                   "'problem' is mmrl's 'question' (and 'path' with 'data_type' is mmrl's 'video' or 'image'; "
+                   "'problem_type', 'options' and 'solution' keep their names): rename the fields (README, "
+                   "'Data: JSONL')")
+    if "conversations" in record or "messages" in record:
+        raise _Bad("missing required field 'question': a chat record ('conversations' / 'messages') is not mmrl's "
+                   "layout: one 'question' (the user turn's text), one 'solution' (the reference answer) and the "
+                   "media in 'image' / 'images' / 'video' (README, 'Data: JSONL')")
+
+
 def _check_box(box, what: str) -> list[float]:
     if not isinstance(box, (list, tuple)) or len(box) != 4 or not all(_number(v) for v in box):
         raise _Bad(f"{what} must be [x1, y1, x2, y2] (4 numbers), got {box!r:.80}")
@@ -263,7 +281,15 @@ def _build(record, *, default_id: str, source: str, base: Path,
     """One record -> a sample: fields checked, media paths resolved and checked to exist (not opened)."""
     if not isinstance(record, Mapping):
         raise _Bad(f"expected a JSON object with 'question' and 'solution', got {_type_name(record)}")
+    if "question" not in record:
+        _hint_other_layout(record)
     question = _text(record, "question", required=True)
+    for token in CHAT_TOKENS:
+        if token in question:
+            raise _Bad(f"field 'question' contains the special token {token!r}: the chat template writes the turns "
+                       f"and the media placeholders itself (in the text it would forge a turn or a vision slot the "
+                       f"processor cannot fill); write the question as plain text and give the media in "
+                       f"'image' / 'images' / 'video'")
     solution = _text(record, "solution", required=True)
     task = _text(record, "task", required=False) or "default"
     sample_id = record.get("id", default_id)
