@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import logging
 import os
 from collections import Counter
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
@@ -209,6 +210,19 @@ def _seq_len(x: Any, what: str) -> int:
     return len(x)
 
 
+_WARNED_RANGE = False
+
+
+def _warn_range(low: float) -> None:
+    """Once per process: a float batch reaching well below 0 is most likely in [-1, 1] (a VAE's decode), which the
+    clip to [0, 1] turns into a darker, clipped image rather than an error."""
+    global _WARNED_RANGE
+    _WARNED_RANGE = True
+    logging.getLogger("mmrl.rewards").warning(
+        "reward images reach %.3g: rewards take float images in [0, 1] (values outside are clipped); a batch in "
+        "[-1, 1] needs (x + 1) / 2 first", low)
+
+
 def _checked_float(images: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """A float batch as float32 in [0, 1], and the indices of samples with non-finite values.
 
@@ -227,6 +241,9 @@ def _checked_float(images: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     # float64 value too large for float32 is finite here and is clipped to 1, not marked).
     lo, hi = torch.stack((lo, hi)).cpu()
     bad = (~(torch.isfinite(lo) & torch.isfinite(hi))).nonzero().flatten().tolist()
+    finite_lo = lo[torch.isfinite(lo)]
+    if not _WARNED_RANGE and finite_lo.numel() and float(finite_lo.min()) < -0.25:
+        _warn_range(float(finite_lo.min()))
     tensor = images.float()  # no copy for float32
     if bad or bool((lo < 0).any()) or bool((hi > 1).any()):
         if tensor is images:

@@ -112,6 +112,27 @@ def test_clean_data_passes(tmp_path):
     assert report.summary() == f"{path}: 2 line(s), 2 usable, 0 bad; 1 image(s) and 1 video(s) decoded"
 
 
+def test_annotations_that_load_but_look_wrong_are_noted(tmp_path):
+    """Unit-square boxes (every answer's IoU 0 against them in pixels) and timestamps past the line's own duration:
+    noted, not errors (Charades-STA's spans overrun their clips by a fraction; a pixel box of [0, 0, 1, 1] is odd but
+    legal). Both were accepted silently."""
+    write_image(tmp_path / "a.png")
+    path = write_jsonl(tmp_path / "d.jsonl", [
+        {"image": "a.png", "question": "q", "solution": "s", "boxes": [[0.1, 0.1, 0.5, 0.6]]},
+        {"image": "a.png", "question": "q", "solution": "s", "boxes": [[1, 2, 30, 40]]},
+        {"question": "q", "solution": "s", "timestamps": [5, 9], "duration": 4.0},
+        {"question": "q", "solution": "s", "timestamps": [3, 4.5], "duration": 4.0},  # under a second over
+    ])
+    for media in (True, False):
+        report = check_data(vlm_config(path), media=media)
+        assert report.ok and report.usable == 4
+        assert report.notes == [
+            f"{path}:1: boxes [0.1, 0.1, 0.5, 0.6] are all within [0, 1]: normalised to the unit square? mmrl's "
+            f"boxes are the image's pixels (Qwen2-VL / Qwen3-VL: [0, 1000))",
+            f"{path}:3: timestamps [5.0, 9.0] end after the clip's duration 4.0"]
+        assert "2 line(s) load but look wrong (not errors" in report.summary()
+
+
 def test_full_check_decodes_the_frames_training_reads(tmp_path):
     """A 3-frame video probes fine, and the plan of generation.video_nframes=4 cannot be met: found before training."""
     write_video(tmp_path / "short.mp4", num_frames=3)

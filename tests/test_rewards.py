@@ -240,6 +240,20 @@ def test_out_of_range_values_are_clipped():
     torch.testing.assert_close(out[0], out[1])
 
 
+def test_a_batch_in_minus_one_to_one_is_warned_once(monkeypatch, caplog):
+    """Clipped as before (the scores equal the official (x * 255).round().clamp), and said once: a [-1, 1] batch is
+    a darker image, not an error."""
+    import mmrl.rewards._base as base
+
+    monkeypatch.setattr(base, "_WARNED_RANGE", False)
+    with caplog.at_level("WARNING", logger="mmrl.rewards"):
+        build_reward("brightness")(torch.stack([flat([0.0, -0.01, 0.5])]), None)  # rounding noise: quiet
+        assert "rewards take float images in [0, 1]" not in caplog.text
+        build_reward("brightness")(torch.stack([flat([-1.0, 0.2, 0.5])]), None)
+        build_reward("brightness")(torch.stack([flat([-0.9, 0.2, 0.5])]), None)
+    assert caplog.text.count("reward images reach -1: rewards take float images in [0, 1]") == 1
+
+
 @pytest.mark.parametrize(
     "images, prompts, metadata, match",
     [

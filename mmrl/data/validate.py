@@ -58,6 +58,7 @@ class DataReport:
     images: int = 0
     videos: int = 0
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # lines that load but look wrong (:func:`annotation_notes`)
 
     @property
     def ok(self) -> bool:
@@ -78,6 +79,9 @@ class DataReport:
             text += f"; {self.images} image(s) and {self.videos} video(s) {how}"
         if self.problems:
             text += f"; {len(self.problems)} problem(s):\n" + format_problems(self.problems)
+        if self.notes:
+            text += (f"\n{len(self.notes)} line(s) load but look wrong (not errors; a reward would score every "
+                     f"answer to them 0):\n" + format_problems(self.notes))
         return text
 
     def _unit(self) -> str:
@@ -161,7 +165,25 @@ def _check_vlm(config, *, media: bool) -> DataReport:
         bad = next(found) if media else []
         report.problems += [f"{entry.where}: {p}" for p in bad]
         report.usable += not bad
+        if not bad:
+            report.notes += [f"{entry.where}: {n}" for n in annotation_notes(entry.sample)]
     return report
+
+
+def annotation_notes(sample) -> list[str]:
+    """What a line's annotations suggest is wrong although it loads: ``boxes`` all within [0, 1] (normalised to the
+    unit square, which no box convention mmrl reads uses: the image's pixels, or Qwen2-VL / Qwen3-VL's [0, 1000)),
+    and ``timestamps`` ending after the line's own ``duration`` by more than a second (datasets such as
+    Charades-STA overrun it by a fraction)."""
+    meta, notes = sample.metadata, []
+    boxes = meta.get("boxes") or []
+    if boxes and all(0.0 <= v <= 1.0 for box in boxes for v in box):
+        notes.append(f"boxes {boxes[0]}{' ...' if len(boxes) > 1 else ''} are all within [0, 1]: normalised to the "
+                     f"unit square? mmrl's boxes are the image's pixels (Qwen2-VL / Qwen3-VL: [0, 1000))")
+    span, duration = meta.get("timestamps"), meta.get("duration")
+    if span and duration and span[1] > float(duration) + 1.0:
+        notes.append(f"timestamps {span} end after the clip's duration {duration}")
+    return notes
 
 
 def _check_prompts(config) -> DataReport:
