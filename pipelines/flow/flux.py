@@ -31,7 +31,13 @@ packed latents and image ids from the pipeline, the LoRA targets in
 :attr:`FluxFamily.default_lora_targets`), and DanceGRPO's FLUX trainer (Xue et al. 2025,
 arXiv 2505.07818; ``fastvideo/train_grpo_flux.py``: packed latents, ``timestep / 1000``, distilled
 guidance 3.5, ``/ 0.3611 + 0.1159`` decoding; it fine-tunes the full transformer and uses its own
-``shift``-ed sigma list rather than the pipeline's dynamic shift).
+``shift``-ed sigma list rather than the pipeline's dynamic shift). Flow-GRPO's FLUX recipe (``pickscore_flux``)
+encodes prompts with 128 T5 tokens and samples 6 steps at noise level 0.9; mmrl's FLUX defaults are
+``FluxPipeline``'s 512 tokens and the ``flow_grpo`` SDE's 0.7 (set ``sampling.max_sequence_length: 128``,
+``sampling.noise_level: 0.9``, ``sampling.num_steps: 6`` for that recipe). Precision: mmrl keeps the trajectory in
+fp32 and casts only the transformer's input, so its first ratio is exactly 1 under bf16 autocast; Flow-GRPO's FLUX
+rollout stores bf16 latents and computes the old log-prob against the fp32 sample (its replayed log-probs differ
+by up to 2.6e-4 on the tiny model, beside its clip range of 1e-4).
 """
 
 from __future__ import annotations
