@@ -13,8 +13,7 @@ Every random draw of update ``k`` comes from a generator seeded by ``(seed, k, p
 process's own global stream, saved per process), and every piece of loop state is in the checkpoint, so a run
 stopped after 2 of 4 updates and resumed equals 4 straight updates. Raising ``train.steps`` on resume (``2 steps``,
 then ``resume`` with 4) equals 4 straight updates only where nothing depends on the total: the learning-rate
-schedule and the variants that read ``total_updates`` (``trust_grpo`` without ``anneal_steps``, ``a_grae``'s
-``schedule`` progress) do.
+schedule and the variants whose schedules read ``total_updates`` do.
 """
 
 from __future__ import annotations
