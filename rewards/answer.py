@@ -111,10 +111,11 @@ def parse_choice(answer: str, choices: Sequence[str] | None = None) -> str:
        ``The answer is`` / ``Option`` is dropped first;
     2. the answer repeats an option's text (``choices`` given; case and punctuation ignored);
     3. ``answer is B`` / ``option: (B)`` anywhere in the answer (upper-case letter);
-    4. the answer starts with an upper-case letter token: ``B. red car``, ``(B) red car``, ``B, because``.
-       A bare ``A`` or ``I`` before a lower-case word is the English article or pronoun (``A cat sits``: no
-       letter), and a bare letter before an option's text names that option (``A cat`` with options
-       ``dog, cat``: B).
+    4. the answer starts with an upper-case letter token: ``B. red car``, ``(B) red car``, ``B, because``,
+       ``B is correct``; a bare letter before an option's whole text names that option (``A cat`` with options
+       ``dog, cat``: the article and option B). Every letter is read alike: ``A is correct`` is A as ``B is
+       correct`` is B (an earlier rule read a bare ``A`` / ``I`` before a lower-case word as the article or
+       pronoun, so such answers scored 0 exactly when the solution was A: a bias against one option).
 
     A letter found by 3 or 4 and followed by another valid one in a list (``B, C``, ``answer is B or C``,
     ``B/C.``) is a hedge: :class:`Unparseable`, not the first letter (mmrl's rule: Video-R1 compares the whole
@@ -148,7 +149,7 @@ def parse_choice(answer: str, choices: Sequence[str] | None = None) -> str:
                  and _norm(text) == _norm(rest)] if bare else []
         if named:  # "A cat" with cat an option: the article and that option's text
             candidates.append((named[0], None))
-        elif not (bare and letter in "AI" and re.match(r"\s+[a-z]", rest)):  # "A cat sits": the article, prose
+        else:
             candidates.append((letter, listed_after(body, leading.end())))
     for letter, also in candidates:
         if letter in valid:

@@ -118,13 +118,23 @@ def test_parse_choice_reads_a_leading_article_as_a_word():
     assert parse_choice("A cat", ["dog", "cat"]) == "B"
     assert parse_choice("A cat.", ["dog", "cat"]) == "B"
     assert parse_choice("A dog", ["dog", "cat"]) == "A"
-    with pytest.raises(Unparseable, match="no choice letter"):
-        parse_choice("A cat sits on the mat", ["dog", "cat"])
+    assert parse_choice("A cat sits on the mat", ["dog", "cat"]) == "A"  # not an option's text: the letter
     assert parse_choice("A. cat", ["dog", "cat"]) == "A" and parse_choice("A, because", ["dog", "cat"]) == "A"
     assert parse_choice("B because it barks", ["dog", "cat"]) == "B"
     meta = [{"solution": "A", "choices": ["dog", "cat"]}]
     out = build_reward("choice_accuracy")(["<answer>A cat</answer>"], None, meta)
     assert out["choice_accuracy"].tolist() == [0.0]
+
+
+@pytest.mark.parametrize("template", ["{} is correct", "{} because the red one is visible", "{}, the red one",
+                                      "{} is the answer", "({}) is correct"])
+def test_parse_choice_reads_every_letter_alike(template):
+    """Relabelling the options changes no parse: "A is correct" is A as "B is correct" is B (A and I were read as
+    the article / pronoun, so these answers scored 0 only when the solution was A: 0 of 16 for A, 16 of 16 for B-H
+    in an audit)."""
+    choices = [f"option {i}" for i in range(9)]
+    for letter in "ABCDEFGHI":
+        assert parse_choice(template.format(letter), choices) == letter
 
 
 def test_parse_choice_option_text_and_range():

@@ -366,6 +366,15 @@ def test_metrics_match_numbers_worked_out_by_hand(tmp_path, fixed_answers):
     tg = tr["benchmarks"]["temporal_grounding"]["metrics"]
     assert (tg["r1@0.3"], tg["r1@0.5"], tg["r1@0.7"]) == (1.0, 0.5, 0.5) and tg["n"] == 4
     assert tg["miou"] == pytest.approx((1 + 1 / 3 + 0.5 + 1) / 4) and tg["num_gt_clipped"] == 0
+    # Video-R1's answer reading for the text benchmarks: recorded in the protocol, the default's unchanged
+    vr = run_eval(GROUNDING, [f"data={data}", "benchmarks=[multiple_choice, numeric]", "answer_convention=video_r1",
+                              f"output_dir={tmp_path / 'vr'}", "progress=false"], echo=quiet)
+    for name in ("multiple_choice", "numeric"):
+        protocol = vr["benchmarks"][name]["protocol"]
+        assert protocol["scorer_settings"]["answer_convention"] == "video_r1"
+        assert protocol["overridden"]["answer_convention"] == {"default": "mmrl", "used": "video_r1"}
+        assert vr["benchmarks"][name]["metrics"]["num_unparseable"] == 0  # nothing is unparseable there
+        assert "answer_convention" not in b[name]["protocol"]["scorer_settings"]
 
 
 def test_a_sample_that_cannot_be_answered_is_counted_not_a_crash(tmp_path):
@@ -402,6 +411,7 @@ def other_task(tmp_path) -> Path:
     (["blind=maybe"], ["blind='maybe': expected true or false"]),
     (["seed=1"], ["seed= is for sampled answers (greedy=false)"]),
     (["coord_format=pixels"], ["coord_format='pixels': expected one of qwen2, qwen25, absolute"]),
+    (["answer_convention=mvbench"], ["answer_convention='mvbench': expected one of mmrl, video_r1"]),
     (["data=missing.jsonl"], ["data=missing.jsonl: VLM data file not found", "relative paths resolve"]),
     (["data=BAD"], ["bad.jsonl:2:"]),
     (["data=TASKS"], ["tasks.jsonl:2: task 'caption' has no evaluation metric", "benchmarks=[...]"]),
@@ -458,6 +468,59 @@ def test_timezero_convention_reads_answers_with_timezeros_parse():
     assert judge("temporal_grounding", "12.0 to 19.0", meta, tr).pred == [12.0, 19.0]
     assert judge("temporal_grounding", "<answer>[12, 19]</answer>", meta, tr).pred is None
     assert judge("temporal_grounding", "<answer>[12, 19]</answer>", meta, tan).pred == [12.0, 19.0]
+
+
+def _video_r1_reward_fn(solution: str, output: str, question_type: str) -> float:
+    """Video-R1 src/eval_bench.py reward_fn (multiple choice and numerical), its rule written out."""
+    import re
+
+    def extract(text):
+        match = re.search(r"<answer>\s*(.*?)\s*</answer>", text, re.DOTALL)
+        return match.group(1).strip() if match else ""
+
+    def number(text):
+        try:
+            return float(text.replace(",", ""))
+        except Exception:
+            return None
+
+    try:
+        out = extract(output) or output
+        gt = extract(solution)
+        if question_type == "multiple choice":
+            return 1.0 if out.strip() == gt.strip() else 0.0
+        if (("." in gt) or ("," in gt)) != (("." in out) or ("," in out)):
+            return 0.0
+        g, o = number(gt), number(out)
+        return 0.0 if g is None or o is None else float(round(g, 2) == round(o, 2))
+    except Exception:
+        return 0.0
+
+
+@pytest.mark.parametrize("kind,solution,outputs", [
+    ("multiple_choice", "<answer>B</answer>", ["<think>x</think><answer>B</answer>", "<answer>(B)</answer>", "B",
+                                                "b", "<answer>B</answer><answer>C</answer>", "<answer> B </answer>",
+                                                "The answer is B", "<answer></answer>B", "", "<answer>b</answer>"]),
+    ("numeric", "<answer>3</answer>", ["<answer>3</answer>", "<answer>3.0</answer>", "3", "<answer>3 apples</answer>",
+                                       "<answer>1,500</answer>", "<answer>three</answer>", "<answer>3.001</answer>"]),
+    ("numeric", "<answer>2.5</answer>", ["<answer>2.504</answer>", "<answer>2.5</answer>", "<answer>2,5</answer>",
+                                         "<answer>3</answer>", "2.499"]),
+])
+def test_answer_convention_video_r1_is_its_eval_bench(kind, solution, outputs):
+    """answer_convention=video_r1: Video-R1's eval_bench.py reward_fn on every output (its first answer block, else
+    the whole output; exact strings for multiple choice, the decimal-mark check and 2-decimal rounding for
+    numbers), where mmrl's reading disagrees on most of these (an audit: 188 of 672 multiple-choice outputs)."""
+    from mmrl.eval.vlm import judge, sample_scores
+
+    settings = {"require_tags": True, "answer_convention": "video_r1"}
+    meta = {"task": kind, "solution": solution}
+    qtype = "multiple choice" if kind == "multiple_choice" else "numerical"
+    for output in outputs:
+        scores, reason = sample_scores(kind, judge(kind, output, meta, settings), settings)
+        assert scores["correct"] == _video_r1_reward_fn(solution, output, qtype), output
+        assert reason is None
+    unjudged = judge(kind, "B", {"task": kind}, settings)
+    assert not unjudged.judged and "no 'solution'" in unjudged.reason
 
 
 # ---------------------------------------------------------------------------------------------- VLM-R1's REC protocol

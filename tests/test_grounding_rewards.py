@@ -13,6 +13,7 @@ from mmrl.rewards._text import Unparseable
 from mmrl.rewards.grounding import (
     box_f1,
     box_iou,
+    iou_matrix,
     match_boxes,
     matched_iou_completeness,
     mean_iou,
@@ -206,6 +207,25 @@ def test_hungarian_beats_greedy():
     matches = match_boxes([P1, P2], [G1, G2], 0.5)
     assert sorted((i, j) for i, j, _ in matches) == [(0, 1), (1, 0)]
     assert box_f1([P1, P2], [G1, G2])["f1"] == 1.0  # greedy would give 0.5
+
+
+def test_matching_counts_the_most_pairs_above_the_threshold_first():
+    """A chain of width-10 boxes a third of a width apart: each prediction overlaps its own box at 0.99 and the
+    next one just over 0.5, and a fourth overlaps the first box just over 0.5. The most IoU is 3 near-perfect
+    pairs (sum 2.97); the most matches at IoU >= 0.5 is 4 (each just over 0.5), which F1 counts. Written out by
+    brute force over every one-to-one assignment."""
+    from itertools import permutations
+
+    step, eps = 10 / 3, 0.05
+    gt = [[i * step, 0, i * step + 10, 10] for i in range(4)]
+    pred = [[i * step + eps, 0, i * step + eps + 10, 10] for i in range(3)] + [[-step + eps, 0, -step + eps + 10, 10]]
+    ious = iou_matrix(pred, gt)
+    best = max((sum(ious[i, j] >= 0.5 for i, j in enumerate(perm)),
+                sum(ious[i, j] for i, j in enumerate(perm) if ious[i, j] >= 0.5)) for perm in permutations(range(4)))
+    matches = match_boxes(pred, gt, 0.5)
+    assert len(matches) == best[0] == 4
+    assert sum(m[2] for m in matches) == pytest.approx(best[1])
+    assert box_f1(pred, gt)["f1"] == 1.0  # was 0.75
 
 
 def test_matching_ignores_sub_threshold_overlaps():

@@ -4,7 +4,7 @@
                      numeric,vsi_bench,charades_sta]] [data=FILE] [video_dir=DIR] [output_dir=DIR] [limit=N] [batch_size=B]
                      [greedy=true] [seed=S] [max_new_tokens=T] [blind=false] [coord_format=qwen2|qwen25|absolute]
                      [require_tags=true] [tg_convention=2d_tan|timezero|time_r1] [rec_convention=mmrl|vlm_r1]
-                     [ema=true] [progress=true]
+                     [answer_convention=mmrl|video_r1] [ema=true] [progress=true]
                      [dotted.config=override ...]
 
 :func:`run_vlm_eval` is what :func:`mmrl.eval.runner.run_eval` calls for a ``qwen_vl`` CONFIG. The policy answers
@@ -29,7 +29,10 @@ benchmark              samples                         metrics (headline first)
 ``charades_sta``       the shipped Charades-STA test   as ``temporal_grounding``; the videos come from the user's
                        annotations (3720 queries)      ``video_dir=`` (``<video_id>.mp4``, not shipped)
 ``multiple_choice``    task ``multiple_choice`` / mc   ``accuracy``: :func:`~mmrl.eval.scoring.choice_accuracy`
+                                                       (mmrl's letter reading; Video-R1 ``src/eval_bench.py``
+                                                       with ``answer_convention=video_r1``)
 ``numeric``            task ``numeric`` / counting     ``accuracy``: :func:`~mmrl.eval.scoring.numeric_accuracy`
+                                                       (Video-R1's with ``answer_convention=video_r1``)
 ``vsi_bench``          task ``vsi_bench`` (VSI-Bench   ``overall`` and one score per question type:
                        lines: ``question_type``,       :func:`~mmrl.eval.scoring.vsi_bench_scores` (thinking-in-
                        ``ground_truth``, a video)      space's lmms-eval task: first-word match, MRA)
@@ -134,6 +137,11 @@ VLM_EVAL_KEYS: dict[str, str] = {
                       "bare lists read; continuous IoU) or vlm_r1 (VLM-R1 src/eval/test_rec_r1.py as written: its "
                       "regex on the first answer block, its IoU, and its sample: the lines shuffled by Python's "
                       "random.seed(42), the first 2000)",
+    "answer_convention": "multiple_choice and numeric: mmrl (default: mmrl's readings, a choice letter by "
+                         "mmrl.rewards.answer.parse_choice, the answer's one number within 1e-6 relative) or "
+                         "video_r1 (Video-R1 src/eval_bench.py reward_fn as written: the first answer block, else the "
+                         "whole output; multiple choice the exact stripped string, numerical 0 unless both or neither "
+                         "have a '.' or ',', then equal rounded to 2 decimals)",
     "ema": FLOW_EVAL_KEYS["ema"],
     "progress": FLOW_EVAL_KEYS["progress"],
 }
@@ -209,6 +217,9 @@ _REC_CONVENTIONS: dict[str, dict[str, Any]] = {
     "vlm_r1": {"rec_convention": "vlm_r1", "reading": "vlm_r1", "iou": "vlm_r1",
                "subsample": {"shuffle_seed": 42, "first": 2000}},
 }
+#: ``answer_convention`` values (multiple_choice, numeric): ``video_r1`` adds ``{"answer_convention": "video_r1"}``
+#: to the scorer settings (``mmrl``, the default, adds none: the protocol hash evaluations had before)
+ANSWER_CONVENTIONS = ("mmrl", "video_r1")
 _TG_CONVENTIONS = {"2d_tan": {"strict": True, "clip_gt_to_duration": True},
                    "timezero": {"strict": False, "clip_gt_to_duration": False},
                    "time_r1": {"strict": True, "clip_gt_to_duration": False}}
@@ -246,6 +257,7 @@ class VLMEvalOptions:
     require_tags: bool = True
     tg_convention: str = "2d_tan"
     rec_convention: str = "mmrl"
+    answer_convention: str = "mmrl"
     ema: bool = True
     progress: bool | None = None
     given: tuple[str, ...] = ()
@@ -305,6 +317,9 @@ def parse_vlm_eval_args(items: Sequence[str]) -> tuple[VLMEvalOptions, list[str]
         elif key == "rec_convention":
             if value not in _REC_CONVENTIONS:
                 raise EvalError(f"rec_convention={value!r}: expected one of {', '.join(_REC_CONVENTIONS)}")
+        elif key == "answer_convention":
+            if value not in ANSWER_CONVENTIONS:
+                raise EvalError(f"answer_convention={value!r}: expected one of {', '.join(ANSWER_CONVENTIONS)}")
         else:  # checkpoint, output_dir, data, video_dir
             if value is None or isinstance(value, (dict, list)) or str(value).strip() == "":
                 raise EvalError(f"{key}={value!r}: expected a path or name")
@@ -378,8 +393,10 @@ def _scorer_settings(name: str, options: VLMEvalOptions, coord_format: str | Non
     elif kind == "temporal_grounding":
         settings.update(convention=options.tg_convention, thresholds=[0.3, 0.5, 0.7], time_unit="seconds",
                         **_TG_CONVENTIONS[options.tg_convention])
-    elif kind == "numeric":
+    elif kind == "numeric" and options.answer_convention == "mmrl":
         settings.update(rel_tol=1e-6, abs_tol=1e-9)
+    if kind in ("multiple_choice", "numeric") and options.answer_convention != "mmrl":
+        settings.update(answer_convention=options.answer_convention)
     return settings
 
 
@@ -527,6 +544,8 @@ def judge(kind: str, answer: str | None, meta: Mapping, settings: Mapping[str, A
         rescale_box
 
     require_tags = bool(settings.get("require_tags", True))
+    if kind in ("multiple_choice", "numeric") and settings.get("answer_convention") == "video_r1":
+        return _judge_video_r1(kind, answer, meta, failure)
     try:
         target = _target(kind, meta)
     except Unjudgeable as exc:
@@ -573,9 +592,30 @@ def judge(kind: str, answer: str | None, meta: Mapping, settings: Mapping[str, A
     return Judged(target, pred=pred, details=details)
 
 
+def _judge_video_r1(kind: str, answer: str | None, meta: Mapping, failure: str | None) -> Judged:
+    """Video-R1's ``src/eval_bench.py`` reading: the answer is the first ``<answer>`` block (stripped), or the whole
+    output when there is none (or it is empty); the solution likewise its answer block (mmrl's rule where it has
+    none: the whole solution, stripped; Video-R1's would be empty). Scored by
+    :func:`mmrl.eval.scoring.video_r1_answer_accuracy`; nothing is unparseable."""
+    from mmrl.rewards.video_r1 import video_r1_extract_answer
+
+    solution = meta.get("solution")
+    if not isinstance(solution, str) or not solution.strip():
+        return Judged(_jsonable(solution), judged=False, reason="metadata has no 'solution' text")
+    block = video_r1_extract_answer(solution)
+    target = solution.strip() if block is None else block
+    if answer is None:
+        return Judged(target, judged=False, reason=failure or "no answer")
+    read = video_r1_extract_answer(answer)
+    return Judged(target, pred=answer if not read else read)
+
+
 def _official(kind: str, preds: list, gts: list, durations: list, settings: Mapping[str, Any]) -> dict[str, Any]:
     """The :mod:`mmrl.eval.scoring` function of ``kind`` on predictions and ground truths (``None`` gt: unjudged)."""
     from mmrl.eval import scoring
+
+    if kind in ("multiple_choice", "numeric") and settings.get("answer_convention") == "video_r1":
+        return scoring.video_r1_answer_accuracy(preds, gts, kind)
 
     if kind == "rec":
         return scoring.rec_scores(preds, gts, iou_threshold=settings.get("iou_threshold", 0.5),
@@ -815,6 +855,8 @@ def plan_vlm_eval(cfg, options: VLMEvalOptions) -> list[_Plan]:
             defaults["tg_convention"], used["tg_convention"] = "2d_tan", options.tg_convention
         if _KIND.get(name, name) == "rec":
             defaults["rec_convention"], used["rec_convention"] = "mmrl", options.rec_convention
+        if name in ("multiple_choice", "numeric"):
+            defaults["answer_convention"], used["answer_convention"] = "mmrl", options.answer_convention
         if "coord_format" in settings and options.coord_format is not None:
             defaults["coord_format"] = _model_coord_format(cfg)[1]
             used["coord_format"] = options.coord_format
