@@ -37,6 +37,13 @@ def versions() -> dict:
     return {"torch": torch.__version__, "python": platform.python_version()}
 
 
+def skipped(bench: str, reason: str) -> int:
+    """A bench that cannot run here (its peer or engine is absent): one JSON line saying why, exit code 0, and
+    nothing written, so the results a machine that can run it committed stay."""
+    print(json.dumps({"bench": bench, "ok": True, "skipped": reason}))
+    return 0
+
+
 def finish(line: dict, out: Path) -> int:
     """Write ``line`` (indented) to ``out``, print it as one line; exit code 0 when ``line["ok"]``."""
     out.parent.mkdir(parents=True, exist_ok=True)

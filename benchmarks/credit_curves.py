@@ -147,7 +147,7 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--seconds", type=float, default=300.0, help="training wall-clock budget per method")
     parser.add_argument("--evals", type=int, default=3, help="held-out evaluations within the budget (+ one at 0 s)")
     parser.add_argument("--eval-limit", type=int, default=36, help="held-out prompts per evaluation")

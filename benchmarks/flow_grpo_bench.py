@@ -90,6 +90,21 @@ def mid_size_pipeline(width: int, layers: int, directory: Path) -> Path:
     return out
 
 
+def with_t5_budget(pipeline: Path, tokens: int, directory: Path) -> Path:
+    """A copy of ``pipeline`` whose T5 tokenizer states a ``model_max_length`` of ``tokens``: Flow-GRPO encodes its
+    prompts with 128 T5 tokens, more than the tiny pipeline's tokenizer states (32), which mmrl refuses to pad
+    past; the tiny T5 encoder (relative positions) takes any length, so both sides run 128 on this copy."""
+    import json
+    import shutil
+
+    out = directory / f"{Path(pipeline).name}-t5-{tokens}"
+    if not out.exists():
+        shutil.copytree(pipeline, out)
+        config = out / "tokenizer_3" / "tokenizer_config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "model_max_length": tokens}, indent=2))
+    return out
+
+
 def overrides(args, guidance: float, out_dir: Path) -> list[str]:
     model = [f"model.pretrained={args.pipeline}"] if args.pipeline else []
     return [*model,
@@ -381,6 +396,10 @@ def main(argv=None) -> int:
         ap.error("--width must be a multiple of 64 and --layers >= 1")
     with tempfile.TemporaryDirectory(prefix="mmrl-bench-") as tmp:
         args.pipeline = mid_size_pipeline(args.width, args.layers, Path(tmp)) if args.width else None
+        if args.flow_grpo:  # its 128 T5 tokens on every side (the tiny tokenizer states 32)
+            from mmrl.pipelines.flow.loading import resolve_pretrained
+
+            args.pipeline = with_t5_budget(Path(args.pipeline or resolve_pretrained("tiny:sd3")), 128, Path(tmp))
         results = {("cfg" if g > 1 else "no_cfg"): run_setting(args, g, Path(tmp)) for g in settings}
         from diffusers import SD3Transformer2DModel
 

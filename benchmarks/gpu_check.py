@@ -311,7 +311,7 @@ def main() -> None:
     ap.add_argument("--vlm-prompts", type=int, default=2)
     ap.add_argument("--vlm-group", type=int, default=8)
     ap.add_argument("--vlm-new-tokens", type=int, default=256)
-    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+    ap.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                     help="config overrides applied to the checks after their own (e.g. model.use_lora=true)")
     ap.add_argument("--vlm-cache", nargs="+", choices=["dynamic", "static"], default=["dynamic"],
                     help="the VLM check once per KV cache (generation.cache_implementation); 'static' is compiled by "

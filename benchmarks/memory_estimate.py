@@ -395,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="fraction of each card kept free for what the estimate does not count")
     parser.add_argument("--prompt-tokens", type=int, default=None,
                         help="VLM prompt length in tokens (default: the recipe's typical one, see RECIPES)")
-    parser.add_argument("--set", nargs="*", default=[], help="extra overrides for every estimate")
+    parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="extra overrides for every estimate (repeat it or list several)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "memory_estimate.json")
     args = parser.parse_args(argv)
     from diffusers.utils import logging as diffusers_logging

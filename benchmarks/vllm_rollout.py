@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 import torch  # noqa: E402
-from common import VLM_RECIPE, finish, mid_vlm_arguments, versions  # noqa: E402  (the script folder: on sys.path)
+from common import VLM_RECIPE, finish, mid_vlm_arguments, skipped, versions  # noqa: E402  (the script folder: on sys.path)
 
 
 def main(argv=None) -> int:
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
 
     missing = vllm_missing()
     if missing:
-        return finish({"bench": "vllm-rollout", "ok": True, "skipped": missing}, args.out)
+        return skipped("vllm-rollout", missing)
 
     from overhead import mid_size_vlm
 

@@ -576,14 +576,19 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         import trl  # noqa: F401
-    except ImportError:
-        raise SystemExit('TRL is not installed: pip install "trl>=1.16,<1.17" (or pip install -e ".[bench]")')
+    except ImportError:  # the comparison is the bench: without its peer there is nothing to measure
+        from common import skipped
+
+        return skipped("vlm-grpo", 'TRL is not installed: pip install "trl>=1.16,<1.17" (or pip install -e '
+                                   '".[bench]")')
     if args.vllm:
         from mmrl.pipelines.vlm.vllm_engine import vllm_missing
 
         missing = vllm_missing()
         if missing:
-            raise SystemExit(f"--vllm: {missing}")
+            from common import skipped
+
+            return skipped("vlm-grpo", f"--vllm: {missing}")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         args.hidden = args.hidden or 128
     with tempfile.TemporaryDirectory(prefix="bench_vlm_model_") as model_tmp:

@@ -881,8 +881,6 @@ def _dependent_fields(config: Config, flow: bool) -> list[tuple[str, tuple[str, 
         ("algorithm", ("sampler_correction_max", "sampler_correction_min"),
          "an algorithm.sampler_correction other than none (the bounds of its weights)",
          a.sampler_correction != "none"),
-        ("eval", ("limit",), "eval.every > 0 (benchmarks during training; `mmrl eval` takes its own limit=)",
-         config.eval.every > 0),
     ]
     if flow:
         rules += [

@@ -287,7 +287,6 @@ UNREAD = [  # (config, overrides, the warning): each was accepted silently and c
                                                "sampling.train_steps: entropy_merge"),
     (TINY_RECIPE, ["sampling.intermediate=x0"], "sampling.intermediate ignored: it applies only with a variant that "
                                                 "uses the intermediate images"),
-    (TINY_RECIPE, ["eval.limit=3"], "eval.limit ignored: it applies only with eval.every > 0"),
     (TINY_RECIPE, ["sampling.num_steps=3", "sampling.noise_schedule=[0.5, 0.5, 0.5]"],
      "sampling.noise_level ignored: it applies only with an empty sampling.noise_schedule"),
     (VLM, ["generation.max_tool_calls=0", "generation.tool_response_template=x"],
