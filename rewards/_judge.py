@@ -465,15 +465,21 @@ def check_part(part: str) -> str:
     return part
 
 
+_INFO_ITEM = re.compile(r"<info(\d+)>(.+?)</info\1>", re.DOTALL)
+
+
 def annotation_list(meta: Mapping, key: str, reward: str, *, required: bool = True) -> list[str]:
-    """``meta[key]`` as a list of non-empty strings (one string is one annotation; a dict's values are used).
+    """``meta[key]`` as a list of non-empty strings (one string is one annotation; a dict's values are used). A
+    string of numbered items ``<info1>...</info1><info2>...</info2>`` (Perception-R1's released data format) is
+    one annotation per item, in order.
 
     Missing or empty: :class:`Unjudgeable` when ``required``, else ``[]``. A non-text entry is Unjudgeable."""
     value = meta.get(key)
     if isinstance(value, Mapping):
         value = list(value.values())
     if isinstance(value, str):
-        value = [value]
+        items = _INFO_ITEM.findall(value)
+        value = [text for _, text in items] if items else [value]
     if value is None or (isinstance(value, (list, tuple)) and not value):
         if required:
             raise Unjudgeable(f"metadata has no {key!r} (needed by {reward})")

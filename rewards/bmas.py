@@ -9,7 +9,8 @@ ground truth". mmrl's rule (the abstract names the idea, not the formula; no par
     S_ij      = cos(x_i, y_j)
     precision = (1/n) sum_i max_j S_ij        every answer token's best match in the reference
     recall    = (1/m) sum_j max_i S_ij        every reference token's best match in the answer
-    bmas      = (precision + recall) / 2      in [-1, 1]; 1 when the two token sequences are the same multiset
+    bmas      = (precision + recall) / 2      in [-1, 1]; 1 when the two token sequences have the same set of
+                                              tokens (repetition is not counted: 'a a b' against 'a b' is 1)
 
 Embeddings (``embedding``): ``"input"`` (default) the text model's input token-embedding table, the "tokenizer
 embedding" of the abstract (no forward pass); ``"hidden"`` its last hidden states (contextual, BERTScore-like).

@@ -5,7 +5,11 @@ multimodal judge enumerates visually grounded differences, verifies each differe
 open-vocabulary error types and severity levels, and produces per-difference statistics for reward composition,
 so hallucinated claims and omitted salient facts are measured, and tuned, separately.
 
-mmrl's rule (the abstract gives no formula; no parity claim), ``differences="judge"`` (default), two judge stages
+mmrl's rule (the abstract gives no formula; no parity claim with the released code, ltl3A87/ClaimDiff-RL
+``utils_caption_diff.py``, whose ``hall_vs_miss`` score is ``1 - (#false verifications + #missing facts) / #differences``
+(normalised by the differences; missing facts counted without checking the image; severity weights 1 / 1.25 / 1.6,
+off by default) and whose difference blocks are ``[DIFFERENCE N]`` sections; mmrl's normalisation ``1 / (1 + H +
+M)``, its severity scale and its line format are its own), ``differences="judge"`` (default), two judge stages
 on a FROZEN Qwen-VL:
 
 1. the judge sees the image, the reference caption and the policy's caption and writes the differences, one per

@@ -4,7 +4,11 @@ The paper (MediX-R1): Group-Based RL with a composite reward: an LLM-based accur
 correctness with a strict YES/NO decision, a medical embedding-based semantic reward that captures paraphrases
 and terminology variants, and lightweight format and modality rewards.
 
-mmrl's rule (the abstract gives the parts, not their formulas or weights; no parity claim)::
+mmrl's rule (the abstract gives the parts, not their formulas or weights; no parity claim with the released
+``training/examples/reward_function/medical.py``, which differs: ``0.9 x (0.575 llm + 0.375 embed + 0.05 modality)
++ 0.1 format``, a MedEmbed-large-v0.1 embedding with a binary ``cos >= 0.8``, ``<thinking>`` tags after a modality
+tag, an exact-match shortcut, answers and references stripped of ``.`` and of spaces around ``<`` ``>`` ``/``,
+empty, one-character or ``: ? __``-holding answers scored 0, and a tag-free response read whole)::
 
     answer    = the <answer> block (require_tags=True), or the whole response when it has no answer tag
     p_yes     = P(yes | image, template(question, answer, reference))     a FROZEN Qwen-VL judge

@@ -15,9 +15,15 @@ the image, the response and ONE annotation at a time and is asked whether the re
 Extra keys: ``consistent`` (the fraction with ``p_k >= 0.5``, the hard count at the default threshold, whatever
 ``threshold`` is) and ``num_annotations`` (K). Differences from the paper: the judge here is a VLM that also
 sees the image (the paper's judge reads text only), and the judgment is a yes-probability, not a sampled text.
+Differences from its released code (tongxiao2002/Perception-R1, ``verl/utils/reward_score/math_with_visual.py``):
+there one text-only call asks whether each key item is *present* in the response ("not on its correctness"),
+the score is the items judged present over the items, and the trainer adds ``visual_reward_factor x`` it to
+accuracy + 0.1 x format; here each annotation is asked for *consistency* (the abstract's word) in its own call, and
+the reward is a component you weight in ``rewards``. Its data's ``<info1>...</info1><info2>...</info2>`` string is
+read as one annotation per item (:func:`mmrl.rewards._judge.annotation_list`).
 
 Metadata: the image (see :mod:`mmrl.rewards._judge`) and ``visual_annotations`` (``annotation_key``): a string
-or a list of strings. A sample without either is NaN; an empty response (or a missing block, with ``part``) is a
+(``<infoK>`` items split), or a list of strings. A sample without either is NaN; an empty response (or a missing block, with ``part``) is a
 counted 0. The question (``{question}``) is the sample's prompt when given.
 """
 from __future__ import annotations

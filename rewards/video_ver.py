@@ -6,7 +6,7 @@ reasoning traces that are verifiably grounded in visual evidence.
 
 mmrl's rule (the abstract gives no formula; no parity claim). ``num_frames`` frames are read from the sample's
 video with the project's reader (:func:`mmrl.data.video.read_video`, qwen-vl-utils' frame rule: evenly spaced,
-an even count, at most the video's frames) or taken from its ``frames``; a FROZEN Qwen-VL judge sees them as
+an even count, at most the video's frames, at least 2) or taken from its ``frames``; a FROZEN Qwen-VL judge sees them as
 images, in order (each after a ``Frame k (t s):`` label with ``label_frames``), with the reasoning, and, when the
 sample has them, its reference visual evidence (``visual_evidence``: a string or a list)::
 

@@ -237,6 +237,10 @@ def test_perception_r1_rule(tiny, media, monkeypatch):
     # one annotation given as a plain string
     single = soft(["x"], None, [{**IMG, "visual_annotations": "two dogs"}])
     assert single["perception_r1"].item() == pytest.approx(0.3)
+    # Perception-R1's released data: one string of numbered items, one annotation each (it was one annotation)
+    numbered = soft(["x"], None, [{**IMG, "visual_annotations": "<info1>a red cat</info1>\n<info2>two dogs</info2>"
+                                                                "<info3>a blue car</info3>"}])
+    assert numbered["num_annotations"].item() == 3 and numbered["perception_r1"].item() == pytest.approx(0.6)
 
 
 LISTING = """Here are the differences:
