@@ -98,12 +98,13 @@ def test_tool_names_resolve_or_are_refused():
 # ---------------------------------------------------------------------------------------------- tool rollouts
 
 
-def script(policy, turns: list[str], *, every_update: bool = False) -> list:
+def script(policy, turns: list[str], *, every_update: bool = False, as_text: bool = False) -> list:
     """Make the k-th ``generate`` call of ``policy`` return ``turns[k]`` for every row (later calls sample for
-    real; ``every_update``: every group's first turn returns ``turns[0]``); returns the list the real calls'
-    per-step scores are recorded in."""
+    real; ``every_update``: every group's first turn returns ``turns[0]``; ``as_text``: special tokens in the turns
+    written out as ordinary tokens, as a policy can spell them); returns the list the real calls' per-step scores are
+    recorded in."""
     real = policy.model.generate
-    ids = [policy.tokenizer(t, add_special_tokens=False)["input_ids"] for t in turns]
+    ids = [policy.tokenizer(t, add_special_tokens=False, split_special_tokens=as_text)["input_ids"] for t in turns]
     calls, recorded = [0], []
 
     def generate(**kwargs):
@@ -247,6 +248,34 @@ def test_max_tool_calls_and_failed_calls(tool_trainer):
     assert rollout.extras["tool_errors"].tolist() == [1.0, 1.0]
     greedy = policy.sample_eval(trainer.prompts.next_batch(1))  # evaluation runs the tools too (no script left)
     assert len(greedy) == 1
+
+
+def sliver(image, width: float):
+    """A tool of the user's returning a view the Qwen processor refuses (aspect ratio past 200)."""
+    return image.resize((int(width), 1))
+
+
+def test_a_call_whose_view_or_echo_cannot_enter_the_context_is_an_error_observation(tool_trainer):
+    """A view the processor refuses (a user tool's 400 x 1 sliver) ended the run with its ValueError; a call spelling
+    <|image_pad|> in plain tokens came back in the parse error's echo as the special id, an image slot with no
+    image (the next turn's generate failed: tokens 14, features 12). Both are now error observations, and the
+    rollout trains on. The built-in crop refuses a sliver past 100:1 (DeepEyes' validate_bbox)."""
+    image = Image.new("RGB", (300, 20))
+    with pytest.raises(ToolError, match="sliver"):
+        run_call("crop(0, 0, 300, 2)", resolve_tools(["crop"]), image)
+    assert run_call("crop(0, 0, 200, 2)", resolve_tools(["crop"]), image).size == (200, 2)
+    trainer = tool_trainer("generation.tools=[crop, test_tools:sliver]", "generation.max_new_tokens=96")
+    policy = trainer.policy
+    script(policy, ["<tool>sliver(400)</tool>", "<tool>crop(<|image_pad|>)</tool>"], as_text=True)
+    rollout = policy.rollout(trainer.prompts.next_batch(1), 2, generator=torch.Generator().manual_seed(0))
+    image_id = policy.base_model.config.image_token_id
+    for i, calls in enumerate(rollout.tool_calls):
+        assert [c.ok for c in calls[:2]] == [False, False]
+        assert "aspect ratio" in calls[0].error and "cannot parse" in calls[1].error
+        assert len(rollout.vision[i].image_grid_thw) == 1  # the prompt's image only
+        observations = [t for t, own in zip(rollout.completion_ids[i].tolist(), rollout.mask[i].tolist()) if not own]
+        assert observations and image_id not in observations  # the echo carries the text, not the special id
+    assert rollout.extras["tool_errors"].tolist() == [2.0, 2.0]
 
 
 # ---------------------------------------------------------------------------------------------- TACO

@@ -15,13 +15,13 @@ followed by its views, in sequence order), the completion's tokens with ``mask``
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from mmrl.pipelines.vlm.tools import (TOOL_CLOSE, TOOL_OPEN, ToolCall, ToolError, answer_frame, last_call,
-                                      run_call)
+from mmrl.pipelines.vlm.tools import TOOL_CLOSE, TOOL_OPEN, ToolCall, answer_frame, last_call, run_call
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,11 @@ def contexts(policy, prompts: list[tuple[list[int], list[int]]], completions: li
     return input_ids, attention, types
 
 
+#: A special token written out as text (``<|image_pad|>``): taken out of an error message that echoes the policy's
+#: call, which would otherwise tokenize into the special id (an image placeholder with no image behind it)
+_SPECIAL = re.compile(r"<\|[^|<>\s]*\|>")
+
+
 def _response(policy, text: str, view) -> tuple[list[int], list[int], object]:
     """Token ids, token types and (with a view) the Vision of one tool response."""
     from mmrl.pipelines.vlm.qwen import Vision
@@ -143,12 +148,12 @@ def _respond(policy, row: _Row, image, frame=None) -> None:
     segment = row.ids[row.segment_start:]
     text = policy.tokenizer.decode(segment, skip_special_tokens=True)
     call = last_call(text) or ""
-    try:
-        view = run_call(call, policy.tools, image, frame)
-        error, shown = "", None
-    except ToolError as exc:
-        view, error, shown = None, str(exc), f"error: {exc}"
-    ids, types, vision = _response(policy, shown, view)
+    try:  # a view the processor cannot take (a tool of the user's) is the call's error too, not the run's end
+        ids, types, vision = _response(policy, None, run_call(call, policy.tools, image, frame))
+        error = ""
+    except ValueError as exc:  # ToolError included
+        error = str(exc)
+        ids, types, vision = _response(policy, "error: " + _SPECIAL.sub("", error), None)
     opened = _where_begins(policy.tokenizer, segment, TOOL_OPEN)
     end = len(row.ids)
     row.ids += ids

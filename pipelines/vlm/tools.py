@@ -48,7 +48,14 @@ def _box(image: Image.Image, x1: float, y1: float, x2: float, y2: float) -> tupl
     if right - left < 2 or bottom - top < 2:
         raise ToolError(f"crop box ({x1:g}, {y1:g}, {x2:g}, {y2:g}) holds under 2x2 pixels of the {width}x{height} "
                         f"image")
+    if max(right - left, bottom - top) > MAX_ASPECT * min(right - left, bottom - top):
+        raise ToolError(f"crop box ({x1:g}, {y1:g}, {x2:g}, {y2:g}) is a sliver ({right - left}x{bottom - top} "
+                        f"pixels): at most {MAX_ASPECT}:1")
     return left, top, right, bottom
+
+
+#: The most elongated crop a box tool returns (DeepEyes' ``validate_bbox``: 100; Qwen-VL processors refuse past 200)
+MAX_ASPECT = 100
 
 
 def crop(image: Image.Image, x1: float, y1: float, x2: float, y2: float) -> Image.Image:
