@@ -626,6 +626,6 @@ def test_shapeworld_vlm_spec_writes_the_tasks_in_the_policys_box_format(tmp_path
                                 "data.dataset=shapeworld:heldout:3:numeric+temporal_grounding"])
     assert [build_source(config)._at(k).metadata["task"] for k in range(3)].count("numeric") == 2
     with pytest.raises(ConfigError, match="unknown ShapeWorld task 'boxes'"):
-        load_config(TINY_RECIPE, [*vlm, "data.dataset=shapeworld:train:4:boxes"])
+        load_config(TINY_RECIPE, [*vlm, "model.pretrained=tiny:qwen2_5_vl", "data.dataset=shapeworld:train:4:boxes"])
     with pytest.raises(ConfigError, match="not a ShapeWorld VLM set"):
-        load_config(TINY_RECIPE, [*vlm, "data.dataset=shapeworld:train"])
+        load_config(TINY_RECIPE, [*vlm, "model.pretrained=tiny:qwen2_5_vl", "data.dataset=shapeworld:train"])
