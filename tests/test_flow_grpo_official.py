@@ -91,17 +91,17 @@ def test_the_bench_says_why_it_skips_the_official_side(tmp_path, monkeypatch):
 def test_the_bench_runs_flow_grpos_128_t5_tokens_on_a_pipeline_that_states_them(tmp_path):
     """With --flow-grpo every side encodes 128 T5 tokens, as Flow-GRPO does; the tiny pipeline's tokenizer states
     32 and mmrl refuses to pad past it (the bench crashed building mmrl's side), so it runs on a copy stating 128."""
-    from diffusers import StableDiffusion3Pipeline
+    from transformers import AutoTokenizer
 
     import flow_grpo_bench as bench
     from mmrl.config import load_config
-    from mmrl.pipelines.flow.loading import resolve_pretrained
-    from mmrl.pipelines.flow.sd3 import SD3Family
+    from mmrl.pipelines.flow.loading import resolve_pretrained, tokenizer_limit
 
     tiny = Path(resolve_pretrained("tiny:sd3"))
     copy = bench.with_t5_budget(tiny, 128, tmp_path)
-    assert SD3Family(StableDiffusion3Pipeline.from_pretrained(str(tiny))).text_token_limit() == 32
-    assert SD3Family(StableDiffusion3Pipeline.from_pretrained(str(copy))).text_token_limit() == 128
+    # the limit the SD3 family reads from the pipeline's tokenizer_3 (SD3Family.text_token_limit)
+    assert tokenizer_limit(AutoTokenizer.from_pretrained(str(tiny / "tokenizer_3"))) == 32
+    assert tokenizer_limit(AutoTokenizer.from_pretrained(str(copy / "tokenizer_3"))) == 128
     args = types.SimpleNamespace(pipeline=copy, prompts=2, group=4, num_steps=10, flow_grpo="x", set=[])
     overrides = bench.overrides(args, 4.5, tmp_path / "out")
     assert "sampling.max_sequence_length=128" in overrides and f"model.pretrained={copy}" in overrides
