@@ -302,6 +302,7 @@ class Trainer:
         self.eval_headlines: dict[str, str] = {}  # benchmark -> the logged key of its headline metric
         self.kept_rows: torch.Tensor | None = None  # algorithm.drop_zero_advantage: the last update's trained rows
         self.optimizer_steps = 0
+        self.training_phase = False  # within an update: its training passes have begun
 
     # ------------------------------------------------------------------------------------------ sizes
 
@@ -1248,6 +1249,10 @@ class Trainer:
                 except DataError as exc:  # a bad line met mid-run: keep the updates done so far
                     self._save_before_bad_data(data_state, exc)
                     raise
+                except Exception as exc:  # any other failure while sampling or scoring: the same
+                    if not self.training_phase:  # the weights and the optimizer are still the last update's
+                        self._save_before_bad_data(data_state, exc)
+                    raise
                 if c.logging.eval_every and self.update % c.logging.eval_every == 0:
                     metrics.update(self._evaluate())
                 if c.eval.every and self.update % c.eval.every == 0:
@@ -1281,11 +1286,12 @@ class Trainer:
                 self.logger.close()
         return history
 
-    def _save_before_bad_data(self, data_state: dict, exc: DataError) -> None:
-        """A data error (a sample whose image or video does not decode, a prompt over the length budget) stopped the
-        update after ``self.update``: the weights are still those of that update, so checkpoint them (with the data
-        position before the failed update, so a resume meets the same samples) unless a checkpoint of it exists, and
-        say how to go on. Single process only: elsewhere the other processes wait in a collective."""
+    def _save_before_bad_data(self, data_state: dict, exc: Exception) -> None:
+        """A data error (a sample whose image or video does not decode, a prompt over the length budget), or any
+        other error raised before the update's training passes (a reward server gone, a generation that fails),
+        stopped the update after ``self.update``: the weights are still those of that update, so checkpoint them
+        (with the data position before the failed update, so a resume meets the same samples) unless a checkpoint of
+        it exists, and say how to go on. Single process only: elsewhere the other processes wait in a collective."""
         c, acc = self.config, self.accelerator
         folder = self.output_dir / "checkpoints" / f"step_{self.update}"
         if acc.num_processes > 1 or self.update == 0:
@@ -1293,12 +1299,19 @@ class Trainer:
         if not folder.exists():
             self.prompts.load_state_dict(data_state)
             self.save()
+        resume = f"`mmrl train {self.output_dir / 'config.yaml'} resume=auto` continues from it"
+        if not isinstance(exc, DataError):
+            print(f"mmrl: update {self.update + 1} of {c.train.steps} stopped by {type(exc).__name__} while sampling "
+                  f"or scoring, before any weight changed; checkpoint {folder} holds update {self.update}; once the "
+                  f"cause is fixed, {resume}",
+                  file=sys.stderr, flush=True)
+            return
         hint = "" if c.data.skip_bad_samples or c.model.family != "qwen_vl" else \
             " or set data.skip_bad_samples: true (skipped samples are counted)"
         print(f"mmrl: update {self.update + 1} of {c.train.steps} stopped on bad data ({' '.join(str(exc).split())}); "
               f"checkpoint {folder} holds update {self.update}. Fix the data (`mmrl config validate "
-              f"{self.output_dir / 'config.yaml'}` decodes every image and video){hint}, then `mmrl train "
-              f"{self.output_dir / 'config.yaml'} resume=auto` continues from it", file=sys.stderr, flush=True)
+              f"{self.output_dir / 'config.yaml'}` decodes every image and video){hint}, then {resume}",
+              file=sys.stderr, flush=True)
 
     def _warn(self, message: str) -> None:
         """A run-health warning, printed on the main process (above the progress bar); ``health/*`` metrics log it."""
@@ -1511,6 +1524,7 @@ class Trainer:
         timer = {"rollout": 0.0, "reward": 0.0}
         self.reward_counts: dict[str, float] = {}
         self.variant_stats: dict[str, float] = {}
+        self.training_phase = False  # set from the first training pass on (a failure before it keeps the update)
         items = self.prompts.next_batch(c.data.prompts_per_step, rank=acc.process_index, world=acc.num_processes)
         with self._full_weights():  # sharded: one all-gather for the whole rollout, no collective per forward
             if c.data.skip_bad_samples:  # skipped samples are replaced; without skipping a bad one is an error
@@ -1523,6 +1537,7 @@ class Trainer:
                 rollout, scores, sampling_stats = self._select(rollout, scores, generator, timer)
         t2 = time.perf_counter()
         advantages, adv_stats = self._advantages(rollout, scores)
+        self.training_phase = True
         train_metrics = self._train_on(rollout, advantages, generator, scores=scores)
         t3 = time.perf_counter()
         self.update += 1

@@ -404,3 +404,33 @@ def test_a_rollback_sets_the_newer_checkpoints_aside(tmp_path, tiny_path, caplog
     new_step3 = load_file(str(checkpoints / "step_3" / "trainable.safetensors"))
     assert any(not torch.equal(new_step3[k], old_step3[k]) for k in old_step3)  # trained on the new line
     assert [m["step"] for m in _metrics(run)] == [1, 2, 3]
+
+
+def test_a_failure_while_sampling_keeps_the_updates_done(tmp_path, tiny_path, capsys, monkeypatch):
+    """Any error raised while an update samples or scores (here the rollout of update 3) leaves the weights of update
+    2: they are checkpointed at the data position before update 3, as a data error's are, and resume=auto finishes
+    the run as a straight one would (before, only a DataError saved; save_every=0 lost both updates)."""
+    from mmrl.pipelines.flow.policy import FlowPolicy
+
+    straight = tmp_path / "straight"
+    assert _train(straight, tiny_path, "train.steps=3", "logging.save_every=0") == 0
+    run = tmp_path / "run"
+    real, calls = FlowPolicy.rollout, [0]
+
+    def failing(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("the reward server went away")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FlowPolicy, "rollout", failing)
+    with pytest.raises(RuntimeError, match="reward server"):
+        _train(run, tiny_path, "train.steps=3", "logging.save_every=0")
+    err = capsys.readouterr().err
+    assert "update 3 of 3 stopped by RuntimeError while sampling or scoring, before any weight changed" in err
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_2"]
+    monkeypatch.setattr(FlowPolicy, "rollout", real)
+    assert _train(run, tiny_path, "train.steps=3", "logging.save_every=0") == 0
+    a = load_file(str(straight / "checkpoints" / "step_3" / "trainable.safetensors"))
+    b = load_file(str(run / "checkpoints" / "step_3" / "trainable.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
