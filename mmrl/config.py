@@ -872,7 +872,8 @@ def _check_engine(g: GenerationConfig, *, check_files: bool) -> None:
 #: (section, fields, what they need, whether a config has it): fields read only under another setting, so that
 #: setting one without it changes nothing (logged as ignored); flow-only ones are checked on flow configs (a VLM
 #: config's sampling.* is ignored as a whole, with a warning)
-def _dependent_fields(config: Config, flow: bool) -> list[tuple[str, tuple[str, ...], str, bool]]:
+def _dependent_fields(config: Config, flow: bool,
+                      variants: list) -> list[tuple[str, tuple[str, ...], str, bool]]:
     s, m, o, g, a = config.sampling, config.model, config.optim, config.generation, config.algorithm
     rules = [
         ("model", ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules"), "model.use_lora: true",
@@ -893,7 +894,7 @@ def _dependent_fields(config: Config, flow: bool) -> list[tuple[str, tuple[str, 
             ("sampling", ("merge_threshold", "merge_groups"), "sampling.train_steps: entropy_merge",
              s.train_steps == "entropy_merge"),
             ("sampling", ("intermediate",), "a variant that uses the intermediate images (step_gain, "
-             "turning_point, ...; `mmrl variants`)", _uses_intermediate_images(config)),
+             "turning_point, ...; `mmrl variants`)", any("intermediate_images" in v.needs for v in variants)),
             ("sampling", ("noise_level",), "an empty sampling.noise_schedule (a schedule gives every step's level)",
              not s.noise_schedule),
         ]
@@ -906,20 +907,11 @@ def _dependent_fields(config: Config, flow: bool) -> list[tuple[str, tuple[str, 
     return rules
 
 
-def _uses_intermediate_images(config: Config) -> bool:
-    from mmrl.algorithms.base import VariantError, build_variants
-
-    try:
-        return any("intermediate_images" in v.needs for v in build_variants(config))
-    except (VariantError, ValueError):
-        return True  # the variants' own error is reported where they are built
-
-
-def _check_dependent_fields(config: Config, flow: bool) -> None:
+def _check_dependent_fields(config: Config, flow: bool, variants: list) -> None:
     """Log a field set (away from its default) where nothing reads it (:func:`_dependent_fields`) as ignored, as
     the other family's fields are: a warning, not an error, so that turning a setting off on the command line
     (``model.use_lora=false`` on a LoRA recipe) and resuming that run from its saved config keep working."""
-    for section, keys, needs, present in _dependent_fields(config, flow):
+    for section, keys, needs, present in _dependent_fields(config, flow, variants):
         changed = [f"{section}.{k}" for k in keys if k in _changed_fields(getattr(config, section))]
         if changed and not present:
             logger.warning("%s ignored: %s only with %s, which this config does not have", ", ".join(changed),
@@ -1075,7 +1067,6 @@ def validate(config: Config, *, check_files: bool = True) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    _check_dependent_fields(config, flow)
     if s.train_steps in ("random_window", "sliding_window"):
         trainable = s.num_steps - 1
         if s.window_size > trainable:
@@ -1248,9 +1239,10 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         raise ConfigError("rewards: every weight is 0, so no reward enters the advantages (a weight-0 reward is only "
                           "logged); give at least one a non-zero weight")
     try:  # names, options and combinations of the algorithm variants, before anything is built
-        build_variants(config)
+        variants = build_variants(config)
     except VariantError as exc:
         raise ConfigError(str(exc)) from None
+    _check_dependent_fields(config, flow, variants)
 
 
 #: The header of ``mmrl config show --help-fields`` (YAML comments, so the whole listing parses as YAML).

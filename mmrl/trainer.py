@@ -220,16 +220,21 @@ class RewardBatches:
         self.prompts, self.metadata = self.prompts[count:], self.metadata[count:]
 
 
+def values_by_key(stats: dict[str, float], accelerator) -> dict[str, list[float]]:
+    """Every process's value of each key of ``stats`` (a collective with several processes; the processes that
+    report a key, in rank order)."""
+    parts = gather_object([dict(stats)]) if accelerator.num_processes > 1 else [stats]
+    values: dict[str, list[float]] = {}
+    for part in parts:
+        for key, value in part.items():
+            values.setdefault(key, []).append(float(value))
+    return values
+
+
 def mean_over_processes(stats: dict[str, float], accelerator) -> dict[str, float]:
     """``stats`` (what the variants report, per process) as the mean over the processes that report each key, so
     the logged figure describes every process's samples, not the main process's alone."""
-    if accelerator.num_processes <= 1:
-        return dict(stats)
-    sums: dict[str, list[float]] = {}
-    for part in gather_object([dict(stats)]):
-        for key, value in part.items():
-            sums.setdefault(key, []).append(float(value))
-    return {key: sum(values) / len(values) for key, values in sums.items()}
+    return {key: sum(v) / len(v) for key, v in values_by_key(stats, accelerator).items()}
 
 
 class Trainer:
@@ -328,13 +333,8 @@ class Trainer:
     def _skipped_in_all(self) -> dict[str, int]:
         """The policy's bad-sample skip counts since the run began, summed over every process (a collective: a bad
         sample may be on any of them)."""
-        skipped = dict(getattr(self.policy, "skipped", {}))
-        if self.accelerator.num_processes > 1:
-            skipped = {}
-            for part in gather_object([dict(getattr(self.policy, "skipped", {}))]):
-                for reason, count in part.items():
-                    skipped[reason] = skipped.get(reason, 0) + count
-        return skipped
+        counts = values_by_key(dict(getattr(self.policy, "skipped", {})), self.accelerator)
+        return {reason: int(sum(v)) for reason, v in counts.items()}
 
     def save(self) -> None:
         acc = self.accelerator

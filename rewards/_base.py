@@ -241,9 +241,10 @@ def _checked_float(images: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     # float64 value too large for float32 is finite here and is clipped to 1, not marked).
     lo, hi = torch.stack((lo, hi)).cpu()
     bad = (~(torch.isfinite(lo) & torch.isfinite(hi))).nonzero().flatten().tolist()
-    finite_lo = lo[torch.isfinite(lo)]
-    if not _WARNED_RANGE and finite_lo.numel() and float(finite_lo.min()) < -0.25:
-        _warn_range(float(finite_lo.min()))
+    if not _WARNED_RANGE:
+        low = float(lo[torch.isfinite(lo)].min()) if bool(torch.isfinite(lo).any()) else 0.0
+        if low < -0.25:
+            _warn_range(low)
     tensor = images.float()  # no copy for float32
     if bad or bool((lo < 0).any()) or bool((hi > 1).any()):
         if tensor is images:

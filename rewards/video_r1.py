@@ -44,7 +44,7 @@ from typing import Mapping
 from ._base import register_reward
 from ._text import TextReward, Unjudgeable, Unparseable, require
 
-__all__ = ["VideoR1Accuracy", "video_r1_extract_answer", "word_error_rate", "PROBLEM_TYPES"]
+__all__ = ["VideoR1Accuracy", "video_r1_extract_answer", "numerical_match", "word_error_rate", "PROBLEM_TYPES"]
 
 _ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 PROBLEM_TYPES = ("multiple choice", "numerical", "OCR", "free-form", "regression")
@@ -77,6 +77,16 @@ def _number(text: str) -> float | None:
     except ValueError:
         return None
     return value if math.isfinite(value) else None
+
+
+def numerical_match(gt: str, out: str) -> float:
+    """Video-R1's ``numerical`` rule on two answers already read: 0 unless both or neither contain a ``.`` or
+    ``,``; then both as floats with ``,`` removed, 1 if they agree rounded to 2 decimals (0 when either is not a
+    finite number)."""
+    if (("." in gt) or ("," in gt)) != (("." in out) or ("," in out)):
+        return 0.0
+    a, b = _number(gt), _number(out)
+    return 1.0 if a is not None and b is not None and round(a, 2) == round(b, 2) else 0.0
 
 
 @register_reward("video_r1_accuracy")
@@ -115,10 +125,7 @@ class VideoR1Accuracy(TextReward):
         if kind in ("numerical", "regression") and _number(gt) is None:  # the label, not the answer, is broken
             raise Unjudgeable(f"metadata 'solution' {gt!r} is not a number ({kind} question)")
         if kind == "numerical":
-            if (("." in gt) or ("," in gt)) != (("." in out) or ("," in out)):
-                return 0.0
-            a, b = _number(gt), _number(out)
-            return 1.0 if a is not None and b is not None and round(a, 2) == round(b, 2) else 0.0
+            return numerical_match(gt, out)
         if kind == "OCR":
             return max(0.0, min(1.0, 1.0 - word_error_rate(gt, out)))
         if kind == "free-form":

@@ -437,8 +437,9 @@ def test_non_finite_features_give_null_fid_and_kid_naming_the_side(inception, tm
     assert not fast_frechet  # clean-fid's frechet_distance is not called on them
     from mmrl.eval.runner import _headline
 
-    assert _headline(metrics, "fid") == (f"fid nan ({metrics['fid_reason']}), kid nan ({metrics['kid_reason']})")
-    assert _headline({"fid": 12.5, "kid": 0.01, "fid_reason": None}, "fid") == "fid 12.5, kid 0.01"
+    also = scorer.also_printed
+    assert _headline(metrics, "fid", also) == f"fid nan ({metrics['fid_reason']}), kid nan ({metrics['kid_reason']})"
+    assert _headline({"fid": 12.5, "kid": 0.01, "fid_reason": None}, "fid", also) == "fid 12.5, kid 0.01"
 
 
 def test_paths_with_a_tilde_are_the_home_folder_and_one_reference_image_is_too_few(inception, tmp_path, monkeypatch):

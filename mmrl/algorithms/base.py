@@ -191,15 +191,15 @@ class TransformContext:
     accelerator: Any = None
 
 
-def global_mean(values: Tensor, accelerator: Any = None) -> float:
-    """The mean of the finite entries of ``values`` over every process (0 when there are none), in float64: a batch
-    statistic a ``transform`` or ``rewards`` stage takes from its own process's samples, made the statistic of the
-    whole batch (``accelerator``: the run's, or ``None`` on one process)."""
+def global_mean(values: Tensor, accelerator: Any = None, empty: float = 0.0) -> float:
+    """The mean of the finite entries of ``values`` over every process (``empty`` when no process has one), in
+    float64: a batch statistic a ``transform`` or ``rewards`` stage takes from its own process's samples, made the
+    statistic of the whole batch (``accelerator``: the run's, or ``None`` on one process)."""
     finite = torch.isfinite(values)
     stats = torch.stack([values[finite].double().sum(), finite.sum().double()])
     if accelerator is not None and accelerator.num_processes > 1:
         stats = accelerator.reduce(stats.to(accelerator.device), "sum").cpu()
-    return float(stats[0] / stats[1]) if stats[1] > 0 else 0.0
+    return float(stats[0] / stats[1]) if stats[1] > 0 else empty
 
 
 def global_pool(values: Tensor, accelerator: Any = None) -> tuple[Tensor, int]:

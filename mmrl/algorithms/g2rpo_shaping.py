@@ -107,9 +107,9 @@ def entropy_band_weights(advantages: Tensor, old_logps: Tensor, mask: Tensor, *,
     surprisal = -old_logps.to(adv.dtype)
     active = (mask > 0) & torch.isfinite(surprisal)
     weights = active.to(adv.dtype)
-    if global_mean(active.sum().double().reshape(1), accelerator) == 0:  # no process has an active token
-        return weights, float("nan"), 0
-    entropy = global_mean(surprisal[active], accelerator)
+    entropy = global_mean(surprisal[active], accelerator, empty=math.nan)
+    if math.isnan(entropy):  # no process has an active token
+        return weights, entropy, 0
     gate = -1 if entropy < low else (1 if entropy > high else 0)
     if gate == 0:
         return weights, entropy, 0

@@ -118,10 +118,9 @@ class STARE(Variant):
         surprisal = -old_logps.to(adv.dtype)
         active = (mask > 0) & torch.isfinite(surprisal)
         weights = active.to(adv.dtype)
-        tokens = global_mean(active.sum().double().reshape(1), accelerator)  # > 0 iff any process has a token
-        if tokens == 0:
+        entropy = global_mean(surprisal[active], accelerator, empty=math.nan)
+        if math.isnan(entropy):  # no process has an active token
             return weights
-        entropy = global_mean(surprisal[active], accelerator)
         if o.adaptive and o.alpha > 0:
             sign = float(math.copysign(1.0, o.target_entropy - entropy)) if entropy != o.target_entropy else 0.0
             self.reweight_w = min(max(self.reweight_w + o.alpha * sign, 1.0), o.w_max)

@@ -409,6 +409,7 @@ class FIDScorer(Scorer):
 
     name = "fid_kid"
     headline = "fid"
+    also_printed = ("kid",)  # clean-fid's pair
     sample_score = ""  # no per-image score: FID / KID are properties of the whole set
 
     def __init__(self, spec: BenchmarkSpec, settings: dict):
@@ -577,9 +578,9 @@ class FIDScorer(Scorer):
                              f"counts (clean-fid computes it anyway; published FIDs use 10k-50k images)")
         fid = kid = None
         fid_reason = kid_reason = None
-        broken = [f"{count} {side} feature rows hold NaN or inf" for side, features in (("generated", gen),
-                                                                                      ("reference", ref))
-                  for count in [int((~np.isfinite(features)).any(axis=1).sum())] if count]
+        bad_rows = {side: int((~np.isfinite(features)).any(axis=1).sum())
+                    for side, features in (("generated", gen), ("reference", ref))}
+        broken = [f"{count} {side} feature rows hold NaN or inf" for side, count in bad_rows.items() if count]
         if broken:  # a corrupt cache or a network gone wrong: neither metric means anything
             fid_reason = kid_reason = (f"{' and '.join(broken)} (a corrupt feature cache? delete it and rerun)")
         elif n_gen < 2 or n_ref < 2:

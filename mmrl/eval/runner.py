@@ -469,6 +469,8 @@ class Scorer:
     defaults: dict = {}
     #: the benchmark's main number: a key of :meth:`summarize`'s metrics (dotted for nested ones)
     headline: str = ""
+    #: other top-level metrics the console line prints beside the headline (FID's KID)
+    also_printed: tuple[str, ...] = ()
     #: the rows' score key that ranks prompts (worst / best in the report)
     sample_score: str = ""
 
@@ -1071,6 +1073,7 @@ def _run(cfg, options: EvalOptions, overrides: Sequence[str], plans: list[tuple]
 
     # ---- summary
     benchmarks: dict[str, Any] = {}
+    printed: dict[str, tuple[str, ...]] = {}  # per benchmark: its scorer's also_printed
     for spec, used, items, scorer, protocol in plans:
         rows_b = [done[(spec.name, item.index, k)] for item in used for k in range(protocol.images_per_prompt)]
         reasons = Counter(r["reason"] for r in rows_b if r.get("reason"))
@@ -1081,10 +1084,12 @@ def _run(cfg, options: EvalOptions, overrides: Sequence[str], plans: list[tuple]
             "unjudged_reasons": dict(sorted(reasons.items())), "images": f"images/{spec.folder}",
             "grid": str(grid.relative_to(out)), "headline": scorer.headline, "sample_score": scorer.sample_score,
             "protocol": protocol.to_dict()}
+        printed[spec.name] = scorer.also_printed
     summary = summary_record(cfg, config_file, ckpt, generator, benchmarks, options, overrides, _packages())
     _write_json(out / "summary.json", summary)
     for name, result in benchmarks.items():
-        echo(f"  {name}: {_headline(result['metrics'], result['headline'])} ({result['num_images']} images"
+        line = _headline(result["metrics"], result["headline"], printed[name])
+        echo(f"  {name}: {line} ({result['num_images']} images"
              f"{', ' + str(result['num_unjudged']) + ' not judged' if result['num_unjudged'] else ''})")
     report = write_eval_report(out, echo)
     echo(f"wrote {out / 'summary.json'}, samples.jsonl, images/, grids/{', ' + report.name if report else ''} "
@@ -1105,15 +1110,15 @@ def write_eval_report(out: Path, echo: Callable[[str], None]) -> Path | None:
         return None
 
 
-def _headline(metrics: Mapping[str, Any], key: str = "") -> str:
-    """The line ``mmrl eval`` prints per benchmark: its headline metric (``key``, dotted for nested) and, for reward
-    benchmarks, each reward's mean."""
+def _headline(metrics: Mapping[str, Any], key: str = "", also: Sequence[str] = ()) -> str:
+    """The line ``mmrl eval`` prints per benchmark: its headline metric (``key``, dotted for nested) and the metrics
+    ``also`` (a null one with its ``<name>_reason``), or, for reward benchmarks, each reward's mean."""
     def fmt(v):
         return "nan" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.4g}"
 
     if key:
         shown = []
-        for name in [key, "kid"] if key == "fid" else [key]:  # clean-fid's pair: FID with its KID
+        for name in [key, *also]:
             value: Any = metrics
             for part in name.split("."):
                 value = value.get(part) if isinstance(value, Mapping) else None

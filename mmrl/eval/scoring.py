@@ -1057,18 +1057,13 @@ def video_r1_answer_accuracy(preds: Sequence[Any], gts: Sequence[Any], kind: str
     """Video-R1's ``src/eval_bench.py`` ``reward_fn`` (tulerfeng/Video-R1) for its multiple-choice and numerical
     questions, on answers already read as it reads them (the first answer block, else the whole output):
     ``kind="multiple_choice"``: 1 iff ``pred.strip() == gt.strip()`` (case and punctuation count: ``(B)`` is not
-    ``B``); ``kind="numeric"``: 0 unless both or neither contain a ``.`` or ``,``, then both read with ``,``
-    removed as floats, 1 iff equal rounded to 2 decimals, 0 when either does not parse. ``gts`` ``None``:
-    unjudged. Returns :func:`accuracy_mean`'s dict (every item in the denominator: Video-R1's ``mean_acc``)."""
+    ``B``); ``kind="numeric"``: :func:`mmrl.rewards.video_r1.numerical_match` (the decimal-mark check, then equal
+    at 2 decimals). ``gts`` ``None``: unjudged. Returns :func:`accuracy_mean`'s dict (every item in the
+    denominator: Video-R1's ``mean_acc``)."""
+    from mmrl.rewards.video_r1 import numerical_match
+
     if len(preds) != len(gts):
         raise ValueError(f"got {len(preds)} predictions for {len(gts)} ground truths")
-
-    def number(text: str) -> float | None:
-        try:
-            return float(text.replace(",", ""))
-        except ValueError:
-            return None
-
     scores: list[Any] = []
     for p, g in zip(preds, gts):
         if g is None:
@@ -1076,12 +1071,7 @@ def video_r1_answer_accuracy(preds: Sequence[Any], gts: Sequence[Any], kind: str
         elif kind == "multiple_choice":
             scores.append(float(str(p).strip() == str(g).strip()))
         else:
-            p, g = str(p), str(g)
-            if (("." in g) or ("," in g)) != (("." in p) or ("," in p)):
-                scores.append(0.0)
-                continue
-            a, b = number(g), number(p)
-            scores.append(float(a is not None and b is not None and round(a, 2) == round(b, 2)))
+            scores.append(numerical_match(str(g).strip(), str(p).strip()))
     return accuracy_mean(scores)
 
 
