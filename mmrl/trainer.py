@@ -1354,6 +1354,7 @@ class Trainer:
         trains another role's samples too) the rollout to train. Returns ``(rollout, scores)``."""
         weights = dict(self.reward_fn.weights)
         cache: dict[str, Intermediate] = {}
+        sampled, outcome = rollout, scores  # R_T of the intermediate rewards: what the reward gave the final images
 
         def score(other):
             t0 = time.perf_counter()
@@ -1376,7 +1377,7 @@ class Trainer:
         def intermediate() -> Intermediate:
             if "value" not in cache:
                 t0 = time.perf_counter()
-                cache["value"] = self._intermediate(rollout)
+                cache["value"] = self._intermediate(sampled, outcome)
                 timer["intermediate"] = timer.get("intermediate", 0.0) + time.perf_counter() - t0
             return cache["value"]
 
@@ -1399,25 +1400,31 @@ class Trainer:
         self.advantage_weights = weights
         return rollout, scores
 
-    def _intermediate(self, rollout) -> Intermediate:
+    def _intermediate(self, rollout, outcome: dict[str, Tensor]) -> Intermediate:
         """The images each trained step of a flow rollout leads to and their rewards ``R_0 .. R_T`` (the weighted
-        total of the reward's advantage components), with their costs in ``cost/extra_nfe``, ``cost/reward_calls``
-        and the pure-ODE sample's mean reward in ``reward/ode_baseline``."""
+        total of the reward's advantage components; ``R_T`` is the final images' own ``outcome`` score, not scored
+        again), with their costs in ``cost/extra_nfe``, ``cost/reward_calls`` and the first column's mean reward in
+        ``reward/ode_baseline`` (the pure-ODE sample's; with ``sampling.intermediate: x0`` the prediction from the
+        first trained step's latent)."""
         c = self.config
         images, nfe = self.policy.intermediate_images(rollout, mode=c.sampling.intermediate)
         n, k = images.shape[:2]
         weights = self.reward_fn.weights
         batch = c.train.reward_batch_size
+
+        def total(scores: dict[str, Tensor]) -> Tensor:
+            return sum(w * scores[key].float().cpu() for key, w in weights.items())
+
         totals = []
-        for j in range(k):
+        for j in range(k - 1):
             parts = [self.reward_fn(images[i:i + batch, j], rollout.prompts[i:i + batch], rollout.metadata[i:i + batch])
                      for i in range(0, n, batch)]
-            scores = {key: torch.cat([p[key].float().cpu() for p in parts]) for key in weights}
-            totals.append(sum(w * scores[key] for key, w in weights.items()))
+            totals.append(total({key: torch.cat([p[key].float().cpu() for p in parts]) for key in weights}))
+        totals.append(total(outcome))
         step_rewards = torch.stack(totals, dim=1)  # [N, T+1]: R_0 .. R_T
         stats = self.variant_stats
         stats["cost/extra_nfe"] = stats.get("cost/extra_nfe", 0.0) + float(nfe)
-        stats["cost/reward_calls"] = stats.get("cost/reward_calls", 0.0) + float(n * k)
+        stats["cost/reward_calls"] = stats.get("cost/reward_calls", 0.0) + float(n * (k - 1))
         stats["reward/ode_baseline"] = float(step_rewards[:, 0].nanmean())
         return Intermediate(images=images, step_rewards=step_rewards)
 

@@ -196,10 +196,23 @@ def test_nan_rewards_give_nan_and_no_turning_points():
     r = t([[0.2, float("nan"), 0.4, 0.5], [0.2, 0.1, 0.4, 0.5]])
     out = turning_point_credit(r)
     assert not out.turning_points[0].any()
-    assert torch.isnan(out.step_rewards[0, :2]).all()
+    assert torch.isnan(out.step_rewards[0]).all()
     assert out.turning_points[1].tolist() == [False, True, False]
     adv = dense_advantages(out.step_rewards, [0, 0])
-    assert torch.equal(adv[0, :2], torch.zeros(2, dtype=adv.dtype))
+    assert torch.equal(adv[0], torch.zeros(3, dtype=adv.dtype))
+
+
+@pytest.mark.parametrize("mode", ["paper", "g_plus_bonus"])
+def test_one_nan_reward_leaves_no_partial_credit_on_the_trajectory(mode):
+    """An unscored intermediate or final image makes the whole trajectory unscored (advantage 0 on every step, as
+    outcome credit gives the sample), not a credit built on its other steps: a turning point at t = 4 survived a
+    NaN at R_1 and a NaN R_n still credited the early steps."""
+    r = t([[0.0, float("nan"), 0.5, 0.4, 0.3, 0.8, 1.0], [0.0, 0.5, 0.4, 0.3, 0.2, 0.1, float("nan")],
+           [0.0, 0.5, 0.4, 0.3, 0.6, 0.8, 1.0]])
+    out = turning_point_credit(r, mode=mode, balance=False)
+    assert torch.isnan(out.step_rewards[:2]).all() and not out.turning_points[:2].any()
+    assert torch.isfinite(out.step_rewards[2]).all()
+    assert torch.isnan(step_gain_credit(r)[:2]).all() and torch.isfinite(step_gain_credit(r)[2]).all()
 
 
 def test_eta_scales_the_turning_point_reward():

@@ -30,10 +30,11 @@ def test_each_credit_mode_trains(tmp_path, tiny_path, credit, intermediate):
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     first = metrics[0]
     assert math.isfinite(first["loss"]) and first["grad_norm"] > 0
-    # 4 trained steps -> 5 images per trajectory scored; ODE completions cost sum over starts of remaining steps
-    assert first["cost/reward_calls"] == 4 * 5
+    # 4 trained steps -> 5 rewards per trajectory, the last the final image's own (not scored again); ODE
+    # completions cost the remaining steps from each start before the last trained step's end
+    assert first["cost/reward_calls"] == 4 * 4
     if intermediate == "ode":
-        assert first["cost/extra_nfe"] == 4 * 2 * sum(5 - s for s in [0, 1, 2, 3, 4])  # CFG: 2 passes
+        assert first["cost/extra_nfe"] == 4 * 2 * sum(5 - s for s in [0, 1, 2, 3])  # CFG: 2 passes
     else:
         assert first["cost/extra_nfe"] == 0
     assert math.isfinite(first["reward/ode_baseline"])
@@ -42,6 +43,34 @@ def test_each_credit_mode_trains(tmp_path, tiny_path, credit, intermediate):
         assert first["health/no_turning_point_streak"] == float(first["credit/turning_points"] == 0)
     else:
         assert "health/no_turning_point_streak" not in first
+
+
+@pytest.mark.parametrize("intermediate", ["ode", "x0"])
+def test_the_last_step_reward_is_the_scored_final_sample_when_sde_steps_follow(tmp_path, tiny_path, intermediate):
+    """TP-GRPO's R_n is the final sample's reward. With ``train_steps: fraction`` SDE steps follow the last trained
+    one: R_n was the ODE completion of the latent after it (images 0.5 apart at fraction 0.5, G's sign wrong in 2
+    of 8 trajectories), and in x0 mode a one-step prediction."""
+    import torch
+
+    from mmrl.build import build_policy, build_reward_fn
+    from mmrl.trainer import Trainer
+    from mmrl.build import build_accelerator, build_source
+
+    config = load_config(REPO / "configs/tiny/tp_grpo.yaml", [
+        f"output_dir={tmp_path}", f"model.pretrained={tiny_path}", "sampling.train_steps=fraction",
+        "sampling.timestep_fraction=0.5", "sampling.sde=flow_grpo",
+        f"sampling.intermediate={intermediate}", *SMALL[:1], *SMALL[2:]])
+    policy = build_policy(config)
+    trainer = Trainer(config, policy, build_reward_fn(config), build_source(config), build_accelerator(config))
+    rollout = policy.rollout(["a red circle"], 4, generator=torch.Generator().manual_seed(0))
+    train = rollout.plan.train.tolist()
+    assert train[-1] + 1 < policy.num_steps and rollout.noise_levels[train[-1] + 1:].gt(0).any()  # an SDE tail
+    images, _ = policy.intermediate_images(rollout, mode=intermediate)
+    assert images.shape[1] == len(train) + 1 and torch.equal(images[:, -1], rollout.outputs)
+    outcome = trainer._score(rollout)
+    step_rewards = trainer._intermediate(rollout, outcome).step_rewards
+    total = sum(w * outcome[k].float() for k, w in trainer.reward_fn.weights.items())
+    assert torch.equal(step_rewards[:, -1], total)
 
 
 def test_adaptive_noise_is_logged_and_resumed(tmp_path, tiny_path):

@@ -66,7 +66,9 @@ def _step_rewards(step_rewards: Tensor) -> Tensor:
         raise ValueError(
             f"step_rewards must be [B, n+1] (R_0 .. R_n, n >= 1 trained steps), got shape {tuple(values.shape)}"
         )
-    return values
+    # a trajectory with any unscored reward (NaN) is unscored throughout: every step's reward is NaN (advantage 0
+    # downstream, as an outcome-only run gives the whole sample), never a partial credit built on the others
+    return values.masked_fill(values.isnan().any(dim=1, keepdim=True), float("nan"))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -84,7 +86,8 @@ def step_gain_credit(step_rewards: Tensor) -> Tensor:
     "gain" (Savani et al. 2026, arXiv 2603.28718, with one-step Tweedie predictions instead of ODE completion).
 
     mmrl's rule, exactly: ``d[:, t] = step_rewards[:, t + 1] - step_rewards[:, t]`` for ``t = 0 .. n-1``
-    (REFERENCE.md section 6). The gains telescope: ``sum_t d_t = R_n - R_0``.
+    (REFERENCE.md section 6). The gains telescope: ``sum_t d_t = R_n - R_0``. A NaN anywhere in a trajectory's
+    rewards makes all of its gains NaN (mmrl's rule; the anchors have no NaN handling).
     """
     values = _step_rewards(step_rewards)
     return values[:, 1:] - values[:, :-1]
@@ -120,8 +123,8 @@ def turning_points(step_rewards: Tensor, *, consistency_filter: bool = True) -> 
 
     Consequences: a zero gain (``sign 0``) is never a turning point and never counts as a sign flip; a
     trajectory with ``G = 0`` has no turning point after step 0; with the filter the last step ``t = n-1`` never
-    is one (``R_n - R_n = 0``). At every turning point ``sign(d_t) = sign(G) != 0``. NaN rewards give no
-    turning point (comparisons with NaN are false).
+    is one (``R_n - R_n = 0``). At every turning point ``sign(d_t) = sign(G) != 0``. A NaN anywhere in a
+    trajectory's rewards gives it no turning point.
     """
     values = _step_rewards(step_rewards)
     d = values[:, 1:] - values[:, :-1]

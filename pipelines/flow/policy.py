@@ -449,9 +449,10 @@ class FlowPolicy:
         return LogProbOutput(logps=logps, kl=kl)
 
     def intermediate_starts(self, rollout: FlowRollout) -> list[int]:
-        """Latent indices whose completions give ``R_0 .. R_T``: before the first trained step, then after each."""
+        """Latent indices whose completions give ``R_0 .. R_{T-1}``: before the first trained step, then after each
+        trained step but the last (``R_T`` is the rollout's own final sample)."""
         train = rollout.plan.train.tolist()
-        return [train[0]] + [s + 1 for s in train]
+        return [train[0]] + [s + 1 for s in train[:-1]]
 
     @torch.no_grad()
     def intermediate_images(self, rollout: FlowRollout, mode: str = "ode") -> tuple[Tensor, int]:
@@ -460,20 +461,22 @@ class FlowPolicy:
 
         ``mode="ode"``: deterministic ODE completion to sigma = 0 (TP-GRPO, DenseGRPO, TempFlow-GRPO); from the
         initial noise this is the pure-ODE baseline sample ``R_0``. ``mode="x0"``: the one-step prediction
-        ``x0 = x - sigma v`` stored during the rollout (no extra NFE; needs ``keep_x0``); the fully denoised latent
-        is used as is."""
+        ``x0 = x - sigma v`` stored during the rollout (no extra NFE; needs ``keep_x0``), an approximation: its
+        first column is the prediction from the first trained step's latent, not the pure-ODE sample.
+        The last column is always the rollout's final image (``rollout.outputs``, what its reward scored), as
+        TP-GRPO's ``R_n`` (the SDE sample's reward) and DenseGRPO's end point (the reward of ``x_0``): where SDE
+        steps follow the last trained step (``train_steps: fraction``), their noise is credited to that step."""
         starts = self.intermediate_starts(rollout)
         n, steps = len(rollout), self.num_steps
-        out = torch.empty((n, len(starts), 3, self.resolution, self.resolution))
+        out = torch.empty((n, len(starts) + 1, 3, self.resolution, self.resolution))
+        out[:, -1] = rollout.outputs
         nfe = 0
         passes = 2 if self._use_cfg else 1
         self._set_mode(False)
         for k, start in enumerate(starts):
             for i in range(0, n, self.sample_batch_size):
                 rows = torch.arange(i, min(n, i + self.sample_batch_size))
-                if start == steps:
-                    z = rollout.latents[rows, steps].to(self.device)
-                elif mode == "x0":
+                if mode == "x0":
                     if "x0_pred" not in rollout.extras:
                         raise ValueError("x0 intermediate rewards need the policy built with keep_x0=True")
                     z = rollout.extras["x0_pred"][rows, start].to(self.device)

@@ -89,9 +89,11 @@ class SDEStepOutput:
         std: ``[B, 1, ..., 1]`` the real standard deviation of the step
             (flow_grpo: ``sigma_t * sqrt(-dt)``; dance: ``eta * sqrt(sigma - sigma_next)``;
             cps: ``s``; ode: 0).
-        noise_scale: ``[B, 1, ..., 1]`` the anchor's ``std_dev_t`` (flow_grpo: ``sigma_t``;
-            cps: ``s``; dance: ``eta``; ode: 0). Flow-GRPO's KL divides by ``2 * noise_scale**2``
-            (see :func:`mmrl.core.kl.flow_kl`).
+        noise_scale: ``[B, 1, ..., 1]`` the scale Flow-GRPO's KL divides by, ``2 * noise_scale**2``
+            (see :func:`mmrl.core.kl.flow_kl`): flow_grpo: the anchor's ``std_dev_t``, ``sigma_t``; cps: ``s``;
+            ode: 0; dance: ``eta``, mmrl's rule (DanceGRPO has no KL term; its ``std_dev_t`` is the step's real
+            std, ``eta * sqrt(sigma - sigma_next)``), so a dance KL is the exact Gaussian KL times ``-dt``, as
+            for flow_grpo.
         log_prob: ``[B]`` log-probability of ``prev_sample`` averaged over the non-batch dims
             (surrogate for cps, see the module docstring); ``None`` for ``kind="ode"``.
     """
