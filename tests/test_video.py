@@ -300,3 +300,18 @@ def test_read_video_with_a_total_budget(tmp_path):
     assert not read_video(path, nframes=4, max_pixels=3136).final_size
     with pytest.raises(ValueError, match="needs min_pixels"):
         read_video(path, nframes=4, total_pixels=12544)
+
+
+def test_a_video_too_narrow_for_decord_or_too_wide_to_resize_is_one_error_naming_the_file(tmp_path):
+    """decord decodes a clip 8 px wide into frames 64 x 8 x 9 (not h x w x 3): it read as "corrupt or truncated" at
+    the first rollout and passed the probe. An aspect ratio over 200 passed the probe and, under a max_pixels-only
+    budget (Qwen3-VL's path), was a bare ValueError naming no file."""
+    narrow = write_video(tmp_path / "narrow.mp4", num_frames=8, width=8, height=64)
+    for read in (probe_video, lambda p: read_video(p, nframes=4, max_pixels=64 * 28 * 28)):
+        with pytest.raises(DataError, match=f"video {narrow} decodes to frames of shape .* this narrow"):
+            read(narrow)
+    wide = write_video(tmp_path / "wide.mp4", num_frames=8, width=812, height=4)
+    with pytest.raises(DataError, match=f"video {wide} \\(812x4\\): absolute aspect ratio must be smaller than 200"):
+        probe_video(wide)
+    with pytest.raises(DataError, match=f"video {wide}: absolute aspect ratio must be smaller than 200"):
+        read_video(wide, nframes=4, max_pixels=64 * 28 * 28)

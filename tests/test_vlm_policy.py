@@ -310,6 +310,18 @@ def test_the_checkpoints_own_eos_ids_also_end_a_completion(model_path):
     assert _completion_mask(torch.tensor([[5, extra, 7, 8]]), policy.eos_ids).tolist() == [[1, 1, 0, 0]]
 
 
+def test_the_image_budget_leaves_the_video_processors_frame_budget_alone(model_path):
+    """generation.min_pixels / max_pixels bound images only: passed to AutoProcessor.from_pretrained they also set
+    the video processor's size, which is Qwen2/2.5-VL's per-frame floor and cap (1080p clip: 2,880 -> 10,764 video
+    tokens under an image budget of 3136..12845056)."""
+    _, plain = load_vlm(model_path, dtype="float32")
+    _, budgeted = load_vlm(model_path, dtype="float32", min_pixels=3136, max_pixels=12845056)
+    assert (budgeted.image_processor.size.get("shortest_edge"), budgeted.image_processor.size.get("longest_edge")) \
+        == (3136, 12845056)
+    assert dict(budgeted.video_processor.size) == dict(plain.video_processor.size)
+    assert plain.video_processor.size.get("longest_edge") != 12845056
+
+
 def test_lora_targets_that_match_no_language_module_are_a_config_error(model_path):
     from mmrl.config import ConfigError
 

@@ -302,12 +302,25 @@ def probe_video(path: str | Path) -> VideoInfo:
         if not _is_number(video_fps) or video_fps <= 0:
             raise DataError(f"video {path} reports no frame rate (fps={video_fps})")
         try:
-            height, width = reader[0].shape[:2]
+            shape = reader[0].shape
         except Exception as exc:
             raise DataError(f"cannot decode the first frame of video {path} (corrupt?): {_reason(exc)}") from None
+        _check_rgb_frames(shape, path)
+        height, width = shape[:2]
+        if max(height, width) > 200 * min(height, width):  # smart_resize's limit, whatever the budget
+            raise DataError(f"video {path} ({width}x{height}): absolute aspect ratio must be smaller than 200, got "
+                            f"{max(height, width) / min(height, width):.1f}")
     finally:
         del reader
     return VideoInfo(str(path), total_frames, video_fps, int(width), int(height))
+
+
+def _check_rgb_frames(shape, path: Path) -> None:
+    """decord decodes a video narrower than about 20 px into frames of another shape (64 x w x 72/w, not h x w x
+    3), which failed later as "corrupt or truncated": name the cause."""
+    if len(shape) < 3 or shape[-1] != 3:
+        raise DataError(f"video {path} decodes to frames of shape {tuple(shape)}, not height x width x 3: decord "
+                        f"cannot read a video this narrow (about 20 px wide or more is needed)")
 
 
 def read_video(path: str | Path, *, fps: float | None = None, nframes: float | None = None, min_frames: int = 4,
@@ -333,7 +346,10 @@ def read_video(path: str | Path, *, fps: float | None = None, nframes: float | N
     except ValueError as exc:
         raise DataError(f"video {path}: {exc}") from None
     try:
+        _check_rgb_frames(reader[0].shape, path)
         array = reader.get_batch(plan.indices).asnumpy()
+    except DataError:
+        raise
     except Exception as exc:
         raise DataError(f"cannot decode frames {plan.indices[0]}..{plan.indices[-1]} of video {path} "
                         f"(corrupt or truncated?): {_reason(exc)}") from None
@@ -341,16 +357,16 @@ def read_video(path: str | Path, *, fps: float | None = None, nframes: float | N
         del reader
     frames = torch.from_numpy(array).permute(0, 3, 1, 2).contiguous()
     height, width = frames.shape[-2:]
-    if total_pixels is None:
-        new_h, new_w = budget_size(height, width, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor)
-    else:
-        low, high = frame_pixel_budget(len(plan.indices), min_pixels=min_pixels, frame_max_pixels=frame_max_pixels,
-                                       total_pixels=total_pixels, max_pixels=max_pixels,
-                                       temporal_patch_size=temporal_patch_size)
-        try:
+    try:  # a ValueError here is an aspect ratio over 200
+        if total_pixels is None:
+            new_h, new_w = budget_size(height, width, min_pixels=min_pixels, max_pixels=max_pixels, factor=factor)
+        else:
+            low, high = frame_pixel_budget(len(plan.indices), min_pixels=min_pixels,
+                                           frame_max_pixels=frame_max_pixels, total_pixels=total_pixels,
+                                           max_pixels=max_pixels, temporal_patch_size=temporal_patch_size)
             new_h, new_w = smart_resize(height, width, factor=factor, min_pixels=low, max_pixels=high)
-        except ValueError as exc:  # an aspect ratio over 200
-            raise DataError(f"video {path}: {exc}") from None
+    except ValueError as exc:
+        raise DataError(f"video {path}: {exc}") from None
     if (new_h, new_w) != (height, width):
         from torchvision.transforms import InterpolationMode
         from torchvision.transforms.functional import resize

@@ -495,8 +495,11 @@ def to_8bit(image: Image.Image) -> Image.Image:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB; transparent pixels composited on white (as qwen-vl-utils does); more than 8 bits scaled to 8
-    (:func:`to_8bit`)."""
+    """RGB; transparent pixels composited on white; more than 8 bits scaled to 8 (:func:`to_8bit`).
+
+    qwen-vl-utils' ``to_rgb`` composites RGBA on white the same way, but converts ``LA`` and transparent ``P``
+    images with ``convert("RGB")``, which drops the alpha (a transparent black pixel stays black), and clips 16-bit
+    images (nearly white); mmrl composites every transparent mode, as transformers' ``convert_to_rgb`` does."""
     image = to_8bit(image)
     if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
         rgba = image.convert("RGBA")

@@ -272,8 +272,8 @@ def load_vlm(pretrained: str, *, dtype: str = "bfloat16", revision: str | None =
         kwargs["attn_implementation"] = attn_implementation
     try:
         model = AutoModelForImageTextToText.from_pretrained(source, **kwargs)
-        pixel_kwargs = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
-        processor = AutoProcessor.from_pretrained(source, revision=revision, **pixel_kwargs)
+        processor = AutoProcessor.from_pretrained(source, revision=revision)
+        _set_image_budget(processor, min_pixels, max_pixels)
     except Exception as exc:  # transformers / hub raise many types; one message naming the source
         hint = (" HF_HUB_OFFLINE=1 is set: download the weights first or point model.pretrained at a local folder."
                 if os.environ.get("HF_HUB_OFFLINE") == "1" else "")
@@ -283,6 +283,23 @@ def load_vlm(pretrained: str, *, dtype: str = "bfloat16", revision: str | None =
         raise ModelLoadError(f"model.pretrained={pretrained!r}: {problem} (a partly copied model folder? it needs "
                              f"the files processor.save_pretrained writes)")
     return model, processor
+
+
+def _set_image_budget(processor, min_pixels: int | None, max_pixels: int | None) -> None:
+    """``generation.min_pixels`` / ``max_pixels`` as the image processor's budget only. Passed to
+    ``AutoProcessor.from_pretrained`` they set the video processor's ``size`` too, which bounds each frame of a
+    Qwen2/2.5-VL video (qwen-vl-utils keeps 128..768 x 28 x 28 per frame whatever the image budget): an image budget
+    of 3136..12845056 took a 1080p clip from 2,880 video tokens to 10,764."""
+    if min_pixels is None and max_pixels is None:
+        return
+    image_processor = processor.image_processor
+    size = image_processor.size
+    changes = {k: v for k, v in (("shortest_edge", min_pixels), ("longest_edge", max_pixels)) if v is not None}
+    image_processor.size = dataclasses.replace(size, **changes) if dataclasses.is_dataclass(size) \
+        else {**dict(size), **changes}
+    for name, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
+        if value is not None and getattr(image_processor, name, None) is not None:
+            setattr(image_processor, name, value)
 
 
 def _processor_problem(processor, config) -> str | None:
