@@ -88,11 +88,11 @@ class ComposedReward:
         total = torch.zeros(n, dtype=torch.float32)
         reasons: dict[int, str] = {}
         for key, (reward, weight) in self.components.items():
+            main_key = getattr(reward, "name", key)
             if id(reward) not in results:  # the same object under two names is called once
-                scores = score(reward)
+                scores = _checked_scores(score(reward), key, reward, main_key, n)
                 results[id(reward)] = (scores, dict(getattr(reward, "last_info", {}) or {}))
             scores, info = results[id(reward)]
-            main_key = getattr(reward, "name", key)
             if main_key not in scores:
                 raise KeyError(
                     f"component {key!r} returned keys {sorted(scores)}, without its main key {main_key!r}"
@@ -118,6 +118,36 @@ class ComposedReward:
     def __repr__(self) -> str:
         parts = ", ".join(f"{k}: {w:g}" for k, w in self.all_weights.items())
         return f"ComposedReward({{{parts}}})"
+
+
+def _checked_scores(scores, key: str, reward, main_key: str, n: int) -> dict:
+    """A component's output as ``{name: [n] tensor}``, or a ``ValueError`` naming the component, what it returned
+    and the ``n`` expected (a list of the wrong length, a string or an ``[n, 1]`` tensor failed deep in the
+    composition or, broadcast to ``[n, n]``, in the advantages). A bare list / array / tensor is the main score
+    (what a TRL reward function returns; ``None`` entries read as NaN, unscored)."""
+    what = f"rewards.{key} ({type(reward).__name__})"
+    if not isinstance(scores, Mapping):
+        if isinstance(scores, (str, bytes)) or not hasattr(scores, "__len__"):
+            raise ValueError(f"{what} returned a {type(scores).__name__}; expected {{{main_key!r}: [{n}] scores}} "
+                             f"or a list of {n} numbers, one per sample")
+        scores = {main_key: scores}
+    out = {}
+    for name, values in scores.items():
+        if not isinstance(values, torch.Tensor):
+            try:
+                if isinstance(values, (list, tuple)):
+                    values = [float("nan") if v is None else v for v in values]
+                values = torch.as_tensor(values, dtype=torch.float32)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                if name != main_key:  # an extra (logged) entry of another kind is kept as it is
+                    out[name] = values
+                    continue
+                raise ValueError(f"{what} returned {name!r} scores that are not numbers: {exc}") from None
+        if name == main_key and (values.dim() != 1 or len(values) != n):
+            raise ValueError(f"{what} returned {name!r} scores of shape {tuple(values.shape)} for {n} samples; "
+                             f"expected [{n}], one score per sample")
+        out[name] = values
+    return out
 
 
 _SPEC_KEYS = ("weight", "kwargs", "reward")

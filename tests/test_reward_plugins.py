@@ -187,3 +187,74 @@ def test_mmrl_train_trains_on_a_trl_function_reward(module, tmp_path):
     assert len(lengths) == 8 and all(s is not None for s in call["solution"])
     assert metrics["reward/len"] == pytest.approx(sum(lengths) / len(lengths), rel=1e-5)
     assert metrics["grad_norm"] > 0
+
+
+IMAGE_MODULE = '''
+import torch
+
+
+class _Image:
+    needs_prompts = False
+    scores_images = True
+    name = "mine"
+
+    def __init__(self, **kwargs):
+        self.last_info = {}
+
+    def brightness(self, images):
+        return images.float().mean(dim=(1, 2, 3))
+
+
+class WrongLength(_Image):
+    def __call__(self, images, prompts=None, metadata=None):
+        return {self.name: self.brightness(images)[:-1]}
+
+
+class Column(_Image):
+    def __call__(self, images, prompts=None, metadata=None):
+        return {self.name: self.brightness(images)[:, None]}
+
+
+class Word(_Image):
+    def __call__(self, images, prompts=None, metadata=None):
+        return {self.name: "0.5"}
+
+
+class Number(_Image):
+    def __call__(self, images, prompts=None, metadata=None):
+        return 0.5
+
+
+class AsList(_Image):
+    def __call__(self, images, prompts=None, metadata=None):
+        return {self.name: [float(v) for v in self.brightness(images)][:-1] + [None]}
+
+
+class Bare(_Image):
+    def __call__(self, images, prompts=None, metadata=None):
+        return self.brightness(images)
+'''
+
+
+@pytest.mark.parametrize("name,error", [
+    ("WrongLength", r"rewards\.x \(WrongLength\) returned 'mine' scores of shape \(2,\) for 3 samples; expected \[3\]"),
+    ("Column", r"rewards\.x \(Column\) returned 'mine' scores of shape \(3, 1\) for 3 samples; expected \[3\]"),
+    ("Word", r"rewards\.x \(Word\) returned 'mine' scores that are not numbers"),
+    ("Number", r"rewards\.x \(Number\) returned a float; expected \{'mine': \[3\] scores\} or a list of 3 numbers"),
+])
+def test_an_image_reward_of_your_own_returning_the_wrong_shape_is_one_error_naming_it(tmp_path, monkeypatch, name,
+                                                                                       error):
+    """A custom reward's output of the wrong length or shape failed deep in the composition, or (an [N, 1] column,
+    broadcast to [N, N]) in the advantages, naming neither the reward nor the N expected."""
+    (tmp_path / "my_image_rewards.py").write_text(textwrap.dedent(IMAGE_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_image_rewards", None)
+    images = torch.rand(3, 3, 8, 8)
+    with pytest.raises(ValueError, match=error):
+        build_rewards({"x": {"reward": f"my_image_rewards:{name}"}})(images, ["a"] * 3)
+    # a list (None: unscored) and a bare tensor are the main score
+    out = build_rewards({"x": {"reward": "my_image_rewards:AsList"}})(images, ["a"] * 3)
+    assert out["x"].shape == (3,) and math.isnan(out["x"][2]) and math.isfinite(out["x"][0])
+    out = build_rewards({"x": {"reward": "my_image_rewards:Bare"}})(images, ["a"] * 3)
+    torch.testing.assert_close(out["total"], images.mean(dim=(1, 2, 3)))
+    sys.modules.pop("my_image_rewards", None)
