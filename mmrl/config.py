@@ -897,6 +897,8 @@ def _dependent_fields(config: Config, flow: bool,
              "turning_point, ...; `mmrl variants`)", any("intermediate_images" in v.needs for v in variants)),
             ("sampling", ("noise_level",), "an empty sampling.noise_schedule (a schedule gives every step's level)",
              not s.noise_schedule),
+            ("data", ("prompt_list",), "data.prompts unset (a prompt file, when set, is what the run reads)",
+             config.data.prompts is None),
         ]
     else:
         rules += [
@@ -1195,6 +1197,9 @@ def validate(config: Config, *, check_files: bool = True) -> None:
             problem = check_prompts_spec(d.prompts)
             if problem:
                 raise ConfigError(f"data.prompts: {problem}")
+        elif check_files and d.prompts is not None and Path(d.prompts).expanduser().is_dir():
+            raise ConfigError(f"data.prompts: {d.prompts} is a folder; name a prompt file (.txt, one prompt per "
+                              f"line, or .jsonl)")
         elif check_files and d.prompts is not None and not Path(d.prompts).is_file():
             raise ConfigError(f"data.prompts: prompt file not found: {d.prompts}{_path_hint(d.prompts)}")
     if check_files:

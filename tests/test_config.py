@@ -285,6 +285,8 @@ UNREAD = [  # (config, overrides, the warning): each was accepted silently and c
      "sampling.timestep_fraction ignored: it applies only with sampling.train_steps: fraction or random_fraction"),
     (TINY_RECIPE, ["sampling.merge_groups=3"], "sampling.merge_groups ignored: it applies only with "
                                                "sampling.train_steps: entropy_merge"),
+    (TINY_RECIPE, ["data.prompts=shapeworld:train"], "data.prompt_list ignored: it applies only with data.prompts "
+                                                     "unset"),
     (TINY_RECIPE, ["sampling.intermediate=x0"], "sampling.intermediate ignored: it applies only with a variant that "
                                                 "uses the intermediate images"),
     (TINY_RECIPE, ["sampling.num_steps=3", "sampling.noise_schedule=[0.5, 0.5, 0.5]"],
@@ -429,6 +431,8 @@ def test_missing_files_say_how_relative_paths_resolve(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as info:
         load_config(TINY_RECIPE, [f"data.prompts={tmp_path / 'abs.txt'}"])
     assert "relative paths" not in str(info.value) and "--no-check-files` skips this check" in str(info.value)
+    with pytest.raises(ConfigError, match=f"data.prompts: {tmp_path} is a folder; name a prompt file"):
+        load_config(TINY_RECIPE, [f"data.prompts={tmp_path}"])  # said "prompt file not found" of a folder
     # relative to the working directory, not to the config file's folder
     (tmp_path / "sub").mkdir()
     (tmp_path / "p.txt").write_text("a cat\n")
