@@ -256,6 +256,22 @@ def damaged(path: str | Path, what: str) -> CheckpointError:
                            earlier=earlier[-1] if earlier else None)
 
 
+def restore_data_state(source, state: dict[str, Any], path: str | Path) -> str | None:
+    """``source.load_state_dict(state["data"])`` for a resume from checkpoint ``path``: data that changed since the
+    checkpoint (another item count) is a ``DataError`` saying the checkpoint is intact (it read as damaged, and the
+    advice deleted good checkpoints); a state that does not parse is :func:`damaged`. Returns the source's note
+    (same count, other contents) for the caller to log."""
+    from mmrl.data.prompts import DataError
+
+    try:
+        return source.load_state_dict(state["data"])
+    except DataError as exc:
+        raise DataError(f"cannot resume from {path}: {exc} (the checkpoint is intact: restore the data it was taken "
+                        f"with, or start a new output_dir)") from None
+    except (KeyError, TypeError, ValueError, IndexError) as exc:  # edited by hand or written by another version
+        raise damaged(path, f"state.json's data state does not fit this run ({type(exc).__name__}: {exc})") from None
+
+
 def read_state(path: str | Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
     """The ``state.json`` of checkpoint ``path`` (a JSON object holding ``required`` keys), else
     :class:`CheckpointError`."""

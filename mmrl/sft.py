@@ -845,7 +845,7 @@ class SFTRun:
         acc.wait_for_everyone()
 
     def resume(self) -> int | None:
-        from mmrl.checkpoint import damaged, load_checkpoint, load_trainable, restore_rng_states
+        from mmrl.checkpoint import load_checkpoint, load_trainable, restore_rng_states
 
         if self.resume_from is None:
             return None
@@ -865,11 +865,11 @@ class SFTRun:
                                   reseed=lambda rank: _update_seed(self.config.seed, int(state["step"]), rank))
         if note and self.accelerator.is_main_process:
             print(f"resume: {note}", file=sys.stderr)
-        try:  # a state.json edited by hand or written by another version
-            self.source.load_state_dict(state["data"])
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise damaged(self.resume_from, f"state.json's loop state does not fit this run ({type(exc).__name__}: "
-                                            f"{exc})") from None
+        from mmrl.checkpoint import restore_data_state
+
+        data_note = restore_data_state(self.source, state, self.resume_from)
+        if data_note and self.accelerator.is_main_process:
+            print(f"resume: {data_note}", file=sys.stderr)
         self.step = int(state["step"])
         if self.accelerator.is_main_process:  # a rollback: the newer checkpoints set aside
             from mmrl.checkpoint import set_aside_newer

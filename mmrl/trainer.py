@@ -35,7 +35,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, gather_object
 
 from mmrl.checkpoint import (COMPLETE_MARKER, damaged, latest_checkpoint, load_checkpoint, load_trainable,
-                             process_rng_states, read_state, restore_rng_states, save_checkpoint, set_aside_newer)
+                             process_rng_states, read_state, restore_data_state, restore_rng_states, save_checkpoint,
+                             set_aside_newer)
 from mmrl.config import Config, ConfigError, config_to_dict, dump_config
 from mmrl.algorithms import (AdvantageContext, Intermediate, RewardContext, Rewards, SelectContext, SurrogateContext,
                              TransformContext, build_variants)
@@ -433,8 +434,10 @@ class Trainer:
             logger.warning("resume: %s", note)
         self.update = state["update"]
         self.optimizer_steps = state["optimizer_steps"]
+        data_note = restore_data_state(self.prompts, state, path)
+        if data_note and self.accelerator.is_main_process:
+            logger.warning("resume: %s", data_note)
         try:  # a state.json edited by hand or written by another version
-            self.prompts.load_state_dict(state["data"])
             self.tracker.load_state_dict(state["tracker"])
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise damaged(path, f"state.json's loop state does not fit this run ({type(exc).__name__}: "

@@ -466,7 +466,7 @@ def test_source_ranks_and_resume():
         taken += [s.id for s in world[1].next_batch(2, rank=1, world=2)]
     assert sorted(taken, key=int) == [str(i) for i in range(12)]
     state = world[0].state_dict()
-    assert state == {"position": 12, "seed": 1, "num_samples": 12}
+    assert state == {"position": 12, "seed": 1, "num_samples": 12, "fingerprint": world[1].fingerprint()}
     expected = [s.id for s in world[0].next_batch(5)]
     assert expected == [s.id for s in VLMSampleSource(_samples(12), seed=1).next_batch(17)[12:]]
     resumed = VLMSampleSource(_samples(12), seed=1)
@@ -481,8 +481,32 @@ def test_source_ranks_and_resume():
 def test_prompt_source_state_unchanged():
     source = PromptSource([PromptItem("a"), PromptItem("b")], seed=0)
     source.next_batch(1)
-    assert source.state_dict() == {"position": 1, "seed": 0, "num_prompts": 2}
+    state = source.state_dict()
+    assert {k: v for k, v in state.items() if k != "fingerprint"} == {"position": 1, "seed": 0, "num_prompts": 2}
     with pytest.raises(DataError, match="taken with 3 prompts, this run has 2: resume with the same prompt set"):
         source.load_state_dict({"position": 0, "seed": 0, "num_prompts": 3})
     with pytest.raises(DataError, match="no prompts: the prompt set is empty"):
         PromptSource([])
+    # the same prompts resume silently (a checkpoint without a fingerprint too); an edited set of the same length
+    # resumes at its position with a note
+    assert PromptSource([PromptItem("a"), PromptItem("b")]).load_state_dict(state) is None
+    assert PromptSource([PromptItem("a"), PromptItem("b")]).load_state_dict({"position": 1, "num_prompts": 2}) is None
+    edited = PromptSource([PromptItem("a"), PromptItem("c")])
+    assert "differs from the one the checkpoint was taken with (same count, 2 prompts" in edited.load_state_dict(state)
+    assert edited.position == 1
+
+
+def test_a_resume_over_changed_data_says_the_checkpoint_is_intact(tmp_path):
+    """A prompt file edited before a resume read as a damaged checkpoint, whose advice (resume from the previous
+    one, or delete it) failed the same way on every checkpoint and deleted good ones."""
+    from mmrl.checkpoint import CheckpointError, restore_data_state
+
+    folder = tmp_path / "checkpoints" / "step_2"
+    state = {"data": PromptSource([PromptItem(str(i)) for i in range(6)]).state_dict()}
+    with pytest.raises(DataError) as info:
+        restore_data_state(PromptSource([PromptItem("only")]), state, folder)
+    assert str(info.value).startswith(f"cannot resume from {folder}: the checkpoint was taken with 6 prompts, this "
+                                      f"run has 1") and "the checkpoint is intact" in str(info.value)
+    assert not isinstance(info.value, CheckpointError) and "damaged" not in str(info.value)
+    with pytest.raises(CheckpointError, match="is damaged: state.json's data state does not fit this run"):
+        restore_data_state(PromptSource([PromptItem("only")]), {"data": {"num_prompts": 1}}, folder)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,15 +154,34 @@ class OrderedSource(Generic[T]):
         self.position += per_process * world
         return batch
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position, "seed": self.seed, f"num_{self.noun}": len(self.items)}
+    def fingerprint(self) -> str:
+        """sha256 of the items in their order (their ``repr``), computed once: a resume can tell an edited
+        ``{collection}`` of the same length from the one the checkpoint read."""
+        if getattr(self, "_fingerprint", None) is None:
+            digest = hashlib.sha256()
+            for item in self.items:
+                digest.update(repr(item).encode("utf-8", "replace") + b"\n")
+            self._fingerprint = digest.hexdigest()
+        return self._fingerprint
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "seed": self.seed, f"num_{self.noun}": len(self.items),
+                "fingerprint": self.fingerprint()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> str | None:
+        """Restore the position. A different item count is a :class:`DataError` (the position would point
+        elsewhere); the same count with other items (an edited file) is returned as a note to log, since the
+        run can go on over the new items."""
         key = f"num_{self.noun}"
         if state.get(key) not in (None, len(self.items)):
             raise DataError(f"the checkpoint was taken with {state[key]} {self.noun}, this run has "
                             f"{len(self.items)}: resume with the same {self.collection}")
         self.position = int(state["position"])
+        if state.get("fingerprint") not in (None, self.fingerprint()):
+            return (f"the {self.collection} differs from the one the checkpoint was taken with (same count, "
+                    f"{len(self.items)} {self.noun}, other contents): the run goes on at its data position over "
+                    f"the new {self.noun}")
+        return None
 
 
 class PromptSource(OrderedSource[PromptItem]):
