@@ -256,6 +256,18 @@ def damaged(path: str | Path, what: str) -> CheckpointError:
                            earlier=earlier[-1] if earlier else None)
 
 
+def move_aside(path: str | Path) -> Path:
+    """Rename ``path`` (a file or folder) to the first free ``<name>.stale-<n>`` beside it and return the new path:
+    what another run left there is kept, not overwritten or deleted."""
+    path = Path(path)
+    n = 1
+    while path.with_name(f"{path.name}.stale-{n}").exists():
+        n += 1
+    stale = path.with_name(f"{path.name}.stale-{n}")
+    os.replace(path, stale)
+    return stale
+
+
 def restore_data_state(source, state: dict[str, Any], path: str | Path) -> str | None:
     """``source.load_state_dict(state["data"])`` for a resume from checkpoint ``path``: data that changed since the
     checkpoint (another item count) is a ``DataError`` saying the checkpoint is intact (it read as damaged, and the

@@ -38,8 +38,13 @@ class MetricsLogger:
         self.path = self.output_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             self._truncate_after(resume_step)
-        elif resume_step is None and self.path.exists():
-            self.path.unlink()
+        elif resume_step is None:  # a new run where another left its logs (killed before any checkpoint): kept aside
+            from mmrl.checkpoint import move_aside
+
+            for old in (self.path, self.output_dir / "tensorboard"):
+                if old.exists() and (old.is_file() or any(old.iterdir())):
+                    logger.warning("%s is from an earlier run in this output_dir (no checkpoint to resume): moved "
+                                   "to %s", old, move_aside(old).name)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -3,6 +3,7 @@ warnings, SIGTERM / SIGINT stopping cleanly with a checkpoint that resumes exact
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -230,6 +231,24 @@ def test_a_half_written_metrics_line_is_dropped_on_resume(tmp_path, tiny_path):
     assert _train(run, tiny_path, "train.steps=3") == 0
     assert [m["step"] for m in _metrics(run)] == [1, 2, 3]
     assert not list(run.glob(".metrics.jsonl.tmp-*"))
+
+
+def test_a_new_run_keeps_the_logs_an_earlier_run_left_without_a_checkpoint(tmp_path, caplog):
+    """A run killed before its first checkpoint leaves metrics.jsonl and TensorBoard events; a new run in that
+    output_dir deleted the metrics (28 lines -> 3) and mixed both runs' events on one step axis."""
+    from mmrl.tracking import MetricsLogger
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "events.out.tfevents.1").write_bytes(b"old")
+    with caplog.at_level("WARNING", logger="mmrl.tracking"):
+        logger = MetricsLogger(tmp_path, tensorboard=True)
+    logger.log({"step": 1, "loss": 0.5})
+    logger.close()
+    assert (tmp_path / "metrics.jsonl.stale-1").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert [p.name for p in (tmp_path / "tensorboard.stale-1").iterdir()] == ["events.out.tfevents.1"]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert "moved to metrics.jsonl.stale-1" in caplog.text and "moved to tensorboard.stale-1" in caplog.text
 
 
 @pytest.mark.parametrize("override,message", [

@@ -1262,11 +1262,9 @@ def evaluate_policy(policy, config, update: int, output_dir: str | Path, *, ema:
     try:
         open_output_dir(out, generator_of(config, ckpt))
     except EvalError:
-        n = 1
-        while out.with_name(f"{out.name}.stale-{n}").exists():
-            n += 1
-        stale = out.with_name(f"{out.name}.stale-{n}")
-        os.replace(out, stale)
+        from mmrl.checkpoint import move_aside
+
+        stale = move_aside(out)
         echo(f"mmrl: warning: {out} held an evaluation of other weights at update {update} (a run resumed from an "
              f"earlier checkpoint); moved to {stale.name}")
     python_state, numpy_state = random.getstate(), np.random.get_state()
