@@ -298,9 +298,21 @@ def test_min_p_and_repetition_penalty_shape_sampling():
         assert len(set(ids)) == len(ids) and not set(ids) & prompt
 
 
+@pytest.mark.parametrize("field,value", [("top_k", 1), ("top_p", 1e-6)])
+def test_top_k_and_top_p_reach_sampling(field, value):
+    """top_k = 1, or a top_p below the likeliest token's probability, keeps one token: the 3 samples of a prompt are
+    one completion (without it, not)."""
+    path = str(_BUILDERS["qwen2_5_vl"](Path(tempfile.mkdtemp()) / "model"))
+    sharp = make_policy(path, lora=None, **{field: value})
+    assert getattr(sharp.sampling_config(group_size=3), field) == value
+    sampled = sharp.rollout(ITEMS[:2], 3, generator=torch.Generator().manual_seed(1))
+    assert all(len(set(sampled.completions[i:i + 3])) == 1 for i in (0, 3))
+
+
 def test_the_checkpoints_own_eos_ids_also_end_a_completion(model_path):
-    """Generation stops at <|im_end|> / <|endoftext|> and at whatever generation_config.eos_token_id names (TRL stops
-    at the tokenizer's EOS and generation_config's), so a checkpoint with an end token of its own is cut there too."""
+    """Generation stops at <|im_end|> / <|endoftext|> and at whatever generation_config.eos_token_id names (Qwen's
+    own list is both; TRL's HF path stops at the tokenizer's EOS alone), so a checkpoint with an end token of its
+    own is cut there too."""
     model, processor = load_vlm(model_path, dtype="float32")
     extra = processor.tokenizer.convert_tokens_to_ids(".")
     model.generation_config.eos_token_id = [extra]

@@ -492,8 +492,8 @@ class QwenVLPolicy:
                 model.enable_input_require_grads()
         self._reference_model = None
         self._per_forward: bool | None = None  # see _encodes_per_forward
-        # the chat turn's end and the text's end, plus whatever the checkpoint's generation_config names (TRL stops at
-        # the tokenizer's EOS and generation_config.eos_token_id)
+        # the chat turn's end and the text's end, plus whatever the checkpoint's generation_config names (Qwen's own
+        # generation_config lists both; TRL's HF path passes eos_token_id=tokenizer.eos_token_id and stops there alone)
         named = [self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
         named = [i for i in named if isinstance(i, int) and i >= 0]
         configured = getattr(getattr(self.base_model, "generation_config", None), "eos_token_id", None)
