@@ -42,9 +42,9 @@ from mmrl.algorithms import (AdvantageContext, Intermediate, RewardContext, Rewa
                              TransformContext, build_variants)
 from mmrl.core.advantages import PerPromptStatTracker, combine_rewards, group_index, weighted_total
 from mmrl.core.losses import high_entropy_mask, policy_loss, sampler_importance_weights
-from mmrl.distributed import (broadcast_from_main, check_engine, configure_deepspeed, deepspeed_engine,
-                              deepspeed_stage, full_model_state, full_optimizer_state, full_tensor, is_dtensor,
-                              is_zero3, load_full_optimizer_state)
+from mmrl.distributed import (broadcast_from_main, check_engine, configure_deepspeed, configure_fsdp,
+                              deepspeed_engine, deepspeed_stage, full_model_state, full_optimizer_state, full_tensor,
+                              is_dtensor, is_zero3, load_full_optimizer_state)
 from mmrl.ema import EMA
 from mmrl.health import RunHealth
 from mmrl.data.prompts import DataError, EmptyBatchError, PromptSource
@@ -271,6 +271,7 @@ class Trainer:
         total_optimizer_steps = config.train.steps * config.train.inner_epochs * steps_per_epoch
         self.lr_scheduler = build_lr_scheduler(self.optimizer, o.lr_scheduler, o.warmup_steps, total_optimizer_steps)
         check_engine(accelerator)
+        configure_fsdp(accelerator)
         if deepspeed_stage(accelerator) is not None:
             configure_deepspeed(accelerator, micro_batch=config.train.batch_size, max_grad_norm=o.max_grad_norm)
         if accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes > 1:

@@ -11,7 +11,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from mmrl.config import ConfigError
-from mmrl.distributed import (check_engine, configure_deepspeed, copy_full_into, deepspeed_stage, fsdp_modules,
+from mmrl.distributed import (check_engine, configure_deepspeed, configure_fsdp, copy_full_into, deepspeed_stage, fsdp_modules,
                               full_tensor, full_weights, is_dtensor)
 
 
@@ -24,6 +24,29 @@ def test_supported_engines_pass(kind, fsdp2):
 def test_fsdp1_is_refused_with_the_config_to_use():
     with pytest.raises(ConfigError, match="fsdp_version: 2"):
         check_engine(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False))
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_fsdp2_under_mixed_precision_reduces_gradients_in_fp32(precision, dtype, monkeypatch):
+    """accelerate's FSDP2 policy for bf16 reduces (and, under no_sync, accumulates) gradients in bf16; the loop's
+    fp32 trainable weights get fp32 gradient reductions, as under DDP. The forward still computes in the mixed
+    precision."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    plugin.set_mixed_precision(precision)
+    assert plugin.mixed_precision_policy.reduce_dtype == dtype  # accelerate's own choice
+    accelerator = SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=True,
+                                  state=SimpleNamespace(fsdp_plugin=plugin))
+    configure_fsdp(accelerator)
+    policy = plugin.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (dtype, torch.float32)
+    unchanged = FullyShardedDataParallelPlugin(fsdp_version=2)  # fp32: no policy to change
+    configure_fsdp(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=True,
+                                   state=SimpleNamespace(fsdp_plugin=unchanged)))
+    assert unchanged.mixed_precision_policy is None
+    configure_fsdp(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, is_fsdp2=False))  # not FSDP: no-op
 
 
 def deepspeed_accelerator(stage: int, processes: int = 2, **ds_config):

@@ -219,6 +219,29 @@ def test_slurm_example_is_valid_bash_naming_the_multi_node_config():
     assert "--config_file $ACCELERATE_CONFIG" in text  # another engine's file through the environment
 
 
+@pytest.mark.parametrize("gpus,expected", [("4", "--num_processes 8"), (None, "--num_processes 16")])
+def test_slurm_example_counts_the_gpus_slurm_gave_each_node(tmp_path, gpus, expected):
+    """With stand-ins for scontrol, srun and accelerate: `sbatch --gpus-per-node=4 --nodes 2` launches 8 processes
+    (the script counted 8 per node whatever SLURM gave, and the extra ranks failed on device indices)."""
+    script = Path(__file__).parents[1] / "configs" / "accelerate" / "slurm_ddp.sh"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stubs = {"scontrol": 'printf "node-a\\nnode-b\\n"', "srun": 'exec "$@"',
+             "accelerate": f'echo "$@" > {tmp_path / "launch.txt"}'}
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "GPUS_PER_NODE"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_NODELIST="node-[a-b]", SLURM_NNODES="2", SLURM_NODEID="1")
+    if gpus:
+        env["SLURM_GPUS_ON_NODE"] = gpus
+    result = subprocess.run(["bash", str(script), "recipe.yaml"], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    launched = (tmp_path / "launch.txt").read_text()
+    assert expected in launched and "--num_machines 2" in launched and "--machine_rank 1" in launched
+    assert "--main_process_ip node-a" in launched and launched.strip().endswith("train recipe.yaml")
+
+
 def test_two_process_gloo_run_keeps_replicas_in_sync(tmp_path, tiny_path):
     """torchrun with 2 CPU processes: gradients all-reduced, both replicas end with identical weights."""
     script = Path(__file__).with_name("dist_worker.py")

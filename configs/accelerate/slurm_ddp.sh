@@ -6,8 +6,9 @@
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive
 set -euo pipefail
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-MAIN_IP=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# the GPUs SLURM gave each node (sbatch --gpus-per-node=N overrides the line above), else 8
+GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+MAIN_IP=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)  # sed reads all: no SIGPIPE under pipefail
 # ACCELERATE_CONFIG picks another engine's file (fsdp2.yaml, deepspeed_zero2.yaml, deepspeed_zero3.yaml): the
 # flags below override its single-machine counts
 ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-configs/accelerate/ddp_multi_node.yaml}
