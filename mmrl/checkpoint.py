@@ -11,6 +11,7 @@ returns complete ones. Older checkpoints beyond ``keep_last`` are removed after 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -158,22 +159,33 @@ def save_checkpoint(
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step_{step}"
     tmp = directory / f".step_{step}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
-    for name, obj in objects.items():
-        torch.save(obj, tmp / f"{name}.pt")
-    if export is not None:
-        export(str(tmp / "export"))
-    for name, folder in (folders or {}).items():
-        os.replace(folder, tmp / name)
-    (tmp / COMPLETE_MARKER).write_text(json.dumps(state, indent=2))
-    apply_umask(tmp)
-    for path in tmp.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()},
+                  str(tmp / "trainable.safetensors"))
+        for name, obj in objects.items():
+            torch.save(obj, tmp / f"{name}.pt")
+        if export is not None:
+            export(str(tmp / "export"))
+        for name, folder in (folders or {}).items():
+            os.replace(folder, tmp / name)
+        (tmp / COMPLETE_MARKER).write_text(json.dumps(state, indent=2))
+        apply_umask(tmp)
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                with open(path, "rb") as handle:
+                    os.fsync(handle.fileno())
+    except Exception as exc:  # a full disk, a quota, a vanished mount: a raw library traceback before
+        reason = _write_failure(exc)
+        if reason is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        earlier = list_checkpoints(directory)
+        kept = f"the last complete checkpoint, {earlier[-1]}, is intact" if earlier else "no earlier checkpoint"
+        raise CheckpointWriteError(f"could not write checkpoint step_{step} in {directory}: {reason}; {kept} "
+                                   f"(fix the cause, then `resume=auto` continues from it)") from exc
     replaced = directory / f".step_{step}.old-{os.getpid()}"
     if final.exists():  # the same step written again: the old one set aside first, so no kill leaves neither
         os.replace(final, replaced)
@@ -184,6 +196,25 @@ def save_checkpoint(
     for stale in [*directory.glob(".step_*.tmp-*"), *directory.glob(".step_*.old-*")]:
         shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (the disk full, a quota): its partial folder removed, the message
+    names the cause and the last complete checkpoint."""
+
+
+def _write_failure(exc: BaseException) -> str | None:
+    """The reason an exception from writing a checkpoint is the file system's (an ``OSError``, or the safetensors
+    library's error wrapping one, "I/O error: No space left on device"), else ``None``."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    text = str(exc)
+    for cause in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO):  # torch.save's writer raises RuntimeError
+        if os.strerror(cause) in text:
+            return os.strerror(cause)
+    if type(exc).__name__ == "SafetensorError" and "I/O error" in text:
+        return text.split("I/O error:", 1)[1].strip()
+    return None
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -820,7 +820,7 @@ def quiet_libraries() -> None:
 def _ordinary_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that are a user's mistake or the environment's, printed as one line (imported only when one
     has been raised)."""
-    from mmrl.checkpoint import CheckpointError
+    from mmrl.checkpoint import CheckpointError, CheckpointWriteError
     from mmrl.data.prompts import DataError
     from mmrl.eval.runner import EvalError
     from mmrl.pipelines.flow.loading import ModelLoadError
@@ -829,7 +829,8 @@ def _ordinary_errors() -> tuple[type[BaseException], ...]:
 
     # EvalError: also from `mmrl train`, when an in-training benchmark's scorer cannot be built (weights not there)
     return (ConfigError, UsageError, DataError, EvalError, ModelLoadError, RewardServerError, ScoreError,
-            CheckpointError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError)
+            CheckpointError, CheckpointWriteError, FileNotFoundError, PermissionError, NotADirectoryError,
+            IsADirectoryError)
 
 
 def _print_error(exc: BaseException) -> None:

@@ -285,6 +285,48 @@ def test_evaluated_weights_prefer_ema_and_name_a_damaged_file(tmp_path):
     assert "resume=" not in info.value.for_reading("eval")
 
 
+@pytest.mark.parametrize("failure", ["safetensors", "torch.save", "oserror"])
+def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_folder(tmp_path, monkeypatch, failure):
+    """A disk that fills while a checkpoint is written: a 20-line safetensors traceback before, and an empty
+    .step_2.tmp-* folder left behind; now one error naming the cause and the intact last checkpoint."""
+    import mmrl.checkpoint as checkpoint
+    from mmrl.cli import _ordinary_errors
+
+    weights = {"w": torch.ones(2)}
+    checkpoint.save_checkpoint(tmp_path, 1, trainable=weights, state={"update": 1}, objects={"rng": {}})
+    safetensor_error = type("SafetensorError", (Exception,), {})
+    full = {
+        "safetensors": safetensor_error("Error while serializing: I/O error: No space left on device (os error 28)"),
+        "torch.save": RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0: "
+                                   "PytorchStreamWriter failed writing file data/0: No space left on device"),
+        "oserror": OSError(28, "No space left on device"),
+    }[failure]
+
+    def fail(*args, **kwargs):
+        raise full
+
+    if failure == "safetensors":
+        monkeypatch.setattr(checkpoint, "save_file", fail)
+    else:
+        monkeypatch.setattr(checkpoint, "torch", SimpleTorch(fail))
+    with pytest.raises(checkpoint.CheckpointWriteError) as info:
+        checkpoint.save_checkpoint(tmp_path, 2, trainable=weights, state={"update": 2}, objects={"rng": {}})
+    assert str(info.value).startswith(f"could not write checkpoint step_2 in {tmp_path}: No space left on device; "
+                                      f"the last complete checkpoint, {tmp_path / 'step_1'}, is intact")
+    assert isinstance(info.value, _ordinary_errors())  # printed as one line by the CLI
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+
+
+class SimpleTorch:
+    """``torch`` as the checkpoint module sees it, with ``save`` failing."""
+
+    def __init__(self, save):
+        self.save = save
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_checkpoint_files_take_the_umask_not_safetensors_0600(tmp_path, umask):
     """safetensors (0.8) writes its files 0600 and a temporary folder is 0700: a checkpoint (weights, export) reads
