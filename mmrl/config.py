@@ -348,7 +348,9 @@ class OptimConfig:
     adam_eps: float = opt(1e-8, "AdamW epsilon.")
     max_grad_norm: float = opt(1.0, "Gradient norm clipping; 0 disables.")
     lr_scheduler: str = opt("constant", "LR schedule after warmup.", choices=("constant", "linear", "cosine"))
-    warmup_steps: int = opt(0, "Linear warmup optimizer steps.")
+    warmup_steps: int = opt(0, "Linear warmup optimizer steps: step k (from 0) of W runs at (k + 1) / W of "
+                                 "the lr (mmrl's rule; transformers' and diffusers' schedulers run step 0 at lr 0, "
+                                 "k / W).")
     ema: bool = opt(False, "Keep an exponential moving average of the trainable weights (used for eval and export).")
     ema_decay: float = opt(0.9, "EMA decay per EMA update.")
     ema_update_interval: int = opt(1, "Update the EMA only at optimizer steps s (steps taken, this one included) "

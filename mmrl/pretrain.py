@@ -73,6 +73,7 @@ stage layout and its single step counter, the whole-prompt dropout, and which co
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import shutil
@@ -184,7 +185,9 @@ class FlowTrainConfig:
     lr: float = opt(1e-3, "AdamW learning rate (after warmup, then lr_scheduler).")
     betas: list = opt([0.9, 0.999], "AdamW betas.")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
-    warmup_steps: int = opt(100, "Linear warmup steps.")
+    warmup_steps: int = opt(100, "Linear warmup optimizer steps: step k (from 0) of W runs at (k + 1) / W of "
+                                 "the lr (mmrl's rule; transformers' and diffusers' schedulers run step 0 at lr 0, "
+                                 "k / W).")
     lr_scheduler: str = opt("cosine", "LR schedule after warmup (to 0 at train.steps for linear / cosine).",
                             choices=("constant", "linear", "cosine"))
     max_grad_norm: float = opt(1.0, "Gradient norm clipping; 0 disables.")
@@ -251,6 +254,10 @@ GENEVAL_TAGS = ("single_object", "two_object", "counting", "colors", "position",
 
 #: What a resume may change (mmrl's rule): everything else defines what the checkpoint's weights and step mean.
 RESUME_MAY_CHANGE = ("resume", "output_dir", "train.steps", "logging.")
+#: ... except these: the sample prompts' words are part of the text vocabulary, whose size shapes the text
+#: encoders and their seeded initialisation (frozen ones are rebuilt from the seed, not saved: a new word swapped
+#: them under the checkpointed transformer)
+RESUME_MAY_NOT_CHANGE = ("logging.sample_prompts",)
 
 
 def validate_pretrain(config: PretrainConfig) -> None:
@@ -299,6 +306,9 @@ def validate_pretrain(config: PretrainConfig) -> None:
         (f.weight_decay >= 0 and f.warmup_steps >= 0 and f.max_grad_norm >= 0,
          "train: weight_decay, warmup_steps, max_grad_norm must be >= 0"),
         (f.logit_std > 0 and f.shift > 0, "train.logit_std and train.shift must be > 0"),
+        (f.weighting_scheme != "mode" or -1.0 <= f.mode_scale <= 2 / (math.pi - 2),
+         f"train.mode_scale must be in [-1, {2 / (math.pi - 2):.4f}] (SD3's mode sampling, 2 / (pi - 2) at most: "
+         f"outside it the density leaves [0, 1] or is not monotone), got {f.mode_scale}"),
         (0.0 <= f.cfg_dropout < 1.0, "train.cfg_dropout must be in [0, 1)"),
         (0.0 <= f.ema_decay < 1.0, "train.ema_decay must be in [0, 1) (0 = no EMA)"),
         (log.log_every >= 1 and log.save_every >= 0 and log.keep_last >= 1 and log.sample_every >= 0,
@@ -1082,8 +1092,8 @@ def _resume_changes(saved: dict, now: dict) -> list[str]:
 
     before, after = _flatten(saved), _flatten(now)
     return [k for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)
-            and not any(k == allowed or (allowed.endswith(".") and k.startswith(allowed))
-                        for allowed in RESUME_MAY_CHANGE)]
+            and (k in RESUME_MAY_NOT_CHANGE or not any(k == allowed or (allowed.endswith(".") and k.startswith(allowed))
+                                                      for allowed in RESUME_MAY_CHANGE))]
 
 
 def run_pretrain(config_path: str | Path, overrides: list[str] | None = None) -> Path:

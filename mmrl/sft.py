@@ -187,7 +187,9 @@ class SFTTrainConfig:
                                            "Qwen2.5-VL / Qwen3-VL).")
     lr: float = opt(1e-3, "Peak learning rate (a from-scratch tiny model: 1e-3; a pretrained 3B model: ~1e-5).")
     lr_scheduler: str = opt("cosine", "LR schedule after warmup.", choices=("constant", "linear", "cosine"))
-    warmup_steps: int = opt(0, "Linear warmup optimizer steps.")
+    warmup_steps: int = opt(0, "Linear warmup optimizer steps: step k (from 0) of W runs at (k + 1) / W of "
+                                 "the lr (mmrl's rule; transformers' and diffusers' schedulers run step 0 at lr 0, "
+                                 "k / W).")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     betas: list = opt([0.9, 0.999], "AdamW betas.")
     adam_eps: float = opt(1e-8, "AdamW epsilon.")

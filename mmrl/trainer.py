@@ -114,6 +114,11 @@ def fused_adamw_applies(params: list[torch.Tensor], scaler=None) -> bool:
 
 
 def build_lr_scheduler(optimizer, name: str, warmup: int, total: int):
+    """``constant`` / ``linear`` / ``cosine`` decay after a linear warm-up, as transformers' ``get_scheduler``
+    except the warm-up: step k (from 0) of ``warmup`` runs at ``(k + 1) / warmup`` of the lr (mmrl's rule, so the
+    first step trains; transformers and diffusers run it at 0, ``k / warmup``). The shipped bases were trained
+    with it."""
+
     def factor(step: int) -> float:
         if warmup and step < warmup:
             return (step + 1) / warmup

@@ -87,6 +87,24 @@ def test_encode_is_batch_first_and_keeps_text_ids_once(flux_dir):
     torch.testing.assert_close(one["prompt_embeds"][0], cond["prompt_embeds"][0], rtol=0, atol=1e-6)
 
 
+def test_a_prompt_past_the_text_encoders_limits_is_said_once_not_on_every_encode(flux_dir, caplog, capsys):
+    """diffusers warned on every encode, listing the cut tokens (29 KB of log for one long prompt in a tiny run),
+    and mmrl said nothing; now one warning per prompt, naming the encoders that cut it."""
+    import logging
+
+    family = FluxFamily.from_pretrained(str(flux_dir), dtype=torch.float32, max_sequence_length=MAX_SEQ)
+    long = "a red circle left of a blue square " * 12
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            family.encode([long, "a cat"])
+    said = [r.getMessage() for r in caplog.records if "truncated by the text encoders" in r.getMessage()]
+    assert len(said) == 1 and "1 longer than CLIP's 77 tokens" in said[0]
+    assert f"1 longer than T5's {MAX_SEQ} tokens" in said[0]
+    assert not [r for r in caplog.records if "truncated because" in r.getMessage()
+                or "Token indices sequence length" in r.getMessage()]
+    assert "truncated because" not in capsys.readouterr().err
+
+
 def test_schedule_is_fluxpipeline_dynamic_shift(flux_dir):
     family = FluxFamily.from_pretrained(str(flux_dir), dtype=torch.float32, max_sequence_length=MAX_SEQ)
     sigmas, timesteps = family.schedule(STEPS, RES)

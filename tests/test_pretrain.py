@@ -169,6 +169,10 @@ def test_killed_run_resumes_to_the_uninterrupted_result(run_a, tmp_path, monkeyp
     # what the checkpoint's weights mean cannot change on resume
     with pytest.raises(ConfigError, match="cannot resume .*transformer.num_layers"):
         run_pretrain(config, ["transformer.num_layers=2", "train.steps=6"])
+    # nor the sample prompts, whose words are the text vocabulary (a new word rebuilt the frozen text encoders
+    # with another vocabulary size and init under the checkpointed transformer), though other logging fields may
+    with pytest.raises(ConfigError, match="cannot resume .*logging.sample_prompts"):
+        run_pretrain(config, ["logging.sample_prompts=[a photo of a zebra]", "train.steps=6"])
 
 
 def test_unknown_key_is_one_line_error_naming_file_line_and_nearest_key(tmp_path, capsys):
@@ -186,6 +190,10 @@ def test_unknown_key_is_one_line_error_naming_file_line_and_nearest_key(tmp_path
         load_pretrain_config(good, ["image_size=18"])
     with pytest.raises(ConfigError, match="train.cfg_dropout"):
         load_pretrain_config(good, ["train.cfg_dropout=1.0"])
+    for scale in ("-3", "5"):  # outside SD3's [-1, 2 / (pi - 2)] the clamp hid timesteps piled at the ends
+        with pytest.raises(ConfigError, match=r"train.mode_scale must be in \[-1, 1.7519\]"):
+            load_pretrain_config(good, ["train.weighting_scheme=mode", f"train.mode_scale={scale}"])
+    assert load_pretrain_config(good, ["train.weighting_scheme=mode", "train.mode_scale=1.29"]).train.mode_scale == 1.29
 
 
 def test_vae_fields_no_stage_reads_are_logged_as_ignored(tmp_path, caplog):

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mmrl.pipelines.flow.loading import load_pipeline, tokenizer_limit
+from mmrl.pipelines.flow.loading import PromptTruncation, load_pipeline, tokenizer_limit
 from mmrl.pipelines.flow.policy import model_dtype
 
 
@@ -76,6 +76,10 @@ class FluxFamily:
         #: fp32 for full fine-tuning; the transformer's inputs follow the model called, see :meth:`velocity`)
         self.dtype = pipe.transformer.dtype
         self.max_sequence_length = max_sequence_length
+        #: the prompts the text encoders cut, said once each (diffusers warned on every encode)
+        self.truncation = PromptTruncation(lambda: [
+            ("CLIP", getattr(pipe, "tokenizer", None), getattr(pipe, "tokenizer_max_length", None)),
+            ("T5", getattr(pipe, "tokenizer_2", None), self.max_sequence_length)])
         #: ``[L_txt, 3]`` zeros: FLUX's text position ids, identical for every prompt (set by :meth:`encode`).
         self.text_ids: Tensor | None = None
         self._grids: dict[int, tuple[int, int]] = {}  # packed sequence length -> (height, width) in pixels
@@ -101,9 +105,9 @@ class FluxFamily:
     def encode(self, prompts: list[str]) -> dict[str, Tensor]:
         """Conditioning tensors, one row per prompt (batch-first): T5 ``prompt_embeds [P, L_txt, D]`` and
         CLIP ``pooled_projections [P, D_pooled]``. The shared ``txt_ids`` are kept on :attr:`text_ids`."""
-        embeds, pooled, text_ids = self.pipe.encode_prompt(
+        embeds, pooled, text_ids = self.truncation.encode(list(prompts), lambda: self.pipe.encode_prompt(
             prompt=list(prompts), prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length,
-        )
+        ))
         self.text_ids = text_ids
         return {"prompt_embeds": embeds, "pooled_projections": pooled}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Callable
@@ -108,3 +109,49 @@ def tokenizer_limit(tokenizer) -> int | None:
     ``text.max_length``)."""
     limit = getattr(tokenizer, "model_max_length", None)
     return int(limit) if isinstance(limit, int) and 0 < limit < 1_000_000 else None
+
+
+class PromptTruncation:
+    """What a family's text encoders cut off, said once per prompt instead of diffusers' warning on every encode
+    (each listing the cut tokens: a 170-word prompt filled a tiny run's log with 29 KB of ``<|endoftext|>``).
+
+    ``encoders()``: ``(name, tokenizer, limit)`` for each text encoder the pipeline truncates (CLIP at its 77
+    tokens, T5 at ``sampling.max_sequence_length``), read at each call; :meth:`encode` runs the pipeline's
+    ``encode_prompt`` with diffusers' logging at errors only, after logging one warning naming the prompts new to
+    this run that an encoder cuts."""
+
+    def __init__(self, encoders: Callable[[], list[tuple[str, object, int | None]]]):
+        self.encoders = encoders
+        self.seen: set[str] = set()
+
+    def encode(self, prompts: list[str], encode_prompt: Callable):
+        from diffusers.utils import logging as diffusers_logging
+        from transformers.utils import logging as transformers_logging
+
+        levels = [(lib, lib.get_verbosity()) for lib in (diffusers_logging, transformers_logging)]
+        for lib, _ in levels:  # both warn of a long prompt ("Token indices sequence length is longer ...")
+            lib.set_verbosity_error()
+        try:
+            self._notice([p for p in dict.fromkeys(prompts) if p not in self.seen])
+            return encode_prompt()
+        finally:
+            for lib, level in levels:
+                lib.set_verbosity(level)
+
+    def _notice(self, new: list[str]) -> None:
+        if not new:
+            return
+        self.seen.update(new)
+        cut = []
+        for name, tokenizer, limit in self.encoders():
+            if tokenizer is None or not limit:
+                continue
+            lengths = [len(ids) for ids in tokenizer(new, add_special_tokens=True)["input_ids"]]
+            over = [(p, n) for p, n in zip(new, lengths) if n > limit]
+            if over:
+                cut.append(f"{len(over)} longer than {name}'s {limit} tokens (e.g. {over[0][1]} tokens: "
+                           f"{over[0][0][:60]!r}...)")
+        if cut:
+            logging.getLogger("mmrl.pipelines.flow").warning(
+                "prompts truncated by the text encoders, the part past the limit is not seen by the model: %s",
+                "; ".join(cut))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mmrl.pipelines.flow.loading import load_pipeline, tokenizer_limit
+from mmrl.pipelines.flow.loading import PromptTruncation, load_pipeline, tokenizer_limit
 from mmrl.pipelines.flow.policy import model_dtype
 
 
@@ -29,6 +29,10 @@ class SD3Family:
         #: fp32 for full fine-tuning; the transformer's inputs follow the model called, see :meth:`velocity`)
         self.dtype = pipe.transformer.dtype
         self.max_sequence_length = max_sequence_length
+        #: the prompts the text encoders cut, said once each (diffusers warned on every encode)
+        self.truncation = PromptTruncation(lambda: [
+            ("CLIP", getattr(pipe, "tokenizer", None), getattr(pipe, "tokenizer_max_length", None)),
+            ("T5", getattr(pipe, "tokenizer_3", None), self.max_sequence_length)])
 
     @classmethod
     def from_pretrained(cls, pretrained: str, *, dtype: torch.dtype, revision: str | None = None, **kwargs):
@@ -48,10 +52,10 @@ class SD3Family:
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> dict[str, Tensor]:
         """Conditioning tensors, one row per prompt (batch-first)."""
-        embeds, _, pooled, _ = self.pipe.encode_prompt(
+        embeds, _, pooled, _ = self.truncation.encode(prompts, lambda: self.pipe.encode_prompt(
             prompt=prompts, prompt_2=None, prompt_3=None, device=self.device, do_classifier_free_guidance=False,
             max_sequence_length=self.max_sequence_length,
-        )
+        ))
         return {"prompt_embeds": embeds, "pooled_projections": pooled}
 
     def max_resolution(self) -> int | None:
