@@ -782,6 +782,8 @@ class GenEval(Reward):
 
     needs_prompts = False
     default_variant = "strict"
+    #: what ``mmrl config validate`` asks of each prompt's metadata (None: scorable; else why every sample is NaN)
+    check_metadata = staticmethod(check_geneval_metadata)
 
     def __init__(
         self,

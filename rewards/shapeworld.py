@@ -248,6 +248,8 @@ class ShapeWorldReward(Reward):
 
     needs_prompts = False
     default_variant = "strict"
+    #: what ``mmrl config validate`` asks of each prompt's metadata (None: scorable; else why every sample is NaN)
+    check_metadata = staticmethod(check_shapeworld_metadata)
 
     def __init__(self, variant: str | None = None, threshold: float = 0.3, counting_threshold: float = 0.9,
                  max_objects: int = 16, max_overlap: float = 1.0, position_threshold: float = 0.1,

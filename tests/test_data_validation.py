@@ -213,6 +213,26 @@ def test_prompt_file_problems_all_listed(tmp_path):
     assert str(info.value) == f"{path}:2: not valid JSON (Unterminated string starting at column 12)"
 
 
+def test_prompt_metadata_a_reward_cannot_score_is_noted_by_line(tmp_path):
+    """GenEval metadata the configured reward cannot score (a class ShapeWorld cannot draw, a count that is not a
+    number, no clause) validated as "0 bad" and then gave NaN on every sample; an unknown tag went unmentioned."""
+    path = write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "a red giraffe", "tag": "color_attr", "include": [{"class": "giraffe", "count": 1, "color": "red"}]},
+        {"prompt": "a blue square", "tag": "colors", "include": [{"class": "square", "count": "one"}]},
+        {"prompt": "a photo", "tag": "single_object"},
+        {"prompt": "a circle", "tag": "colour_attribute", "include": [{"class": "circle", "count": 1}]},
+    ])
+    report = check_data(load_config(TINY_RECIPE, [f"data.prompts={path}", "rewards={shapeworld: 1.0}"]))
+    assert (report.records, report.usable, report.problems) == (4, 4, [])
+    assert [n.split(": ", 1)[0] for n in report.notes] == [f"{path}:{k}" for k in (1, 2, 3, 4)]
+    assert "gets a NaN reward" in report.notes[0] and "rewards.shapeworld: include clause 0 names 'giraffe'" in \
+        report.notes[0]
+    assert "invalid count 'one'" in report.notes[1] and "no 'include' or 'exclude' clause" in report.notes[2]
+    assert "tag 'colour_attribute' is none of GenEval's categories" in report.notes[3]
+    # a reward that reads no metadata checks none of it
+    assert check_data(load_config(TINY_RECIPE, [f"data.prompts={path}", "rewards={brightness: 1.0}"])).notes == []
+
+
 def test_prompt_files_ok(tmp_path):
     txt = tmp_path / "p.txt"
     txt.write_bytes("\ufeffa red apple\n\n  a blue cube  \n".encode())

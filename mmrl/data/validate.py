@@ -80,8 +80,10 @@ class DataReport:
         if self.problems:
             text += f"; {len(self.problems)} problem(s):\n" + format_problems(self.problems)
         if self.notes:
-            text += (f"\n{len(self.notes)} line(s) load but look wrong (not errors; a reward would score every "
-                     f"answer to them 0):\n" + format_problems(self.notes))
+            what = "a reward would score every answer to them 0" if self.kind == "vlm" else \
+                "the rewards cannot score them, or a tag is not GenEval's"
+            text += f"\n{len(self.notes)} line(s) load but look wrong (not errors; {what}):\n" + \
+                format_problems(self.notes)
         return text
 
     def _unit(self) -> str:
@@ -192,14 +194,49 @@ def _check_prompts(config) -> DataReport:
     d = config.data
     if not d.prompts:
         return DataReport("prompts", "data.prompt_list", checked=False, records=len(d.prompt_list))
+    from mmrl.rewards.geneval import TAGS as GENEVAL_CATEGORIES  # its evaluation groups the scores by tag
+
     report = DataReport("prompts", d.prompts)
+    checkers = _metadata_checkers(config)
+    tags: dict[str, str] = {}
     try:
         for where, item, problem in iter_prompt_file(d.prompts):
             report.records += 1
+            if problem is None:  # the line parses: does each reward that reads metadata understand it?
+                unscorable = [f"rewards.{key}: {why}" for key, check in checkers
+                              if (why := check(item.metadata)) is not None]
+                if unscorable:
+                    report.notes.append(f"{where}: every sample of this prompt gets a NaN reward (counted in "
+                                        f"samples/nan_reward): {'; '.join(unscorable)}")
+                tag = item.metadata.get("tag")
+                if isinstance(tag, str) and checkers and tag not in GENEVAL_CATEGORIES:
+                    tags.setdefault(tag, where)
             if problem is None:
                 report.usable += 1
             else:
                 report.problems.append(f"{where}: {problem}")
     except DataError as exc:  # the file itself is missing
         report.problems.append(str(exc))
+    for tag, where in tags.items():
+        report.notes.append(f"{where}: tag {tag!r} is none of GenEval's categories ({', '.join(GENEVAL_CATEGORIES)}):"
+                            f" its prompts are scored, and reported under that name")
     return report
+
+
+def _metadata_checkers(config) -> list[tuple[str, Any]]:
+    """``(reward key, check)`` for each of the config's weighted rewards whose class reads the prompts' metadata and
+    says what it cannot score (``check_metadata(metadata) -> reason | None``: GenEval's and ShapeWorld's rules, which
+    give such a prompt a NaN reward on every sample)."""
+    from mmrl.rewards import reward_factory
+    from mmrl.rewards.compose import parse_reward_spec
+
+    checkers = []
+    for key, entry in (config.rewards or {}).items():
+        try:
+            name, _, weight = parse_reward_spec(key, entry)
+            check = getattr(reward_factory(name), "check_metadata", None)
+        except (ValueError, TypeError, KeyError):  # the config's own check names a bad spec
+            continue
+        if check is not None and weight != 0:
+            checkers.append((key, check))
+    return checkers
