@@ -351,9 +351,13 @@ def build_reward_fn(config: Config, *, probe: bool = True):
         coord_format = policy_coord_format(config)
         if coord_format is not None:
             spec = with_coord_format(spec, coord_format)
+    from mmrl.rewards.compose import RewardBuildError
+
     try:
         reward_fn = build_rewards(spec)
-    except (TypeError, ValueError) as exc:  # a reward's constructor refusing a value: the user's config, one line
+    except RewardBuildError as exc:  # a reward's constructor refusing a value: the user's config, one line
+        raise ConfigError(str(exc)) from exc
+    except (TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(f"rewards: {type(exc).__name__}: {exc}") from exc

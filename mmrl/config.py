@@ -499,6 +499,14 @@ def _nearest(key: str, options: list[str], prefix: str = "") -> str:
     return f"; valid keys{' in ' + prefix.rstrip('.') if prefix else ''}: {', '.join(sorted(options))}"
 
 
+def _file_above(path: str) -> Path | None:
+    """The nearest existing ancestor of ``path`` when it is a file (nothing can be made under it), else None."""
+    for parent in Path(path).expanduser().absolute().parents:
+        if parent.exists():
+            return parent if not parent.is_dir() else None
+    return None
+
+
 def _not_a_name(what: str, key: Any) -> ConfigError:
     """A mapping key that is not a string: YAML reads an unquoted on / off / yes / no as a boolean, 1 as an int."""
     return ConfigError(f"{what} ({type(key).__name__}) is not a name (YAML reads an unquoted on / off / yes / no as a "
@@ -571,9 +579,18 @@ MOVED_KEYS = {
 }
 
 
-def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+def _other_sections(root: type, key: str, prefix: str) -> list[str]:
+    """``section.key`` for each section of the ``root`` config class (not the one at ``prefix``) with a field
+    ``key``: where a key written in the wrong section belongs."""
+    hints = typing.get_type_hints(root)
+    return [f"{f.name}.{key}" for f in dataclasses.fields(root) if dataclasses.is_dataclass(hints[f.name])
+            and f"{f.name}." != prefix and key in {g.name for g in dataclasses.fields(hints[f.name])}]
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "", root: type | None = None) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    root = root or cls
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -585,10 +602,14 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
             if path in MOVED_KEYS:
                 raise ConfigError(f"config key {path!r} is now an algorithm variant: write {MOVED_KEYS[path]} "
                                   f"(`mmrl variants` lists them)")
+            elsewhere = _other_sections(root, key, prefix)
+            if elsewhere:
+                raise ConfigError(f"unknown config key {path!r}: {key!r} belongs to another section; did you mean "
+                                  f"{' or '.join(repr(k) for k in elsewhere)}?")
             raise ConfigError(f"unknown config key {path!r}{_nearest(key, list(fields), prefix)}")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
-            kwargs[key] = _build(hint, value or {}, prefix=f"{path}.")
+            kwargs[key] = _build(hint, value or {}, prefix=f"{path}.", root=root)
             continue
         value = _coerce(value, hint, path)
         choices = fields[key].metadata.get("choices")
@@ -935,6 +956,8 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         (0 <= config.seed < 2**63, "seed must be in [0, 2**63)"),
         (bool(config.output_dir.strip()), "output_dir must not be empty"),
         (not Path(config.output_dir).is_file(), f"output_dir={config.output_dir} is a file; name a folder"),
+        (_file_above(config.output_dir) is None, f"output_dir={config.output_dir}: {_file_above(config.output_dir)} "
+                                                 f"is a file, so no folder can be made under it"),
         (bool(m.pretrained.strip()), "model.pretrained must name a model: a hub id, a local folder or tiny:<kind>"),
         (not m.pretrained.startswith("tiny:") or m.pretrained[5:] in TINY_KINDS.get(m.family, ()),
          f"model.pretrained={m.pretrained}: the tiny random models of model.family={m.family} are "

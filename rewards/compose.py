@@ -168,8 +168,21 @@ def build_rewards(spec: Mapping[str, float | Mapping]) -> ComposedReward:
     components = {}
     for key, entry in spec.items():
         reg_name, kwargs, weight = parse_reward_spec(key, entry)
-        components[key] = (build_reward(reg_name, **kwargs), weight)
+        try:
+            components[key] = (build_reward(reg_name, **kwargs), weight)
+        except RewardBuildError:
+            raise
+        except (TypeError, ValueError) as exc:  # the constructor refusing a value: name the component
+            raise RewardBuildError(key, exc) from exc
     return ComposedReward(components)
+
+
+class RewardBuildError(ValueError):
+    """A reward's constructor refusing its arguments, naming the component (``rewards.<key>``) and the cause."""
+
+    def __init__(self, key: str, cause: BaseException):
+        super().__init__(f"rewards.{key}: {type(cause).__name__}: {cause}")
+        self.key, self.cause = key, cause
 
 
 def parse_reward_spec(key: str, entry: float | Mapping) -> tuple[str, dict, float]:

@@ -64,6 +64,9 @@ def test_flux_takes_fluxpipelines_sampling_defaults():
         (["sampling.nois_level=0.3"], "did you mean 'sampling.noise_level'"),
         (["modle.family=sd3"], "did you mean 'model'"),
         (["optim.zzz=3"], "valid keys in optim: adam_eps, betas"),
+        (["model.num_steps=4"], "'model.num_steps': 'num_steps' belongs to another section; did you mean "
+                                "'sampling.num_steps'"),  # listed the model section's keys
+        (["lr=1e-4"], "'lr' belongs to another section; did you mean 'optim.lr'"),
         (["train.steps=abc"], "train.steps: expected int"),
         (["train.steps=1.5"], "train.steps: expected int"),
         (["model.use_lora=3"], "expected true or false"),
@@ -474,6 +477,10 @@ def test_output_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "afile").write_text("")
     with pytest.raises(ConfigError, match="is a file; name a folder"):
         load_config(TINY_RECIPE, [f"output_dir={tmp_path / 'afile'}"])
+    # a folder under a file failed after the model loaded, with a bare [Errno 20] naming no field
+    with pytest.raises(ConfigError, match=f"output_dir={tmp_path / 'afile' / 'sub' / 'run'}: {tmp_path / 'afile'} is "
+                                          f"a file, so no folder can be made under it"):
+        load_config(TINY_RECIPE, [f"output_dir={tmp_path / 'afile' / 'sub' / 'run'}"])
 
 
 def test_vlm_configs_take_trls_advantage_and_loss_defaults():

@@ -254,7 +254,7 @@ def test_a_new_run_keeps_the_logs_an_earlier_run_left_without_a_checkpoint(tmp_p
 @pytest.mark.parametrize("override,message", [
     ("model.lora_target_modules=[nosuch]", "model.lora_target_modules=['nosuch']: Target modules {'nosuch'} not found"),
     ("rewards={jpeg_compressibility: {weight: 1, kwargs: {scale_divisor: 0}}}",
-     "rewards: ValueError: scale_divisor must be a non-zero number"),
+     "rewards.jpeg_compressibility: ValueError: scale_divisor must be a non-zero number"),
 ])
 def test_values_only_the_model_or_a_reward_can_refuse_are_one_line(tmp_path, tiny_path, capsys, override, message):
     assert _train(tmp_path / "run", tiny_path, "train.steps=1", override) == 2
