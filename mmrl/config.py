@@ -1051,8 +1051,13 @@ def validate(config: Config, *, check_files: bool = True) -> None:
         (a.sampler_correction_max is None or a.sampler_correction_max > 0,
          "algorithm.sampler_correction_max must be > 0 (or null)"),
         (a.sampler_correction_min is None or (a.sampler_correction_min >= 0 and (
-            a.sampler_correction_max is None or a.sampler_correction_min <= a.sampler_correction_max)),
-         "algorithm.sampler_correction_min must be in [0, sampler_correction_max]"),
+            a.sampler_correction_max is None or a.sampler_correction_min < a.sampler_correction_max)),
+         "algorithm.sampler_correction_min must be in [0, sampler_correction_max) (TRL: min < max; equal bounds "
+         "truncate every weight to one value, or mask all but the ratios exactly at it)"),
+        (a.sampler_correction not in ("token_truncate", "sequence_truncate") or a.sampler_correction_max is not None
+         or a.sampler_correction_min is not None,
+         f"algorithm.sampler_correction: {a.sampler_correction} clamps the weights: it needs sampler_correction_max "
+         f"or sampler_correction_min (both null failed in torch.clamp at the first update; TRL refuses it too)"),
         ((config.model.family == "qwen_vl" and config.generation.engine == "vllm")
          or (a.sampler_correction is None and a.sampler_correction_max == SAMPLER_CORRECTION_MAX
              and a.sampler_correction_min is None),

@@ -317,7 +317,9 @@ def _checks(config) -> list[Check]:
         whole = replayed("whole", len(mask), 0)
         engine_tol = max(ENGINE_TOLERANCE.get(config.model.dtype, 2e-2),
                          ENGINE_TOLERANCE.get(_mixed_dtype(config), 0.0))
-        gap = _masked_max(whole, rollout.sampler_logps.float(), mask)
+        sampled = rollout.sampler_logps.float()
+        # a token the engine reported no log-prob for (NaN) has no gap, as in training's rollout/sampler_logp_gap
+        gap = _masked_max(whole, sampled, mask.bool() & torch.isfinite(sampled))
         checks.append(Check("rollout_engine_matches_trainer", gap <= engine_tol,
                             f"max |log p {config.generation.engine} - log p trained model| = {gap:.3g} "
                             f"(tolerance {engine_tol:g})"))

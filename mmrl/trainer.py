@@ -815,6 +815,15 @@ class Trainer:
             sums[key] = sums.get(key, 0.0) + value * weight
             weights[key] = weights.get(key, 0.0) + weight
 
+        # the gap over every sample of the batch, as TRL measures it, where the old log-probs are all known before
+        # training (a correction mode forces that pass); else each minibatch's own on its first forward (with
+        # algorithm.drop_zero_advantage: the trained rows only)
+        gap_before = getattr(rollout, "sampler_logps", None) is not None and rollout.old_logps is not None \
+            and live_samples == 0
+        if gap_before:
+            gap_max = self._sampler_gap(rollout, torch.arange(n), torch.arange(rollout.mask.shape[1]),
+                                        rollout.old_logps, add)
+
         for epoch, perm in enumerate(perms):
             minibatches = [perm[i:i + t.batch_size] for i in range(0, n, t.batch_size)] if self.kept_rows is None \
                 else list(torch.tensor_split(perm, num_minibatches))  # Flow-GRPO: equal shares of the kept rows
@@ -858,7 +867,8 @@ class Trainer:
                                     rollout.old_logps[idx[:, None], steps[None, :]] = old.float().cpu()
                             else:
                                 old = rollout.old_logps[idx][:, steps]
-                            if epoch == 0 and getattr(rollout, "sampler_logps", None) is not None:
+                            if epoch == 0 and not gap_before and \
+                                    getattr(rollout, "sampler_logps", None) is not None:
                                 gap_max = max(gap_max, self._sampler_gap(rollout, idx, steps, old, add))
                             result = policy_loss(
                                 out.logps, old.to(device), adv.to(device), mask[:, steps].to(device),
@@ -923,8 +933,9 @@ class Trainer:
                                   device=acc.device)
             packed = acc.reduce(packed, reduction="sum").cpu()
             sums, weights = dict(zip(keys, packed[0].tolist())), dict(zip(keys, packed[1].tolist()))
-            extremes = gather_object([(ratio_min, ratio_max)])
+            extremes = gather_object([(ratio_min, ratio_max, gap_max)])
             ratio_min, ratio_max = min(e[0] for e in extremes), max(e[1] for e in extremes)
+            gap_max = max(e[2] for e in extremes)  # the batch's largest gap, not the main process's
         metrics = {k: sums[k] / weights[k] if weights[k] > 0 else 0.0 for k in sums}
         if sampler_weights is not None:
             metrics.update(self._sampler_weight_stats(sampler_weights, rollout.mask, sampler_mode))

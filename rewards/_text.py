@@ -283,8 +283,9 @@ def think_answer_format(text: str) -> float:
     Each of the four tags must occur exactly once, so a repeated block or a nested tag (``<answer>``
     inside ``<think>``) scores 0. The anchors (VLM-R1, Video-R1) match
     ``<think>.*?</think>\\s*<answer>.*?</answer>`` with ``re.fullmatch`` and DOTALL, which accepts a
-    second answer block (``.*?`` stretches over ``</answer><answer>``); mmrl rejects it. The think
-    block may be empty; the answer may not (whitespace only counts as empty).
+    second answer block (``.*?`` stretches over ``</answer><answer>``); mmrl rejects it. They also
+    refuse whitespace before the first or after the last tag, which mmrl (as Time-R1, which strips the
+    text) allows. The think block may be empty; the answer may not (whitespace only counts as empty).
     """
     if not isinstance(text, str):
         return 0.0

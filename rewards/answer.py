@@ -273,8 +273,10 @@ FORMAT_CONVENTIONS = ("mmrl", "r1", "time_r1", "vlm_r1_rec")
 class ThinkAnswerFormat(TextReward):
     """1.0 for ``<think>...</think><answer>...</answer>`` exactly once each, else 0 (:func:`think_answer_format`).
 
-    Needs no metadata. This is the strict form of the format reward of VLM-R1 / Video-R1 / Time-R1; ``convention``
-    takes an anchor's own instead:
+    Needs no metadata. Stricter than the format reward of VLM-R1 / Video-R1 / Time-R1 about repeated, nested or
+    empty blocks; like Time-R1 (which strips the text) it allows whitespace around the blocks, which VLM-R1's and
+    Video-R1's ``re.fullmatch`` on the raw text refuse (a trailing newline scores 0 there). ``convention`` takes an
+    anchor's own instead:
 
     * ``"r1"``: ``re.fullmatch(r"<think>.*?</think>\s*<answer>.*?</answer>", text, re.DOTALL)``, the generic
       ``format_reward`` of VLM-R1's ``grpo_jsonl.py`` and Video-R1's ``grpo.py`` (a second answer block or an empty
@@ -542,13 +544,14 @@ class MathAccuracy(TextReward):
         from math_verify import LatexExtractionConfig, parse, verify
 
         timeout = self._timeout()
+        parsing = None if timeout is None else 2 * timeout  # TRL's accuracy_reward: parsing 10 s, verifying 5 s
         with _keep_outer_alarm():
-            gold = parse(sol, parsing_timeout=timeout)
+            gold = parse(sol, parsing_timeout=parsing)
             if not gold:
                 raise Unjudgeable(f"math-verify could not parse metadata 'solution' {sol!r} (TRL skips the sample)")
             pred = parse(text, extraction_config=[LatexExtractionConfig(
                 normalization_config=NormalizationConfig(units=True), boxed_match_priority=0,
-                try_extract_without_anchor=False)], extraction_mode="first_match", parsing_timeout=timeout)
+                try_extract_without_anchor=False)], extraction_mode="first_match", parsing_timeout=parsing)
             if not pred:
                 raise Unparseable("math-verify found no LaTeX answer in the completion (TRL's extraction)")
             return float(verify(gold, pred, timeout_seconds=timeout))

@@ -882,10 +882,12 @@ class BoxDetectionScore(_BoxReward):
     fenced ````` ```json ... ``` ````` block, ``json.loads``; each item of the list is a prediction, its
     ``bbox_2d`` the box (rescaled from ``coord_format`` to original pixels; missing or malformed: IoU 0, still a
     prediction) and its ``label`` the class. Ground truth: metadata ``boxes`` and, when given, ``labels`` (one
-    string per box; without them labels are not checked). mmrl's rules where VLM-R1 differs: an answer with no
-    fenced JSON block, or one that does not parse, is unparseable (0, counted) where VLM-R1 scores it as an empty
-    prediction, which earns 1 when the ground truth is empty. ``require_tags`` is not used (VLM-R1 reads the whole
-    text when there is no answer block). Extra keys ``position``, ``label_accuracy``, ``completeness``."""
+    string per box; without them labels are not checked). An image with no box (``boxes: []``, VLM-R1's solution
+    ``None``) scores 1 when the cleaned answer is ``none`` and 0 otherwise, an empty fenced list included, as VLM-R1
+    compares the cleaned texts there. mmrl's rule where VLM-R1 differs: with boxes to find, an answer with no fenced
+    JSON block, or one that does not parse, is unparseable (0, counted) where VLM-R1 scores it 0 as an empty
+    prediction. ``require_tags`` is not used (VLM-R1 reads the whole text when there is no answer block). Extra keys
+    ``position``, ``label_accuracy``, ``completeness``."""
 
     extra_keys = ("position", "label_accuracy", "completeness")
     unparseable_extras = {"position": 0.0, "label_accuracy": 0.0, "completeness": 0.0}
@@ -914,6 +916,9 @@ class BoxDetectionScore(_BoxReward):
         fmt = self._format(meta)
         if not isinstance(text, str):
             raise Unparseable(f"answer is not text (got {type(text).__name__})", self.unparseable_extras)
+        if not gt:  # VLM-R1: an image with nothing to detect has the solution "None", met by the answer "none" alone
+            value = 1.0 if vlm_r1_clean_text(text) == "none" else 0.0
+            return {self.name: value, "position": value, "label_accuracy": value, "completeness": value}
         fenced = _FENCED_JSON.search(vlm_r1_clean_text(text))
         if fenced is None:
             raise Unparseable("no ```json ... ``` block in the answer", self.unparseable_extras)

@@ -21,8 +21,8 @@ mmrl's rules where the anchor's code is silent or batch-bound:
 
 * the problem type is each sample's own (the anchor reads ``problem_type[0]``, the first sample's, for its
   whole batch, which its data loader makes one question's group);
-* a completion without an answer block is unparseable (0, counted; the anchor's empty answer scores 0 in
-  every type), and an unknown or missing ``problem_type`` or a missing ``solution`` is NaN with the reason
+* a completion without an answer block is unparseable (0, counted; the anchor reads an empty answer, which
+  scores 0 unless the solution's answer is empty too: then 1 for multiple choice and OCR), and an unknown or missing ``problem_type`` or a missing ``solution`` is NaN with the reason
   (the anchor gives 0 to an unknown type);
 * a solution without an answer block is read whole (stripped): Video-R1's data wraps every solution in
   ``<answer>`` tags, where its ``extract_answer`` would give ``""``;

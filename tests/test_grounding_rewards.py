@@ -332,6 +332,9 @@ def test_box_detection_score_is_vlm_r1s_weighted_sum():
     out = r([two_blocks, bare], None, [{"boxes": [[0, 0, 10, 10]], "labels": ["cat"]}] * 2)
     assert out["box_detection_score"].tolist() == pytest.approx([1.0, 0.0])
     assert r.last_info["num_unparseable"] == 1
+    # an image with nothing to detect (VLM-R1's solution "None"): 1 for the answer "none" only, not an empty list
+    empty = r(["<think>r</think><answer>None</answer>", _fenced([]), _fenced([cat])], None, [{"boxes": []}] * 3)
+    assert empty["box_detection_score"].tolist() == [1.0, 0.0, 0.0]
     # without labels in the metadata, labels are not checked
     assert r([_fenced([{**cat, "label": "dog"}])], None, [{"boxes": [[0, 0, 10, 10]]}])["box_detection_score"].item() \
         == pytest.approx(1.0)

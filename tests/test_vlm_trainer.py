@@ -276,6 +276,10 @@ def test_sampler_log_probs_weight_the_policy_term_as_trl_corrects_vllm(tmp_path)
     # token_truncate: each of sample 0's tokens weighted exp(log p) in (0, 1), the others 1
     tok, _, _ = update("token", _with_sampler_logps(0.0), sampler_correction="token_truncate")
     assert 0 < tok["rollout/sampler_is_weight_min"] < 1 and tok["rollout/sampler_is_weight_max"] == 1.0
+    # the gap is the whole batch's, as TRL measures it: dropping zero-advantage rows from training leaves it as is
+    dropped, _, _ = update("drop", _with_sampler_logps(0.0), drop_zero_advantage=True)
+    assert dropped["rollout/sampler_logp_gap_max"] == low["rollout/sampler_logp_gap_max"] > 0
+    assert dropped["rollout/sampler_logp_gap_mean"] == pytest.approx(low["rollout/sampler_logp_gap_mean"], rel=1e-9)
     # none: the gap is still reported, nothing is weighted
     off, off_grads, _ = update("none", _with_sampler_logps(0.0), sampler_correction="none")
     assert "rollout/sampler_is_weight_mean" not in off and off["rollout/sampler_logp_gap_max"] > 0
@@ -417,6 +421,22 @@ def test_sampler_correction_needs_the_vllm_engine():
         load_config(REPO / "configs/tiny/vlm_grounding.yaml", ["algorithm.sampler_correction_max=2.0"])
     with pytest.raises(ConfigError, match="sampler_correction_min must be"):
         load_config(REPO / "configs/tiny/vlm_grounding.yaml", ["algorithm.sampler_correction_min=5.0"])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["algorithm.sampler_correction=token_truncate", "algorithm.sampler_correction_max=null"],
+     "token_truncate clamps the weights: it needs sampler_correction_max or sampler_correction_min"),
+    (["algorithm.sampler_correction=sequence_mask", "algorithm.sampler_correction_min=2.0",
+      "algorithm.sampler_correction_max=2.0"], r"sampler_correction_min must be in \[0, sampler_correction_max\)"),
+])
+def test_sampler_correction_bounds_that_cannot_work_are_refused(overrides, message):
+    """Both bounds null under a truncate mode failed in torch.clamp at the first update; equal bounds (TRL requires
+    min < max) truncated every weight to 1 or masked 3 of 4 rows."""
+    from mmrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(REPO / "configs/tiny/vlm_grounding.yaml", ["generation.engine=vllm", *overrides],
+                    check_files=False)
 
 
 def _grounding_lines_with_a_long_question(tmp_path, row: int) -> Path:
