@@ -35,6 +35,13 @@ def build_accelerator(config: Config):
         process_group["timeout"] = timedelta(seconds=EVAL_COLLECTIVE_TIMEOUT_S)
     if deepspeed and cpu:
         process_group["backend"] = "gloo"
+        # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce kernel (deepspeed_shm_comm) when its
+        # communication starts: about 3 minutes at the first launch on a machine (a C++ toolchain needed), for a
+        # kernel only its inference all-reduce uses; training's collectives are torch.distributed's (gloo) either way
+        import importlib
+
+        # by name: `import deepspeed.comm.torch as m` binds the torch library (deepspeed.comm's attribute `torch`)
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     handlers = []
     if process_group:
         from accelerate.utils import InitProcessGroupKwargs
