@@ -992,7 +992,7 @@ class Trainer:
 
     def _evaluate_main(self) -> dict[str, float]:
         c = self.config
-        items = list(c.data.eval_prompts) or list(self.prompts.items[:c.data.num_eval_prompts])
+        items = list(c.data.eval_prompts) or self._grid_items(c.data.num_eval_prompts)
         seeds = list(c.data.eval_seeds)
         with self.ema_weights():
             outputs = self.policy.sample_eval(items, seeds)
@@ -1005,6 +1005,8 @@ class Trainer:
         if isinstance(outputs, torch.Tensor):
             grid = make_grid_image(outputs, rows=len(items))
             grid.save(samples / f"step_{self.update}.png")
+            # the grid's rows, top to bottom (its columns are data.eval_seeds)
+            (samples / "grid_prompts.txt").write_text("".join(f"{p}\n" for p in prompts))
             if self.logger is not None:
                 self.logger.log_image("samples", grid, self.update)
             prompts = [p for p in prompts for _ in seeds]
@@ -1017,6 +1019,20 @@ class Trainer:
                     handle.write(json.dumps(row) + "\n")
         return {f"eval/reward/{k}": float(v[torch.isfinite(v)].mean()) if torch.isfinite(v).any() else float("nan")
                 for k, v in scores.items()}
+
+    def _grid_items(self, count: int) -> list:
+        """The first ``count`` distinct items of the data, in order: a prompt set balanced by tag
+        (``data.balance_tags``) repeats its smaller categories, and the fixed grid showed the same 2 prompts 3 times
+        (the default run's 6 rows)."""
+        seen, items = set(), []
+        for item in self.prompts.items:
+            key = repr(item)
+            if key not in seen:
+                seen.add(key)
+                items.append(item)
+                if len(items) == count:
+                    break
+        return items
 
     def _benchmarks(self) -> dict[str, float]:
         """``eval.benchmarks`` on the live policy (EMA weights when enabled), main process only, into
@@ -1253,13 +1269,12 @@ class Trainer:
         restore_signals = self._install_stop_signals()
         self.stopped_by = None
         try:
-            if self.update == 0 and c.logging.eval_every:
-                self._evaluate()
+            base_samples = self._evaluate() if self.update == 0 and c.logging.eval_every else {}
             if self.update == 0 and c.eval.every:  # the untrained model's numbers: the curves' first point
                 initial = self._benchmarks()
                 self.initial_eval = initial
-                if self.logger is not None and initial:
-                    self.logger.log({"step": 0, **initial})
+                if self.logger is not None and initial:  # with the fixed grid's rewards (eval/reward/*) at update 0
+                    self.logger.log({"step": 0, **base_samples, **initial})
             elif c.eval.every:  # resumed: the untrained model's numbers as the first run logged them
                 self.initial_eval = self._logged_initial_eval()
             while self.update < c.train.steps:

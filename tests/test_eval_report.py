@@ -12,6 +12,7 @@ import copy
 import io
 import json
 import os
+import re
 import select
 import shutil
 import subprocess
@@ -401,7 +402,7 @@ def test_without_matplotlib_the_page_says_so(three, tmp_path, monkeypatch):
     out = write_report(three["dirs"][:2], tmp_path / "plain.html")
     page = out.read_text()
     assert "charts need matplotlib" in page and "curves.png" not in page and "categories0.png" not in page
-    assert "<table" in page and ".jpg" in page  # tables and thumbnails still there
+    assert "<table" in page and "_files/img" in page  # tables and thumbnails still there
 
 
 def test_vlm_answers_are_shown(tmp_path):
@@ -900,3 +901,28 @@ def test_report_in_headless_chromium(three, tmp_path):
     x, y, w, h = (int(round(v)) for v in dom["img"])  # a thumbnail of random noise, inside the first 2000 px
     if y + h <= 2000:
         assert w >= 80 and pixels[y:y + h, x:x + w].std() > 30
+
+
+def test_small_thumbnails_are_exact_and_captions_name_their_metric(three):
+    """A 32 px image went into the page as a q88 4:2:0 JPEG (pixels up to 69 / 255 off: a washed-out shape lost a
+    quarter of its contrast); a caption "seed 42 · 0" read as an image index."""
+    page = three["html"].read_text()
+    thumbs = sorted((three["html"].parent / "report_files").glob("img*"))
+    assert thumbs and all(t.suffix == ".png" for t in thumbs)  # make_eval's images are 32 px
+    source = next((three["dirs"][0] / "images").rglob("*.png"))
+    with Image.open(source) as original:
+        exact = [t for t in thumbs if np.array_equal(np.asarray(Image.open(t).convert("RGB")),
+                                                     np.asarray(original.convert("RGB")))]
+    assert exact, "no thumbnail equals its 32 px source"
+    assert re.search(r"seed \d+ &middot; \w[\w./@:-]* [0-9.]+", page)
+    assert ">None<" not in page  # a run's config_file of null was printed as Python's None
+
+
+def test_curve_order_puts_headlines_first_and_leaves_a_flat_failed_out():
+    from mmrl.eval.report import _constant_zero, _curve_order
+
+    keys = ["eval/geneval/per_tag/colors", "eval/failed", "eval/geneval/overall", "reward/mean", "eval/ocr/accuracy"]
+    assert sorted(keys, key=_curve_order) == ["reward/mean", "eval/failed", "eval/geneval/overall",
+                                              "eval/ocr/accuracy", "eval/geneval/per_tag/colors"]
+    flat = [("run", [{"eval/failed": 0.0}, {"eval/failed": 0}], [])]
+    assert _constant_zero("eval/failed", flat) and not _constant_zero("eval/failed", [("r", [{"eval/failed": 1}], [])])

@@ -156,12 +156,28 @@ def test_the_numbers_equal_mmrl_eval_on_that_updates_checkpoint(runs, tmp_path):
 def test_training_metrics_flatten_numbers_and_drop_counts():
     summary = {"benchmarks": {
         "geneval": {"metrics": {"overall": 0.5, "counting": 0.25, "n": 8, "num_unjudged": 1,
+                                "counts": {"counting": 4, "colors": 4},  # prompts per tag: flat lines in the report
                                 "partial": {"mean": 0.75, "n": 8, "num_unjudged": 0}}},
         "ocr": {"metrics": {"accuracy": None}}}}
     flat = training_metrics(summary)
     assert set(flat) == {"eval/geneval/overall", "eval/geneval/counting", "eval/geneval/partial/mean",
                          "eval/ocr/accuracy"}
     assert flat["eval/geneval/partial/mean"] == 0.75 and math.isnan(flat["eval/ocr/accuracy"])
+
+
+def test_the_fixed_grid_shows_distinct_prompts_and_its_base_scores_start_the_curves(tiny_path, tmp_path):
+    """A tag-balanced prompt set repeats its small categories: the default run's grid showed 2 prompts 3 times. The
+    grid's rows are now the first distinct prompts, listed beside it, and with eval.every the update-0 line holds
+    the grid's rewards (eval/reward/*), the curves' first point."""
+    run = tmp_path / "run"
+    assert _train(run, tiny_path, "train.steps=1", "logging.eval_every=1", "data.num_eval_prompts=3",
+                  "data.prompt_list=[a red circle, a red circle, a red circle, a blue square, a cat]",
+                  "eval.every=1", "eval.benchmarks=[ocr]", "eval.limit=1", "eval.options={resolution: 32, num_steps: 2}"
+                  ) == 0
+    assert (run / "samples" / "grid_prompts.txt").read_text() == "a red circle\na blue square\na cat\n"
+    first = _metrics(run)[0]
+    assert first["step"] == 0 and "eval/ocr/accuracy" in first
+    assert {k for k in first if k.startswith("eval/reward/")} == {"eval/reward/total", "eval/reward/brightness"}
 
 
 @pytest.mark.parametrize("extra, words", [

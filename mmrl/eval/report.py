@@ -520,9 +520,15 @@ class _Files:
                     if max(image.size) > _THUMB:
                         image.thumbnail((_THUMB, _THUMB), Image.Resampling.LANCZOS)
                     self.count += 1
-                    name = f"img{self.count:05d}.jpg"
+                    # a small image is kept exactly (PNG): JPEG's 4:2:0 blocks moved a 32 px image's pixels by up
+                    # to 69 / 255, a faint washed-out shape's by a quarter of its contrast
+                    lossless = max(image.size) <= 128
+                    name = f"img{self.count:05d}.{'png' if lossless else 'jpg'}"
                     self.folder.mkdir(parents=True, exist_ok=True)
-                    image.save(self.folder / name, format="JPEG", quality=88)
+                    if lossless:
+                        image.save(self.folder / name, format="PNG")
+                    else:
+                        image.save(self.folder / name, format="JPEG", quality=90, subsampling=0)
                     url = self.url(name)
                     if max(image.size) < 128:
                         self.small.add(url)
@@ -833,7 +839,7 @@ class _Page:
             rows.append(
                 f"<tr><th>{_e(run.label)}</th><td>{where}</td><td>{_e(_fmt(ckpt.get('ema')))}</td>"
                 f'<td class="mono" title="{_e(sha or "")}">{_e((sha or "n/a")[:16])}</td>'
-                f'<td class="mono">{_e(run.summary.get("config_file", "n/a"))}</td>'
+                f'<td class="mono">{_e(run.summary.get("config_file") or "n/a")}</td>'
                 f'<td class="mono">{_e(" ".join(overrides) or "none")}</td>'
                 f'<td class="mono">{_e(", ".join(f"{k}={json.dumps(v)}" for k, v in keys.items()) or "defaults")}</td>'
                 f"<td>{_e(run.summary.get('device', 'n/a'))}</td>"
@@ -1032,8 +1038,8 @@ class _Page:
                 url = self.files.thumb(source) if source else None
                 score = _number((r.get("scores") or {}).get(key)) if key else None
                 caption = f"seed {_e(r.get('seed', '?'))}"
-                if key:
-                    caption += f" &middot; {_e(_fmt(score))}"
+                if key:  # the metric's name, so the score does not read as an image index
+                    caption += f" &middot; {_e(key)} {_e(_fmt(score))}"
                 tip = _e(f"{r.get('image', '')}" + (f" - {r['reason']}" if r.get("reason") else ""))
                 if url:
                     px = ' class="px"' if url in self.files.small else ""
@@ -1169,7 +1175,8 @@ class _Page:
             for row in metrics:
                 keys += [k for k, v in row.items() if k not in keys and (k == "reward/mean" or k.startswith("eval/"))
                          and _number(v) is not None]
-        keys.sort(key=lambda k: (k != "reward/mean", k))
+        keys = [k for k in keys if not _constant_zero(k, series)]  # eval/failed while nothing failed
+        keys.sort(key=_curve_order)
         if notes:
             out.append(f'<ul class="note">{"".join(notes)}</ul>')
         if not series:
@@ -1226,8 +1233,7 @@ class _Page:
         if self.warnings:
             warnings = ('<div class="warning"><strong>Warnings</strong><ul>'
                         + "".join(f"<li>{_e(w)}</li>" for w in self.warnings) + "</ul></div>")
-        body = [re.sub(r"<table(.*?)</table>", r'<div class="scroll"><table\1</table></div>', b, flags=re.S)
-                for b in body]
+        body = [_scrolled(b) for b in body]
         chart_note = f'<p class="note">{_e(self.chart_note)}</p>' if self.chart_note else ""
         title = ("mmrl evaluation report: " + " vs ".join(self.labels)) if len(self.labels) > 1 else \
             f"mmrl evaluation report: {self.labels[0]}"
@@ -1238,8 +1244,29 @@ class _Page:
                 f'<meta name="viewport" content="width=device-width, initial-scale=1">'
                 f'<link rel="icon" href="data:,"><title>{_e(title)}</title><style>{_CSS}</style></head>'
                 f"<body><main><h1>{_e(title)}</h1><p class=\"meta\">{intro}</p>{warnings}{chart_note}"
-                f"<h2>Runs</h2>{self.runs_table()}<h2>Summary</h2>{self.summary_table()}"
-                f"{''.join(body)}{curves}{self.footer()}</main></body></html>\n")
+                f"<h2>Runs</h2>{_scrolled(self.runs_table())}<h2>Summary</h2>{_scrolled(self.summary_table())}"
+                f"{''.join(body)}{curves}{_scrolled(self.footer())}</main></body></html>\n")
+
+
+def _scrolled(html: str) -> str:
+    """Every table of ``html`` in a horizontally scrolling box: a wide table scrolls inside the page instead of
+    widening it (877 px at an 800 px window before)."""
+    return re.sub(r"<table(.*?)</table>", r'<div class="scroll"><table\1</table></div>', html, flags=re.S)
+
+
+def _curve_order(key: str) -> tuple:
+    """reward/mean first, then each benchmark's headline (``overall``, ``acc@0.5``, ..., a key directly under the
+    benchmark), then the rest (per-tag, per-category keys), each group alphabetical."""
+    if key == "reward/mean":
+        return (0, key)
+    depth = key.count("/")
+    return (1 if depth <= 2 else 2, key)
+
+
+def _constant_zero(key: str, series) -> bool:
+    """``eval/failed`` while nothing failed: a flat line at 0 that would take a curve's place."""
+    return key == "eval/failed" and all(_number(row.get(key)) in (None, 0.0) for _, metrics, _ in series
+                                        for row in metrics)
 
 
 def _protocol_text(value: Any) -> str:

@@ -1278,13 +1278,14 @@ def evaluate_policy(policy, config, update: int, output_dir: str | Path, *, ema:
 
 def training_metrics(summary: Mapping[str, Any]) -> dict[str, float]:
     """``eval/<benchmark>/<metric>`` -> value for every number of a summary's metrics (nested keys joined with
-    ``/``; counts ``n`` / ``num_*`` left out), what the trainer logs with its own metrics."""
+    ``/``; counts ``n`` / ``num_*`` / ``counts``, GenEval's prompts per tag, left out), what the trainer logs with
+    its own metrics."""
     out: dict[str, float] = {}
 
     def walk(prefix: str, value: Any) -> None:
         if isinstance(value, Mapping):
             for key, sub in value.items():
-                if key in PER_ITEM_METRICS or key == "n" or str(key).startswith("num_"):
+                if key in PER_ITEM_METRICS or key in ("n", "counts") or str(key).startswith("num_"):
                     continue
                 walk(f"{prefix}/{key}", sub)
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
