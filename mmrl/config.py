@@ -902,6 +902,8 @@ def _dependent_fields(config: Config, flow: bool,
         ("model", ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules"), "model.use_lora: true",
          m.use_lora),
         ("optim", ("ema_decay", "ema_update_interval", "ema_warmup"), "optim.ema: true", o.ema),
+        ("optim", ("ema_every_minibatch",), "train.gradient_accumulation_steps > 1 (one minibatch per optimizer "
+         "step: it calls the update once, as without it)", config.train.gradient_accumulation_steps > 1),
         ("algorithm", ("sampler_correction_max", "sampler_correction_min"),
          "an algorithm.sampler_correction other than none (the bounds of its weights)",
          a.sampler_correction != "none"),

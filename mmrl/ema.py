@@ -24,8 +24,8 @@ calling ``update(params, optimizer_step)`` after every micro-batch with the unch
 anchor in the other cases too: ``optim.ema_every_minibatch`` makes the trainer do that.
 
 Resume: :meth:`EMA.state_dict` holds the shadows, the step counter and the number of updates; :meth:`load_state_dict`
-puts every shadow on its live parameter's device and in its dtype (checkpoints are loaded on the CPU, often in
-another dtype), so the next ``lerp_`` never mixes devices or dtypes. The configured decay, interval and warm-up
+puts every shadow on its live parameter's device and in its dtype, at least fp32 (checkpoints are loaded on the
+CPU), so the next ``lerp_`` never mixes devices. The configured decay, interval and warm-up
 are kept on resume (as the anchor keeps its configured decay).
 """
 
@@ -39,6 +39,14 @@ import torch
 __all__ = ["EMA", "flow_grpo_decay"]
 
 
+def _shadow_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The averages are kept in at least fp32: a bf16 / fp16 weight (full fine-tuning in half precision, or a
+    DeepSpeed bf16 engine, which casts the module before the EMA is built) averaged in its own dtype loses the small
+    ``(1 - d) * (param - ema)`` steps (decay 0.999: the bf16 average 56 % off the fp32 one, it stalls). Flow-GRPO
+    builds its EMA from the fp32 weights before ``accelerator.prepare``."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
 def flow_grpo_decay(decay: float, optimizer_step: int) -> float:
     """Flow-GRPO's warmed-up decay ``min((1 + s) / (10 + s), decay)`` at optimizer step ``s``
     (``EMAModuleWrapper.get_current_decay``)."""
@@ -49,7 +57,8 @@ class EMA:
     """Exponential moving average of named parameters (trainer: ``policy.named_trainable_parameters()``).
 
     Args:
-        params: ``{name: parameter}``; the shadows start as detached copies (same device and dtype).
+        params: ``{name: parameter}``; the shadows start as detached copies (same device; bf16 / fp16 ones in
+            fp32, :func:`_shadow_dtype`).
         decay: the EMA decay (``optim.ema_decay``; Flow-GRPO: 0.9).
         update_interval: update only when ``(optimizer_step + 1) % update_interval == 0``
             (``optim.ema_update_interval``; Flow-GRPO: 8).
@@ -68,7 +77,8 @@ class EMA:
         self.decay = float(decay)
         self.update_interval = int(update_interval)
         self.warmup = bool(warmup)
-        self.shadow: dict[str, torch.Tensor] = {k: p.detach().clone() for k, p in params.items()}
+        self.shadow: dict[str, torch.Tensor] = {k: p.detach().to(dtype=_shadow_dtype(p.dtype), copy=True)
+                                                for k, p in params.items()}
         self.optimizer_step = 0
         self.num_updates = 0
 
@@ -119,9 +129,9 @@ class EMA:
                         ) -> None:
         """Restore the shadows and counters from :meth:`state_dict`.
 
-        Every shadow is moved to its live parameter's device and dtype: those of ``params`` (pass the live
-        ``policy.named_trainable_parameters()``), or without ``params`` those of the current shadows, which were
-        copied from the live parameters at construction. The configured decay, interval and warm-up are kept. A
+        Every shadow is moved to its live parameter's device and dtype (at least fp32): those of ``params`` (pass
+        the live ``policy.named_trainable_parameters()``), or without ``params`` those of the current shadows, which
+        were copied from the live parameters at construction. The configured decay, interval and warm-up are kept. A
         state from before the counter was saved (only ``decay`` and ``shadow``) resumes with the counter at 0.
         """
         target = params if params is not None else self.shadow
@@ -135,7 +145,7 @@ class EMA:
             value = loaded[k]
             if value.shape != ref.shape:
                 raise ValueError(f"EMA state {k!r} has shape {tuple(value.shape)}, the parameter {tuple(ref.shape)}")
-            shadow[k] = value.detach().to(device=ref.device, dtype=ref.dtype, copy=True)
+            shadow[k] = value.detach().to(device=ref.device, dtype=_shadow_dtype(ref.dtype), copy=True)
         self.shadow = shadow
         self.optimizer_step = int(state.get("optimizer_step", 0))
         self.num_updates = int(state.get("num_updates", 0))

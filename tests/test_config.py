@@ -263,7 +263,7 @@ def test_the_section_the_other_family_reads_is_named_as_ignored(caplog):
 
 VLM_ERRORS = [
     (["generation.engine=vllm", "algorithm.sampler_correction_max=null", "algorithm.sampler_correction_min=-1"],
-     r"algorithm.sampler_correction_min must be in \[0, sampler_correction_max\]"),
+     r"algorithm.sampler_correction_min must be in \[0, sampler_correction_max\)"),
     (["model.attn_implementation=bogus"], r"model.attn_implementation='bogus': transformers' kernels are eager, sdpa"),
     (["model.pretrained=tiny:sd3"], r"the tiny random models of model.family=qwen_vl are tiny:qwen2_5_vl"),
 ]
@@ -288,6 +288,8 @@ UNREAD = [  # (config, overrides, the warning): each was accepted silently and c
      "sampling.timestep_fraction ignored: it applies only with sampling.train_steps: fraction or random_fraction"),
     (TINY_RECIPE, ["sampling.merge_groups=3"], "sampling.merge_groups ignored: it applies only with "
                                                "sampling.train_steps: entropy_merge"),
+    (TINY_RECIPE, ["optim.ema=true", "optim.ema_every_minibatch=true", "train.gradient_accumulation_steps=1"],
+     "optim.ema_every_minibatch ignored: it applies only with train.gradient_accumulation_steps > 1"),
     (TINY_RECIPE, ["data.prompts=shapeworld:train"], "data.prompt_list ignored: it applies only with data.prompts "
                                                      "unset"),
     (TINY_RECIPE, ["sampling.intermediate=x0"], "sampling.intermediate ignored: it applies only with a variant that "
