@@ -1144,6 +1144,11 @@ class Trainer:
         ]
         for key, (before, after) in sorted(getattr(self, "resume_changes", {}).items()):
             lines.append(f"  changed   {key}: {before!r} -> {after!r} (applied from update {resumed})")
+            if key == "train.steps":  # what follows the run's length was laid out for the old one until now
+                lines.append(f"            the updates so far followed a {before}-update run: an lr schedule over the "
+                             f"run (linear, cosine) and the variants that read its length (a_grae's schedule, "
+                             f"trust_grpo's anneal) go on over {after} updates from here, so the result is not a "
+                             f"straight {after}-update run's")
         return "\n".join(lines)
 
     def _write_config(self, resumed: int | None) -> None:

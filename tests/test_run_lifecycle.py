@@ -61,6 +61,7 @@ def test_resume_applies_a_new_lr_and_keeps_the_original_config(tmp_path, tiny_pa
     assert "resumed at update 2 of 3" in out
     assert "changed   optim.lr: 0.01 -> 0.001 (applied from update 2)" in out
     assert "changed   train.steps: 2 -> 3" in out
+    assert "the updates so far followed a 2-update run" in out  # an extended run is not a straight 3-update one
     assert (run / "config.yaml").read_text() == original  # never overwritten
     assert yaml.safe_load((run / "config.resume_2.yaml").read_text())["optim"]["lr"] == 0.001
     metrics = _metrics(run)
