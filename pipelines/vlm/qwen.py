@@ -925,7 +925,7 @@ class QwenVLPolicy:
             gen_kwargs["mm_token_type_ids"] = mm_types.to(self.device)
         seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         set_mode(self.model, train=False)
-        if self._shares_prefill(config, input_ids):
+        if self._shares_prefill(config, input_ids, vision_kwargs):
             gen_kwargs = self._shared_prefill(gen_kwargs, vision_kwargs, config)
         # generate() fills every field the passed config leaves unset from model.generation_config (transformers
         # 5.x GenerationMixin._prepare_generation_config, no opt-out): for this call the model's config is ours,
@@ -942,12 +942,17 @@ class QwenVLPolicy:
         finally:
             hf_model.generation_config = shipped
 
-    def _shares_prefill(self, config, input_ids: Tensor) -> bool:
+    def _shares_prefill(self, config, input_ids: Tensor, vision_kwargs: dict) -> bool:
         """Whether ``generate`` prefills each prompt once for its ``num_return_sequences`` samples
         (:meth:`_shared_prefill`): ``share_prompt_prefix`` is on, more than one sequence per prompt is asked for, the
-        cache is HF's dynamic one (a static cache is allocated by ``generate`` itself) and the prompts have a token to
-        leave to ``generate``."""
-        return (self.share_prompt_prefix and int(getattr(config, "num_return_sequences", 1) or 1) > 1
+        cache is HF's dynamic one (a static cache is allocated by ``generate`` itself), the prompts have a token to
+        leave to ``generate``, and the batch holds an image or a video. A text-only batch is prefilled by
+        ``generate`` itself: without vision grids the model numbers the prefix's positions from 0 over the left
+        padding (``generate`` skips it) and keeps the previous call's ``rope_deltas``, so the shared prefill sampled
+        from positions the replay does not use (log-probs up to 0.85 apart on Qwen3-VL) or failed on the stale
+        offsets' size."""
+        vision = any(vision_kwargs.get(k) is not None for k in ("image_grid_thw", "video_grid_thw"))
+        return (self.share_prompt_prefix and vision and int(getattr(config, "num_return_sequences", 1) or 1) > 1
                 and getattr(config, "cache_implementation", None) in (None, "dynamic") and input_ids.shape[1] > 1)
 
     @torch.no_grad()
