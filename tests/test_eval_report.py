@@ -926,3 +926,12 @@ def test_curve_order_puts_headlines_first_and_leaves_a_flat_failed_out():
                                               "eval/ocr/accuracy", "eval/geneval/per_tag/colors"]
     flat = [("run", [{"eval/failed": 0.0}, {"eval/failed": 0}], [])]
     assert _constant_zero("eval/failed", flat) and not _constant_zero("eval/failed", [("r", [{"eval/failed": 1}], [])])
+
+
+def test_a_category_whose_prompts_all_tie_has_no_worst_or_best(tmp_path):
+    """Every prompt scoring the same (a VLM whose answers all miss: IoU 0) was still split into 3 "worst" and 1
+    "best"."""
+    tied = make_eval(tmp_path / "tied", scores=[[1.0, 1.0]] * 4, tags=[TAGS[0]] * 4)
+    page = write_report([tied], tmp_path / "tied.html").read_text()
+    assert f"{TAGS[0]}: all 4 tied at 1" in page and f"{TAGS[0]}: worst" not in page
+    assert "The first prompts, same seeds in every run" in page  # image rows carry seeds

@@ -1085,7 +1085,8 @@ class _Page:
             or _score_key({}, all_rows)
         prompts = [_prompts(run, name, key) for run in self.runs]
         indices = sorted({i for p in prompts for i in p})
-        out = ["<h3>The first prompts, same seeds in every run</h3>",
+        seeded = any("seed" in r for r in all_rows)  # image generators; a VLM's greedy answers have no seed
+        out = [f"<h3>The first prompts{', same seeds' if seeded else ''} in every run</h3>",
                self.grid(indices[:self.first_prompts], prompts, key)]
         if key:
             ranker = len(self.runs) - 1
@@ -1105,6 +1106,9 @@ class _Page:
             k = self.per_category
             for category in sorted(categories):
                 items = sorted(categories[category], key=lambda p: (sign * p.score, p.index))
+                if len({p.score for p in items}) == 1:  # no worst or best among equals
+                    out.append(f"<h4>{_e(category)}: all {len(items)} tied at {_e(_fmt(items[0].score))}</h4>")
+                    continue
                 worst = items[:k]
                 best = [p for p in reversed(items) if p not in worst][:k]
                 out.append(f"<h4>{_e(category)}: worst {len(worst)} of {len(items)}</h4>"
