@@ -99,10 +99,11 @@ class RunHealth:
                       f"({int(metrics.get('samples/nan_reward', 0))} of {int(n)} now): the rewards cannot judge "
                       f"these samples; check their reasons in the log and the data")
 
-        clip_high = metrics.get("clipfrac", 0.0) > CLIPFRAC_LIMIT
+        clipped = metrics.get("clip_ratio/region", metrics.get("clipfrac", 0.0))  # the actions whose gradient is cut
+        clip_high = clipped > CLIPFRAC_LIMIT
         if clip_high:
             warnings += 1
-            self.warn(f"update {step}: clipfrac {metrics['clipfrac']:.2f} > {CLIPFRAC_LIMIT}: most actions are clipped, "
+            self.warn(f"update {step}: clipped fraction {clipped:.2f} > {CLIPFRAC_LIMIT}: most actions are clipped, "
                       f"the policy moves too far per update (lower optim.lr or widen algorithm.clip_low)")
 
         kl = metrics.get("kl", float("nan"))

@@ -181,19 +181,21 @@ def reward_spread_stats(components: dict[str, torch.Tensor], weights: dict[str, 
     (``labels``) has no spread (all its judged totals equal: no advantage, no signal). The total is summed as the
     advantages sum it: NaN-propagating, or with ``nansum`` (``reward_combination: nansum_then_normalize``) over the
     components that judged the sample. Per-sample rewards only (dense ``[N, T]`` ones have their own statistics):
-    ``{}`` otherwise."""
+    ``{}`` otherwise. ``reward/mean`` is that total's mean over the judged samples (TRL's ``reward``), so mean and
+    std describe the same numbers (with ``nansum`` the component-wise NaN-propagating ``reward/total`` counted fewer
+    samples)."""
     if any(v.dim() != 1 for v in components.values()):
         return {}
     total = weighted_total({k: v for k, v in components.items() if k in weights}, weights, nansum=nansum)
     judged = torch.isfinite(total)
     if not bool(judged.any()):
-        return {"reward/std": float("nan"), "reward/frac_zero_std": float("nan")}
+        return {"reward/mean": float("nan"), "reward/std": float("nan"), "reward/frac_zero_std": float("nan")}
     index, count = group_index(labels)
     flat = total[judged]
     groups = index[judged]
     high = torch.full((count,), float("-inf"), dtype=torch.float64).scatter_reduce(0, groups, flat, "amax")
     low = torch.full((count,), float("inf"), dtype=torch.float64).scatter_reduce(0, groups, flat, "amin")
-    return {"reward/std": float(flat.std()) if flat.numel() > 1 else 0.0,
+    return {"reward/mean": float(flat.mean()), "reward/std": float(flat.std()) if flat.numel() > 1 else 0.0,
             "reward/frac_zero_std": float((high[groups] == low[groups]).double().mean())}
 
 
@@ -628,10 +630,12 @@ class Trainer:
             pool = torch.cat(gather_object([pool]))
         keep, threshold = high_entropy_mask(entropy, rollout.mask, self.config.algorithm.top_entropy_quantile,
                                             pool=pool)
-        real = float((rollout.mask > 0).sum())
+        kept, real = float(keep.sum()), float((rollout.mask > 0).sum())
+        if self.accelerator.num_processes > 1:  # the batch's share, not the main process's
+            kept, real = (sum(v) for v in zip(*gather_object([(kept, real)])))
         return keep, {"rollout/entropy_threshold": threshold,
                       "rollout/entropy_mean": float(pool.mean()) if pool.numel() else float("nan"),
-                      "rollout/high_entropy_fraction": float(keep.sum()) / real if real else 0.0}
+                      "rollout/high_entropy_fraction": kept / real if real else 0.0}
 
     def _max_actions(self, rollout) -> int:
         """The constant ``L`` of ``dr_grpo``: the policy's action budget (a VLM's ``max_new_tokens``), else the
@@ -1146,9 +1150,8 @@ class Trainer:
             lines.append(f"  changed   {key}: {before!r} -> {after!r} (applied from update {resumed})")
             if key == "train.steps":  # what follows the run's length was laid out for the old one until now
                 lines.append(f"            the updates so far followed a {before}-update run: an lr schedule over the "
-                             f"run (linear, cosine) and the variants that read its length (a_grae's schedule, "
-                             f"trust_grpo's anneal) go on over {after} updates from here, so the result is not a "
-                             f"straight {after}-update run's")
+                             f"run (linear, cosine) and the variants that read its length go on over {after} "
+                             f"updates from here, so the result is not a straight {after}-update run's")
         return "\n".join(lines)
 
     def _write_config(self, resumed: int | None) -> None:
@@ -1608,11 +1611,18 @@ class Trainer:
             counts = acc.reduce(counts, reduction="sum")
         metrics["samples/trained"], metrics["samples/informative"] = (float(v) for v in counts.cpu())
         metrics.update(train_metrics)
-        metrics["kl"] = train_metrics.get("kl", 0.0)
-        if "completion_length" in rollout.extras:
+        metrics["kl"] = train_metrics.get("kl", 0.0)  # not computed with algorithm.beta 0 (TRL then omits the key)
+        if "completion_length" in rollout.extras:  # TRL's completions/*_length, over every process's samples
             lengths = rollout.extras["completion_length"].float().to(acc.device)
-            metrics["completions/mean_length"] = float(acc.gather(lengths).mean() if acc.num_processes > 1
-                                                       else lengths.mean())
+            lengths = acc.gather(lengths).cpu() if acc.num_processes > 1 else lengths.cpu()
+            metrics["completions/mean_length"] = float(lengths.mean())
+            metrics["completions/min_length"], metrics["completions/max_length"] = (float(lengths.min()),
+                                                                                  float(lengths.max()))
+            if "truncated" in rollout.extras:  # the completions that ended with an end token
+                cut = rollout.extras["truncated"].to(acc.device)
+                cut = (acc.gather(cut).cpu() if acc.num_processes > 1 else cut.cpu()).bool()
+                ended = lengths[~cut]
+                metrics["completions/mean_terminated_length"] = float(ended.mean()) if ended.numel() else 0.0
         if "truncated" in rollout.extras:  # TRL's completions/clipped_ratio: cut off by generation.max_new_tokens
             clipped = rollout.extras["truncated"].float().to(acc.device)
             metrics["completions/clipped_ratio"] = float(acc.gather(clipped).mean() if acc.num_processes > 1
@@ -1624,7 +1634,11 @@ class Trainer:
                                                       else values.mean())
         for reason, count in self._skipped_in_all().items():
             metrics[f"samples/skipped_{reason}"] = float(count)
-        metrics.update(self.reward_counts)
+        # counts of every process's samples, not the main process's (the health rules compare them with
+        # samples/trained, a global count)
+        metrics.update({key: sum(v) for key, v in values_by_key(self.reward_counts, acc).items()})
+        if "samples/dropped_groups" in metrics:
+            metrics["samples/dropped_groups"] = sum(values_by_key({"n": metrics["samples/dropped_groups"]}, acc)["n"])
         metrics.update(mean_over_processes(self.variant_stats, acc))
         if "intermediate" in timer:  # the images trained steps lead to, and their rewards
             metrics["time/intermediate"] = timer["intermediate"]

@@ -158,7 +158,11 @@ def test_clip_metrics_count_the_clipped_region():
     out = policy_loss(logps, old, adv, clip_low=0.2)
     assert out.metrics["clip_ratio/high"].item() == 0.25  # ratio > 1.2 with A > 0
     assert out.metrics["clip_ratio/low"].item() == 0.25  # ratio < 0.8 with A < 0
-    assert out.metrics["clipfrac"].item() == 0.5
+    assert out.metrics["clipfrac"].item() == 0.5 and out.metrics["clip_ratio/region"].item() == 0.5
+    # a ratio outside the range on the side its advantage does not clip: in Flow-GRPO's clipfrac (|r - 1| > eps),
+    # not in TRL's region (its gradient is not cut)
+    out = policy_loss(logps, old, -adv, clip_low=0.2)
+    assert out.metrics["clip_ratio/region"].item() == 0.0 and out.metrics["clipfrac"].item() == 0.5
 
 
 def test_dense_advantages_and_explicit_kl():

@@ -389,6 +389,13 @@ def test_reward_spread_stats_are_trls_reward_std_and_frac_reward_zero_std():
     total = [1.0, 2.0, 1.0, 0.0, 2.5, 2.5, 2.5, 2.5, 0.2, 0.9, 0.4]  # the NaN sample left out
     assert stats["reward/std"] == pytest.approx(statistics.stdev(total), rel=1e-6)  # the inputs are fp32
     assert stats["reward/frac_zero_std"] == pytest.approx(4 / 11)  # the 4 samples of group q
+    assert stats["reward/mean"] == pytest.approx(statistics.mean(total), rel=1e-6)
+    # nansum_then_normalize: the sample whose component a is NaN counts with b alone, in the mean as in the std
+    # (reward/mean was the NaN-propagating total's, over 11 samples, while the std and advantages used 12)
+    summed = reward_spread_stats({"a": a, "b": b}, {"a": 1.0, "b": 2.0}, labels, nansum=True)
+    nansummed = total[:9] + [0.0] + total[9:]
+    assert summed["reward/mean"] == pytest.approx(statistics.mean(nansummed), rel=1e-6)
+    assert summed["reward/std"] == pytest.approx(statistics.stdev(nansummed), rel=1e-6)
     assert reward_spread_stats({"a": torch.zeros(4, 3)}, {"a": 1.0}, [0, 0, 1, 1]) == {}
 
 

@@ -278,7 +278,10 @@ def policy_loss(
         metrics = {
             "clip_ratio/low": _masked_mean(low, mask),
             "clip_ratio/high": _masked_mean(high, mask),
-            "clipfrac": _masked_mean(torch.maximum(low, high), mask),
+            "clip_ratio/region": _masked_mean(torch.maximum(low, high), mask),  # TRL's region: gradient clipped
+            # Flow-GRPO's clipfrac: the ratio outside the clip range, whatever the advantage's sign
+            "clipfrac": _masked_mean(((full_ratio < 1.0 - clip_low) | (full_ratio > 1.0 + clip_high)).to(logps.dtype),
+                                     mask),
             "ratio/mean": _masked_mean(full_ratio, mask),
             "ratio/min": masked_ratio.min() if masked_ratio.numel() else torch.tensor(1.0),
             "ratio/max": masked_ratio.max() if masked_ratio.numel() else torch.tensor(1.0),
@@ -288,6 +291,6 @@ def policy_loss(
         if kl is not None:
             metrics["kl"] = _masked_mean(kl, mask)
         if surrogate is not None:  # the configured clip range is not what a replaced surrogate applies
-            for key in ("clip_ratio/low", "clip_ratio/high", "clipfrac"):
+            for key in ("clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "clipfrac"):
                 metrics.pop(key)
     return PolicyLossOutput(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})
