@@ -131,7 +131,8 @@ def other_command_run(run: str | Path) -> str | None:
                 f"model.pretrained in a training config (mmrl train, or mmrl eval CONFIG checkpoint=base)")
     if (run / "mmrl_train.yaml").is_file() and (run / "model").is_dir():
         return (f"{run} is an mmrl sft run: its result is the model {run / 'model'}; {run / 'mmrl_train.yaml'} "
-                f"holds the config sections that load it (mmrl train, or mmrl eval CONFIG checkpoint=base)")
+                f"holds the model and generation sections to paste into a training config (with its data and "
+                f"rewards) for mmrl train, or mmrl eval CONFIG checkpoint=base")
     return None
 
 

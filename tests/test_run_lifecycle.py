@@ -126,6 +126,15 @@ def test_health_rules_by_hand():
     assert any("more than half of the rewards NaN" in w for w in warnings)
     assert "every reward is NaN" in no_signal_cause(nan)
     assert "do not vary within any group" in no_signal_cause({**nan, "samples/nan_reward": 0.0})
+    # nothing parseable: a model that cannot answer yet, unless every answer was cut off (it advised SFT to a model
+    # just fine-tuned, whose answers were longer than the GRPO config's max_new_tokens)
+    unread = {**nan, "samples/nan_reward": 0.0, "reward_info/iou/num_unparseable": 8.0}
+    assert "needs SFT first" in no_signal_cause(unread)
+    cut = no_signal_cause({**unread, "completions/clipped_ratio": 1.0, "completions/mean_length": 24.0})
+    assert "cut off by generation.max_new_tokens" in cut and "SFT first" not in cut
+    # the clipped-fraction rule reads TRL's region (the gradient cut) where it is logged
+    assert RunHealth(warn=lambda *_: None).check({**base, "step": 1, "clipfrac": 0.9, "clip_ratio/region": 0.2})[
+        "health/clipfrac_high"] == 0.0
 
 
 def test_a_turning_point_run_without_turning_points_is_warned_once_per_episode():

@@ -43,6 +43,9 @@ def test_tiny_vlm_recipes_run_end_to_end(tmp_path, config, reward):
     assert rows and {"prompt", "completion", reward} <= set(rows[0])
     export = run / "checkpoints" / "step_2" / "export"
     assert (export / "adapter_config.json").is_file() and (export / "adapter_model.safetensors").is_file()
+    from transformers import AutoProcessor
+
+    assert AutoProcessor.from_pretrained(export).chat_template  # the processor travels with the adapter too
 
 
 @register_reward("test_short_answer")

@@ -568,11 +568,12 @@ class QwenVLPolicy:
             yield self._reference_model
 
     def export(self, directory: str, state_dict: dict[str, Tensor] | None = None) -> None:
-        """The trainable part as its ecosystem loads it: a PEFT adapter folder, or the full model + processor.
-        ``state_dict``: the model's whole state when FSDP shards it (:func:`mmrl.distributed.full_model_state`)."""
+        """The trainable part as its ecosystem loads it: a PEFT adapter folder, or the full model, with the processor
+        (chat template included) either way, as TRL saves its ``processing_class`` beside the weights (a LoRA export
+        had none: ``AutoProcessor.from_pretrained(export)`` failed). ``state_dict``: the model's whole state when FSDP
+        shards it (:func:`mmrl.distributed.full_model_state`)."""
         self.model.save_pretrained(directory, **({} if state_dict is None else {"state_dict": state_dict}))
-        if not self.use_lora:
-            self.processor.save_pretrained(directory)
+        self.processor.save_pretrained(directory)
 
     # ------------------------------------------------------------------------------------- prompts
 
