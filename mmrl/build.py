@@ -294,7 +294,11 @@ def policy_model_type(config: Config, *, warn: bool = True) -> str | None:
 
         return AutoConfig.from_pretrained(resolve_vlm_pretrained(m.pretrained), revision=m.revision).model_type
     except Exception as exc:  # offline without the config, a bad path...: no default, samples must say
-        if warn:
+        from pathlib import Path
+
+        folder = Path(m.pretrained).expanduser()
+        # a local folder without config.json fails to load with its own message: no warning before it
+        if warn and not (folder.is_dir() and not (folder / "config.json").is_file()):
             logging.getLogger(__name__).warning(
                 "could not read the model type of model.pretrained=%r (%s: %s); box rewards get no default "
                 "coord_format", m.pretrained, type(exc).__name__, exc)

@@ -383,3 +383,25 @@ def test_a_model_folder_missing_its_chat_template_or_tokenizer_is_one_error_at_l
             (folder / name).unlink()
         with pytest.raises(ModelLoadError, match=words):
             load_vlm(str(folder), dtype="float32")
+
+
+def test_a_folder_that_is_not_a_model_says_what_it_is(tmp_path):
+    """model.pretrained pointed at an mmrl sft run, a PEFT adapter or an mmrl train run said only "no config.json"."""
+    import json as _json
+
+    from mmrl.pipelines.flow.loading import ModelLoadError
+
+    sft = tmp_path / "sft"
+    (sft / "model").mkdir(parents=True)
+    (sft / "mmrl_train.yaml").write_text("model: {}\n")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(_json.dumps({"base_model_name_or_path": "/models/base"}))
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for folder, words in ((sft, f"is an mmrl sft run: its result is the model {sft / 'model'}"),
+                          (adapter, "a PEFT LoRA adapter on /models/base: merge it into its base first"),
+                          (run, "an mmrl train run or checkpoint: give its checkpoints/step_<k>/export folder")):
+        with pytest.raises(ModelLoadError) as info:
+            load_vlm(str(folder), dtype="float32")
+        assert "has no config.json" in str(info.value) and words in str(info.value), str(info.value)

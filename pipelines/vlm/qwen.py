@@ -43,6 +43,7 @@ import copy
 import dataclasses
 import inspect
 import itertools
+import json
 import logging
 import os
 import types
@@ -265,8 +266,8 @@ def load_vlm(pretrained: str, *, dtype: str = "bfloat16", revision: str | None =
 
     source = resolve_vlm_pretrained(pretrained)
     if (Path(source).exists() or source.startswith((".", "/", "~"))) and not (Path(source) / "config.json").is_file():
-        raise ModelLoadError(f"model.pretrained={pretrained!r}: {source} has no config.json; use a folder written by "
-                             f"save_pretrained (model and processor) or a hub id")
+        raise ModelLoadError(f"model.pretrained={pretrained!r}: {source} has no config.json; "
+                             f"{not_a_model_folder(Path(source))}")
     kwargs = {"dtype": DTYPES[dtype], "revision": revision, **transformers_load_kwargs()}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -283,6 +284,30 @@ def load_vlm(pretrained: str, *, dtype: str = "bfloat16", revision: str | None =
         raise ModelLoadError(f"model.pretrained={pretrained!r}: {problem} (a partly copied model folder? it needs "
                              f"the files processor.save_pretrained writes)")
     return model, processor
+
+
+def not_a_model_folder(folder: Path) -> str:
+    """What a folder without ``config.json`` given as a VLM's model is, and what to give instead: an mmrl run or
+    checkpoint (its model folder or export), a PEFT adapter (merge it first), else the general rule."""
+    from mmrl.checkpoint import other_command_run
+
+    other = other_command_run(folder)
+    if other:
+        return other
+    if (folder / "adapter_config.json").is_file():
+        base = ""
+        try:
+            base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+        except (OSError, ValueError):
+            pass
+        return (f"it is a PEFT LoRA adapter{f' on {base}' if base else ''}: merge it into its base first "
+                f"(PeftModel.from_pretrained(base, folder).merge_and_unload(), then save_pretrained with the "
+                f"processor) and give that folder")
+    if (folder / "checkpoints").is_dir() or (folder / "trainable.safetensors").is_file():
+        return ("it is an mmrl train run or checkpoint: give its checkpoints/step_<k>/export folder (a full "
+                "fine-tune's is a model folder; a LoRA run's is an adapter, to merge into its base first), or "
+                "evaluate the run itself with mmrl eval RUN")
+    return "use a folder written by save_pretrained (model and processor) or a hub id"
 
 
 def _set_image_budget(processor, min_pixels: int | None, max_pixels: int | None) -> None:
