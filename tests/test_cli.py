@@ -577,6 +577,8 @@ def test_a_pretrain_or_sft_run_given_where_a_training_run_goes_says_what_it_is(t
                         (["sample", str(pre / "checkpoints" / "step_2"), "--prompt", "x"],
                          f"{pre} is an mmrl pretrain run"),
                         (["eval", str(sft), "limit=1"], f"{sft} is an mmrl sft run: its result is the model"),
+                        # a VLM benchmark's key read as an unknown image-benchmark key before
+                        (["eval", str(sft), "benchmarks=[rec]", "data=d.jsonl"], f"{sft} is an mmrl sft run"),
                         (["doctor", str(pre / "config.yaml")], f"use it as model.pretrained"),
                         (["config", "validate", str(sft / "config.yaml")], f"{sft / 'mmrl_train.yaml'} holds")):
         assert main(args) == 2

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import sys
@@ -871,10 +872,20 @@ def _config_family(config_file: Path, args: Sequence[str]) -> str:
     from mmrl.config import load_config
 
     dotted = [a for a in args if "=" in a and "." in a.split("=", 1)[0]]
+    quiet = logging.getLogger("mmrl.config")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its warnings come once, from the full load that follows
     try:
         return load_config(config_file, dotted, check_files=False).model.family
-    except Exception:  # let the full parse below report the mistake
+    except Exception:  # let the full parse below report the mistake, unless the folder is another command's run
+        from mmrl.checkpoint import other_command_run
+
+        other = other_command_run(config_file.parent)
+        if other:  # (its VLM keys would otherwise read as unknown image-benchmark keys)
+            raise EvalError(other) from None
         return ""
+    finally:
+        quiet.setLevel(level)
 
 
 def run_eval(config: str | Path, args: Sequence[str] = (), *, echo: Callable[[str], None] = print) -> dict[str, Any]:
