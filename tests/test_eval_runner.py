@@ -19,7 +19,8 @@ import mmrl.eval.benchmarks
 from mmrl.cli import main
 from mmrl.config import load_config
 from mmrl.eval.protocol import DEFAULTS, PINNED_SHA256, file_sha256, resolve_protocol
-from mmrl.eval.runner import GenEvalScorer, OCRScorer, load_prompt_set, weights_sha256
+from mmrl.eval.runner import (EvalError, GenEvalScorer, OCRScorer, _resolve_checkpoint, load_prompt_set,
+                              parse_eval_args, weights_sha256)
 from mmrl.pipelines.flow.policy import FlowPolicy
 from mmrl.rewards.ocr import OCRReward
 
@@ -299,6 +300,15 @@ def test_the_same_checkpoint_and_protocol_give_the_same_images_and_numbers(e2e, 
     assert summary_of(again) == summary_of(e2e)
     for path in sorted((e2e / "images").rglob("*.png")):
         assert path.read_bytes() == (again / path.relative_to(e2e)).read_bytes(), path  # bitwise on the CPU
+
+
+def test_a_checkpoint_named_by_its_folder_name_is_the_runs_own(run):
+    """checkpoint=step_3 said "no such run or checkpoint folder" unless given as a full path."""
+    run_dir, _, _ = run
+    options = parse_eval_args(["checkpoint=step_3"])[0]
+    assert _resolve_checkpoint(options, run_dir).path == run_dir / "checkpoints" / "step_3"
+    with pytest.raises(EvalError, match="checkpoint=step_9: no such run or checkpoint folder"):
+        _resolve_checkpoint(parse_eval_args(["checkpoint=step_9"])[0], run_dir)
 
 
 def test_a_config_evaluates_its_runs_latest_checkpoint_by_default(config_file, run, capsys):

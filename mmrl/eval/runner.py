@@ -58,8 +58,8 @@ class EvalError(ValueError):
 
 #: The eval keys and what they do; every other key must be a dotted config override.
 EVAL_KEYS: dict[str, str] = {
-    "checkpoint": "a run folder (its latest checkpoint), a checkpoint folder, or base (the untrained "
-                  "model.pretrained); default: the latest checkpoint of CONFIG's run (the run folder CONFIG is "
+    "checkpoint": "a run folder (its latest checkpoint), a checkpoint folder (or its name under the run's "
+                  "checkpoints/, e.g. step_3), or base (the untrained model.pretrained); default: the latest checkpoint of CONFIG's run (the run folder CONFIG is "
                   "in, else the config's output_dir) if it has one, else base",
     "benchmarks": "list of ocr, geneval, t2i_compbench[:CAT+CAT...], dpg_bench, hpsv2[:STYLE], "
                   "reward:NAME[+NAME...][@SET], fid[@SET], diversity[@SET] (SET: drawbench, partiprompts, geneval, "
@@ -724,6 +724,8 @@ def _resolve_checkpoint(options: EvalOptions, run_dir: Path) -> _Checkpoint:
     if value == "base" or (value is None and latest_checkpoint(run_dir / "checkpoints") is None):
         return _Checkpoint(None, None)
     path = Path(value) if value is not None else run_dir
+    if not path.is_dir() and value is not None and (run_dir / "checkpoints" / value).is_dir():
+        path = run_dir / "checkpoints" / value  # checkpoint=step_3: the run's own checkpoints/step_3
     if not path.is_dir():
         raise EvalError(f"checkpoint={value}: no such run or checkpoint folder (or checkpoint=base for the untrained "
                         f"model)")
