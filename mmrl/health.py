@@ -51,11 +51,13 @@ def no_signal_cause(metrics: dict[str, float]) -> str:
     unparseable = {k.split("/")[1]: v for k, v in metrics.items()
                    if k.startswith("reward_info/") and k.endswith("/num_unparseable")}
     full = [name for name, count in unparseable.items() if n and count >= n]
-    if full and metrics.get("completions/clipped_ratio", 0.0) >= 1.0:  # the answers were cut, not unwritable
-        return (f"every completion was cut off by generation.max_new_tokens (completions/clipped_ratio 1, mean "
-                f"length {metrics.get('completions/mean_length', float('nan')):.0f} tokens) before an answer the "
-                f"rewards {full} can read: raise generation.max_new_tokens (a model fine-tuned with mmrl sft answers "
-                f"as its mmrl_train.yaml's generation settings say)")
+    if full and metrics.get("completions/clipped_ratio", 0.0) >= 1.0:  # perhaps cut off, not unable to answer
+        return (f"no parseable answer: the policy writes nothing the rewards {full} can read "
+                f"(reward_info/<reward>/num_unparseable = {int(n)} of {int(n)} samples), and every completion was "
+                f"cut off by generation.max_new_tokens (completions/clipped_ratio 1, mean length "
+                f"{metrics.get('completions/mean_length', float('nan')):.0f} tokens): a policy that answers in a "
+                f"longer format (a model fine-tuned with mmrl sft: its mmrl_train.yaml's generation settings) needs "
+                f"a larger budget; one that cannot answer yet needs SFT first")
     if full:
         return (f"no parseable answer: the policy writes nothing the rewards {full} can read "
                 f"(reward_info/<reward>/num_unparseable = {int(n)} of {int(n)} samples), so every sample scores the "

@@ -131,7 +131,8 @@ def test_health_rules_by_hand():
     unread = {**nan, "samples/nan_reward": 0.0, "reward_info/iou/num_unparseable": 8.0}
     assert "needs SFT first" in no_signal_cause(unread)
     cut = no_signal_cause({**unread, "completions/clipped_ratio": 1.0, "completions/mean_length": 24.0})
-    assert "cut off by generation.max_new_tokens" in cut and "SFT first" not in cut
+    assert "no parseable answer" in cut and "cut off by generation.max_new_tokens" in cut
+    assert "cut off" not in no_signal_cause(unread)
     # the clipped-fraction rule reads TRL's region (the gradient cut) where it is logged
     assert RunHealth(warn=lambda *_: None).check({**base, "step": 1, "clipfrac": 0.9, "clip_ratio/region": 0.2})[
         "health/clipfrac_high"] == 0.0
