@@ -1636,9 +1636,10 @@ class Trainer:
             metrics[f"samples/skipped_{reason}"] = float(count)
         # counts of every process's samples, not the main process's (the health rules compare them with
         # samples/trained, a global count)
-        metrics.update({key: sum(v) for key, v in values_by_key(self.reward_counts, acc).items()})
+        counts = dict(self.reward_counts)
         if "samples/dropped_groups" in metrics:
-            metrics["samples/dropped_groups"] = sum(values_by_key({"n": metrics["samples/dropped_groups"]}, acc)["n"])
+            counts["samples/dropped_groups"] = metrics["samples/dropped_groups"]
+        metrics.update({key: sum(v) for key, v in values_by_key(counts, acc).items()})  # one gather for all
         metrics.update(mean_over_processes(self.variant_stats, acc))
         if "intermediate" in timer:  # the images trained steps lead to, and their rewards
             metrics["time/intermediate"] = timer["intermediate"]

@@ -915,7 +915,16 @@ def test_small_thumbnails_are_exact_and_captions_name_their_metric(three):
                                                      np.asarray(original.convert("RGB")))]
     assert exact, "no thumbnail equals its 32 px source"
     assert re.search(r"seed \d+ &middot; \w[\w./@:-]* [0-9.]+", page)
-    assert ">None<" not in page  # a run's config_file of null was printed as Python's None
+
+
+def test_an_evaluation_without_a_config_file_reads_n_a(tmp_path):
+    """The trainer's own evaluations record config_file: null, which the Runs table printed as Python's None."""
+    folder = make_eval(tmp_path / "live")
+    summary = json.loads((folder / "summary.json").read_text())
+    summary["config_file"] = None
+    (folder / "summary.json").write_text(json.dumps(summary))
+    page = write_report([folder], tmp_path / "live.html").read_text()
+    assert ">None<" not in page and '<td class="mono">n/a</td>' in page
 
 
 def test_curve_order_puts_headlines_first_and_leaves_a_flat_failed_out():
